@@ -1,0 +1,187 @@
+"""Vision models: torchvision models by name, ``mariana-cnn`` (the two-column network of Krizhevsky et al.
+2012) and ``cifar-fast`` (a small fast CIFAR net for CPU tests) and ``resnet9`` (the same
+layout at width 64: the DAWNBench CIFAR-10 ResNet-9, the fast GPU recipe).
+
+Every model is a plain single-device ``nn.Module``. For model parallelism the framework needs the model as
+an ordered list of blocks: `as_blocks` returns an ``nn.Sequential`` whose children run one after the other
+(``x -> block0 -> block1 -> ... -> logits``). The Mariana models *are* such Sequentials; torchvision
+ResNet/AlexNet/VGG are converted (sharing the same parameter tensors). The pipeline framework chooses the
+split points (balanced by parameter count); nothing here knows about devices or processes.
+
+``mariana-cnn``: AlexNet as published splits every layer's kernels between two GPUs ("columns"); conv2,
+conv4 and conv5 see only the feature maps of their own column, conv3 and the fully connected layers see
+both. A convolution with ``groups=2`` is exactly two such private columns, so the network is written as a
+single-device model with grouped convolutions (same parameter count and connectivity as the paper:
+96-256-384-384-256 kernels, 4096-4096 FC units, local response normalisation, overlapping max-pooling).
+The modern framework then places *stages* (depth) rather than columns (width) on devices, which needs no
+per-layer exchange. The 32 px variant keeps the structure with CIFAR-sized kernels and widths.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from mariana.platform.core.errors import MarianaError
+from torch import nn
+
+MARIANA_MODELS = ("mariana-cnn", "mariana-cnn-32", "cifar-fast", "resnet9")
+
+
+def conv_bn(cin: int, cout: int, pool: bool = False) -> nn.Sequential:
+    layers = [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
+    if pool:
+        layers.insert(1, nn.MaxPool2d(2))  # pool before BN: 4x fewer positions to normalise
+    return nn.Sequential(*layers)
+
+
+class Residual(nn.Module):
+    """``x + f(x)``."""
+
+    def __init__(self, f: nn.Module):
+        super().__init__()
+        self.f = f
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.f(x)
+
+
+def cifar_fast(num_classes: int = 10, width: int = 32) -> nn.Sequential:
+    """A small ResNet-ish net for 32 px images (~0.6 M params at width 32): prep conv, three pooling
+    stages (two with a residual pair), global max-pool, linear. Input float ``[B,3,32,32]``, output
+    logits ``[B, num_classes]``. Trains to > 60 % CIFAR-10 top-1 in a few CPU minutes."""
+    w = width
+    return nn.Sequential(
+        OrderedDict(
+            prep=conv_bn(3, w),
+            layer1=conv_bn(w, 2 * w, pool=True),
+            res1=Residual(nn.Sequential(conv_bn(2 * w, 2 * w), conv_bn(2 * w, 2 * w))),
+            layer2=conv_bn(2 * w, 4 * w, pool=True),
+            layer3=conv_bn(4 * w, 8 * w, pool=True),
+            res3=Residual(nn.Sequential(conv_bn(8 * w, 8 * w), conv_bn(8 * w, 8 * w))),
+            pool=nn.AdaptiveMaxPool2d(1),
+            flatten=nn.Flatten(),
+            fc=nn.Linear(8 * w, num_classes),
+        )
+    )
+
+
+def mariana_cnn(num_classes: int = 1000, dropout: float = 0.5) -> nn.Sequential:
+    """Two-column AlexNet (Krizhevsky et al. 2012) for 224 px input: float ``[B,3,224,224]`` ->
+    logits ``[B, num_classes]``; ~61 M parameters at 1000 classes."""
+    return nn.Sequential(
+        OrderedDict(
+            conv1=nn.Sequential(
+                nn.Conv2d(3, 96, 11, stride=4, padding=2),
+                nn.ReLU(inplace=True),
+                nn.LocalResponseNorm(5, alpha=1e-4, beta=0.75, k=2.0),
+                nn.MaxPool2d(3, 2),
+            ),
+            conv2=nn.Sequential(
+                nn.Conv2d(96, 256, 5, padding=2, groups=2),
+                nn.ReLU(inplace=True),
+                nn.LocalResponseNorm(5, alpha=1e-4, beta=0.75, k=2.0),
+                nn.MaxPool2d(3, 2),
+            ),
+            conv3=nn.Sequential(nn.Conv2d(256, 384, 3, padding=1), nn.ReLU(inplace=True)),
+            conv4=nn.Sequential(nn.Conv2d(384, 384, 3, padding=1, groups=2), nn.ReLU(inplace=True)),
+            conv5=nn.Sequential(
+                nn.Conv2d(384, 256, 3, padding=1, groups=2),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d(3, 2),
+                nn.AdaptiveAvgPool2d(6),
+                nn.Flatten(),
+            ),
+            fc6=nn.Sequential(nn.Dropout(dropout), nn.Linear(256 * 36, 4096), nn.ReLU(inplace=True)),
+            fc7=nn.Sequential(nn.Dropout(dropout), nn.Linear(4096, 4096), nn.ReLU(inplace=True)),
+            fc8=nn.Linear(4096, num_classes),
+        )
+    )
+
+
+def mariana_cnn_32(num_classes: int = 10, dropout: float = 0.5) -> nn.Sequential:
+    """The two-column network at 32 px (CIFAR): the paper's kernel counts (96-256-384-384-256, grouped
+    conv2/4/5, LRN, overlapping pooling) with 5x5/3x3 kernels at stride 1 and 512-512 FC units (the 224 px
+    FC widths would put 60 % of the weights in one layer). Input float ``[B,3,32,32]`` -> logits
+    ``[B, num_classes]``; ~3.8 M parameters, about half in conv1-4 and half in conv5+FC."""
+    lrn = lambda: nn.LocalResponseNorm(5, alpha=1e-4, beta=0.75, k=2.0)  # noqa: E731
+    return nn.Sequential(
+        OrderedDict(
+            conv1=nn.Sequential(
+                nn.Conv2d(3, 96, 5, padding=2), nn.ReLU(inplace=True), lrn(), nn.MaxPool2d(3, 2, 1)
+            ),
+            conv2=nn.Sequential(
+                nn.Conv2d(96, 256, 5, padding=2, groups=2),
+                nn.ReLU(inplace=True),
+                lrn(),
+                nn.MaxPool2d(3, 2, 1),
+            ),
+            conv3=nn.Sequential(nn.Conv2d(256, 384, 3, padding=1), nn.ReLU(inplace=True)),
+            conv4=nn.Sequential(nn.Conv2d(384, 384, 3, padding=1, groups=2), nn.ReLU(inplace=True)),
+            conv5=nn.Sequential(
+                nn.Conv2d(384, 256, 3, padding=1, groups=2),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d(3, 2),
+                nn.Flatten(),
+            ),
+            fc6=nn.Sequential(nn.Dropout(dropout), nn.Linear(256 * 9, 512), nn.ReLU(inplace=True)),
+            fc7=nn.Sequential(nn.Dropout(dropout), nn.Linear(512, 512), nn.ReLU(inplace=True)),
+            fc8=nn.Linear(512, num_classes),
+        )
+    )
+
+
+def build_model(name: str, num_classes: int, image_size: int = 32, dropout: float = 0.5) -> nn.Module:
+    """Model by name: ``cifar-fast``, ``mariana-cnn`` (224 px variant when ``image_size`` >= 128, else the
+    32 px one), ``mariana-cnn-32``, or any torchvision classification model (``resnet18``, ``alexnet``,
+    ...; randomly initialised). Raises MarianaError for an unknown name."""
+    if name == "cifar-fast":
+        return cifar_fast(num_classes, width=16)
+    if name == "resnet9":
+        return cifar_fast(num_classes, width=64)
+    if name == "mariana-cnn":
+        return (
+            mariana_cnn(num_classes, dropout) if image_size >= 128 else mariana_cnn_32(num_classes, dropout)
+        )
+    if name == "mariana-cnn-32":
+        return mariana_cnn_32(num_classes, dropout)
+    import torchvision
+
+    known = torchvision.models.list_models(module=torchvision.models)
+    if name not in known:
+        raise MarianaError(
+            f"unknown model {name!r}: choose one of {', '.join(MARIANA_MODELS)} or a torchvision model "
+            f"({', '.join(sorted(known)[:8])}, ...)"
+        )
+    kwargs = {"num_classes": num_classes, "weights": None}
+    if name.startswith("inception") or name.startswith("googlenet"):
+        kwargs["aux_logits"] = False
+        kwargs["init_weights"] = True
+    return torchvision.models.get_model(name, **kwargs)
+
+
+def as_blocks(model: nn.Module) -> nn.Sequential:
+    """The model as an ordered ``nn.Sequential`` of blocks computing the same function (parameters are
+    shared, not copied). Supports Sequentials, torchvision ResNet/AlexNet/VGG-style models; raises
+    MarianaError for models whose forward is not a simple chain."""
+    if isinstance(model, nn.Sequential):
+        return model
+    import torchvision.models as tvm
+
+    if isinstance(model, tvm.ResNet):
+        names = ["conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool"]
+        blocks = [(n, getattr(model, n)) for n in names]
+        return nn.Sequential(OrderedDict(blocks + [("flatten", nn.Flatten()), ("fc", model.fc)]))
+    if isinstance(model, tvm.AlexNet | tvm.VGG):
+        blocks = [(f"features_{i}", m) for i, m in enumerate(model.features)]
+        blocks += [("avgpool", model.avgpool), ("flatten", nn.Flatten())]
+        blocks += [(f"classifier_{i}", m) for i, m in enumerate(model.classifier)]
+        return nn.Sequential(OrderedDict(blocks))
+    raise MarianaError(
+        f"{type(model).__name__} cannot be split into pipeline stages (its forward is not a chain of blocks); "
+        "use --model-parallel 1 or a model listed in apps/vision/model.py:as_blocks"
+    )
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,368 @@
+"""``mariana vision train``: data parallel (K = 1, the core `Trainer` + DDP) or pipeline model parallel x
+data parallel (K > 1, `mariana.platform.pipeline`), from JPEGs in a tar shard or a folder.
+
+Input path: when the decoded set fits in ``--cache-gb`` (CIFAR-10: 150 MB) every image is decoded once
+(batched ``decode_jpeg``, on the GPU when training there) into one uint8 tensor kept on the training
+device; otherwise DataLoader workers read and decode each step (``--num-workers``) into pinned memory and a
+prefetch thread copies batches ahead with ``non_blocking=True``. Augmentation (random crop + flip) and
+normalisation run on the batch on the training device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.export import export_model
+from mariana.platform.core.rundir import RunDir, setup_logging
+from mariana.platform.dp.sampler import IndexBatchLoader, ShardedBatchSampler
+
+from .configs import VisionConfig
+from .data import (
+    MEAN,
+    STD,
+    DecodedImages,
+    Prefetcher,
+    StreamingImages,
+    augment_batch,
+    collate_stream,
+    decode_all,
+    decode_many,
+    normalize,
+    open_source,
+)
+from .model import as_blocks, build_model, num_params
+
+log = logging.getLogger("mariana")
+
+
+# ------------------------------------------------------------------------------------------------ loaders
+class CachedLoader:
+    """`BatchLoader` over a `DecodedImages` (already on the training device): (uint8 [B,3,S,S], int64 [B])."""
+
+    def __init__(self, data: DecodedImages, sampler: ShardedBatchSampler):
+        self.data, self.sampler = data, sampler
+        self.batches_per_epoch = sampler.batches_per_epoch
+
+    def iterate(self, epoch: int, start: int = 0):
+        for idx in self.sampler.batches(epoch, start):
+            t = torch.as_tensor(idx, device=self.data.images.device)
+            yield self.data.images[t], self.data.labels[t]
+
+
+class StreamLoader:
+    """`BatchLoader` that reads + decodes in DataLoader workers (pinned memory) and prefetches to the
+    device: (uint8 [B',3,S,S] or list of bytes for GPU decoding, int64 [B'], skipped paths)."""
+
+    def __init__(
+        self, ds: StreamingImages, sampler: ShardedBatchSampler, num_workers: int, device: torch.device
+    ):
+        self.inner = IndexBatchLoader(
+            ds, sampler, collate_stream, num_workers, pin_memory=device.type == "cuda"
+        )
+        self.device = device
+        self.batches_per_epoch = sampler.batches_per_epoch
+
+    def iterate(self, epoch: int, start: int = 0):
+        return iter(Prefetcher(self.inner.iterate(epoch, start), self.device, depth=3))
+
+
+class PipelineLoader:
+    """Pipeline batches from a cached set: stage 0 gets images, the last stage labels, all the size."""
+
+    def __init__(self, data: DecodedImages, sampler: ShardedBatchSampler, first: bool, last: bool):
+        self.data, self.sampler, self.first, self.last = data, sampler, first, last
+        self.batches_per_epoch = sampler.batches_per_epoch
+
+    def iterate(self, epoch: int, start: int = 0):
+        for idx in self.sampler.batches(epoch, start):
+            t = torch.as_tensor(idx, device=self.data.images.device)
+            yield (
+                self.data.images[t] if self.first else None,
+                self.data.labels[t] if self.last else None,
+                len(idx),
+            )
+
+
+# ------------------------------------------------------------------------------------------------ pieces
+def topk_correct(logits: torch.Tensor, y: torch.Tensor, k: int = 5) -> tuple[int, int]:
+    """(top-1 correct, top-k correct) counts for logits [B, C] and labels [B]."""
+    k = min(k, logits.shape[1])
+    top = logits.topk(k, dim=1).indices
+    hit = top == y.view(-1, 1)
+    return int(hit[:, 0].sum()), int(hit.any(dim=1).sum())
+
+
+def decode_device(cfg: VisionConfig, device: torch.device) -> torch.device:
+    if cfg.decode == "cuda" or (cfg.decode == "auto" and device.type == "cuda"):
+        if not torch.cuda.is_available():
+            raise MarianaError("--decode cuda needs a CUDA device")
+        return device if device.type == "cuda" else torch.device("cuda")
+    return torch.device("cpu")
+
+
+def load_images(
+    path: str, cfg: VisionConfig, device: torch.device, limit: int, classes=None, progress: bool = False
+) -> DecodedImages:
+    src = open_source(path, classes)
+    data = decode_all(src, cfg.image_size, decode_device(cfg, device), limit=limit, progress=progress)
+    report_skipped(data.bad, str(path))
+    data.images = data.images.to(device)
+    data.labels = data.labels.to(device)
+    return data
+
+
+def report_skipped(bad: list[tuple[str, str]], where: str) -> None:
+    if bad:
+        log.warning(
+            "%s: skipped %d corrupt image(s): %s%s",
+            where,
+            len(bad),
+            ", ".join(p for p, _ in bad[:5]),
+            " ..." if len(bad) > 5 else "",
+        )
+
+
+def make_prepare(cfg: VisionConfig, train: bool):
+    """uint8 batch on the device -> augmented (training) and normalised float batch."""
+
+    def prepare(x: torch.Tensor) -> torch.Tensor:
+        if train and cfg.augment != "none":
+            x = augment_batch(x, pad=cfg.image_size // 8 if cfg.augment == "flip-crop" else 0)
+        return normalize(x, channels_last=cfg.channels_last)
+
+    return prepare
+
+
+def evaluate_cached(
+    model: torch.nn.Module,
+    data: DecodedImages,
+    cfg: VisionConfig,
+    batch_size: int = 500,
+    rank: int = 0,
+    world: int = 1,
+) -> dict[str, float]:
+    """top1/top5 (%) of ``model`` on this rank's shard of ``data``, summed over ranks (all ranks call)."""
+    prepare = make_prepare(cfg, train=False)
+    c1 = c5 = n = 0
+    model.eval()
+    with torch.no_grad():
+        for lo in range(rank * batch_size, len(data), batch_size * world):
+            x = prepare(data.images[lo : lo + batch_size])
+            y = data.labels[lo : lo + batch_size]
+            a, b = topk_correct(model(x).float(), y)
+            c1, c5, n = c1 + a, c5 + b, n + len(y)
+    counts = torch.tensor([c1, c5, n], dtype=torch.float64)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(counts)
+    c1, c5, n = counts.tolist()
+    return {"top1": 100.0 * c1 / max(1, n), "top5": 100.0 * c5 / max(1, n), "images": n}
+
+
+# ------------------------------------------------------------------------------------------------ train
+def train(cfg: VisionConfig) -> dict[str, Any]:
+    from mariana.platform.dp.dist import init_distributed, teardown
+
+    ctx = init_distributed(cfg.device, cfg.timeout)
+    try:
+        return _train(cfg, ctx)
+    finally:
+        teardown(ctx)
+
+
+def _train(cfg: VisionConfig, ctx) -> dict[str, Any]:
+    torch.manual_seed(cfg.seed)
+    run = RunDir(cfg.out)
+    setup_logging(run, ctx.rank)
+    if ctx.is_main:
+        run.save_config(cfg)
+    device = ctx.device
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    k = cfg.model_parallel
+    src = open_source(cfg.data)
+    est_gb = len(src) * 3 * cfg.image_size**2 / 1e9
+    use_cache = cfg.cache == "on" or (cfg.cache == "auto" and est_gb <= cfg.cache_gb)
+    if k > 1 and not use_cache:
+        raise MarianaError(
+            f"--model-parallel {k} reads from the decoded-image cache; the data needs {est_gb:.1f} GB "
+            f"(> --cache-gb {cfg.cache_gb}); raise --cache-gb or use --cache on"
+        )
+    progress = ctx.is_main and cfg.progress
+    classes = src.classes
+    skipped: list[tuple[str, str]] = []
+    if use_cache:
+        data = decode_all(src, cfg.image_size, decode_device(cfg, device), limit=cfg.limit, progress=progress)
+        report_skipped(data.bad, cfg.data)
+        skipped = data.bad
+        data.images, data.labels = data.images.to(device), data.labels.to(device)
+        n_train = len(data)
+    else:
+        n_train = len(src)
+    eval_data = None
+    if cfg.eval_data:
+        eval_data = load_images(cfg.eval_data, cfg, device, cfg.eval_limit, classes)
+    log.info(
+        "data: %d training images (%s), %d classes, %s",
+        n_train,
+        "decoded once" if use_cache else "streamed",
+        len(classes),
+        f"{len(eval_data)} eval images" if eval_data is not None else "no eval data",
+    )
+
+    model = build_model(cfg.model, len(classes), cfg.image_size, cfg.dropout)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    loss_fn = lambda logits, y: F.cross_entropy(logits.float(), y, label_smoothing=cfg.label_smoothing)  # noqa: E731
+
+    if k == 1:
+        final, state = _train_data_parallel(
+            cfg, ctx, run, model, loss_fn, data if use_cache else None, src, eval_data, skipped
+        )
+    else:
+        final, state = _train_pipeline(cfg, ctx, run, model, loss_fn, data, eval_data)
+    final["skipped_images"] = len(skipped)
+    final["params"] = num_params(model)
+    if ctx.is_main:
+        meta = {
+            "app": "vision",
+            "model": cfg.model,
+            "classes": classes,
+            "image_size": cfg.image_size,
+            "mean": list(MEAN),
+            "std": list(STD),
+            "dropout": cfg.dropout,
+            "config": {k_: v for k_, v in vars(cfg).items()},
+            "train_images": n_train,
+        }
+        export_model(run.path, state, meta)
+        if skipped:
+            run.write_final({"skipped": [{"path": p, "reason": r} for p, r in skipped]}, "skipped.json")
+        run.write_final(final)
+        log.info("final %s", json.dumps({k_: v for k_, v in final.items() if not isinstance(v, list)}))
+    return final
+
+
+def _train_data_parallel(cfg, ctx, run, model, loss_fn, data, src, eval_data, skipped):
+    from mariana.platform.core.loop import Trainer, unwrap
+    from mariana.platform.dp.ddp import apply_data_parallel
+
+    sampler = ShardedBatchSampler(
+        data.__len__() if data is not None else len(src), cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed
+    )
+    if data is not None:
+        loader = CachedLoader(data, sampler)
+    else:
+        on_gpu_decode = decode_device(cfg, ctx.device).type == "cuda"
+        ds = StreamingImages(src, cfg.image_size, decode=not on_gpu_decode)
+        loader = StreamLoader(ds, sampler, cfg.num_workers, ctx.device)
+    wrapped = apply_data_parallel(model, ctx, None, cfg.grad_comm)
+    if cfg.compile:
+        wrapped = torch.compile(wrapped)
+    prepare = make_prepare(cfg, train=True)
+
+    def step_fn(m, batch):
+        if len(batch) == 3:  # streamed: (images or encoded bytes, labels, skipped paths)
+            x, y, bad = batch
+            if isinstance(x, list):  # GPU decoding of the raw bytes, batched
+                x, fails = decode_many(x, cfg.image_size, ctx.device)
+                if fails:
+                    keep = torch.ones(len(y), dtype=torch.bool)
+                    keep[fails] = False
+                    y = y[keep.to(y.device)]
+                    bad = list(bad) + [f"batch item {i}" for i in fails]
+            if bad:
+                skipped.extend((p, "not a decodable image") for p in bad)
+                log.warning("skipped %d corrupt image(s): %s", len(bad), ", ".join(bad[:3]))
+        else:
+            x, y = batch
+        logits = m(prepare(x))
+        return loss_fn(logits, y), len(y)
+
+    eval_fn = None
+    if eval_data is not None:
+        eval_fn = lambda m: evaluate_cached(m, eval_data, cfg, rank=ctx.rank, world=ctx.world_size)  # noqa: E731
+    trainer = Trainer(cfg, wrapped, None, None, loader, step_fn, ctx, run, eval_fn)
+    final = trainer.fit()
+    return final, unwrap(wrapped).state_dict()
+
+
+def _train_pipeline(cfg, ctx, run, model, loss_fn, data, eval_data):
+    from mariana.platform.core.loop import autocast_for
+    from mariana.platform.dp.dist import ParallelDims
+    from mariana.platform.pipeline import parallelize_pipeline
+    from mariana.platform.pipeline.trainer import PipelineTrainer
+
+    k = cfg.model_parallel
+    if not ctx.distributed:
+        raise MarianaError(f"--model-parallel {k} needs --workers >= {k} (one process per stage)")
+    mesh = ParallelDims(world_size=ctx.world_size, mp=k).build_mesh(ctx.device.type)
+    blocks = as_blocks(model)
+    balance: Any = cfg.stage_balance
+    sample = None
+    if balance == "time":
+        sample = make_prepare(cfg, train=False)(data.images[: cfg.batch_size // cfg.micro_batches])
+    elif balance != "params":
+        balance = [int(b) for b in balance.split(",")]
+    pp = parallelize_pipeline(
+        blocks,
+        mesh,
+        ctx.device,
+        loss_fn,
+        cfg.micro_batches,
+        balance,
+        sample,
+        cfg.grad_comm,
+        autocast=lambda: autocast_for(cfg, ctx.device),
+    )
+    log.info(
+        "pipeline: stage %d/%d blocks %s (%d params), gradient group ranks %s",
+        pp.stage_index,
+        k,
+        list(pp.stage._modules),
+        sum(p.numel() for p in pp.stage.parameters()),
+        pp.dp_ranks,
+    )
+    sampler = ShardedBatchSampler(len(data), cfg.batch_size, pp.dp_index, pp.dp_size, cfg.seed)
+    loader = PipelineLoader(data, sampler, pp.is_first, pp.is_last)
+    prepare = make_prepare(cfg, train=True)
+
+    def eval_fn(p) -> dict[str, float]:
+        import torch.distributed as dist
+
+        ev = make_prepare(cfg, train=False)
+        bs = max(cfg.micro_batches, 250)
+        c1 = c5 = n = 0
+        for lo in range(p.dp_index * bs, len(eval_data), bs * p.dp_size):
+            x = eval_data.images[lo : lo + bs]
+            y = eval_data.labels[lo : lo + bs]
+            m = min(cfg.micro_batches, len(y))
+            logits = p.schedule.forward(ev(x) if p.is_first else None, len(y)) if len(y) >= m else None
+            if p.is_last and logits is not None:
+                a, b = topk_correct(logits, y)
+                c1, c5, n = c1 + a, c5 + b, n + len(y)
+        counts = torch.tensor([c1, c5, n], dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(counts)
+        c1, c5, n = counts.tolist()
+        return {"top1": 100.0 * c1 / max(1, n), "top5": 100.0 * c5 / max(1, n), "images": n}
+
+    trainer = PipelineTrainer(cfg, pp, loader, ctx, run, eval_fn if eval_data is not None else None, prepare)
+    final = trainer.fit()
+    state = {}
+    if ctx.is_main:
+        merged = trainer.merged_state_dict()
+        fresh = build_model(cfg.model, len(data.classes), cfg.image_size, cfg.dropout)
+        as_blocks(fresh).load_state_dict(merged)
+        state = fresh.state_dict()
+    if not math.isfinite(final.get("train_loss", 0.0)):
+        log.warning("training loss is not finite")
+    return final, state

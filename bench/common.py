@@ -1,0 +1,47 @@
+"""Shared bits of the benchmarks: machine/version record and result writing."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform as _platform  # noqa: I001  (the standard library module, not mariana.platform)
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    info = {
+        "host": _platform.node(),
+        "cpu_count": os.cpu_count(),
+        "processor": _platform.processor() or _platform.machine(),
+        "python": _platform.python_version(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import torchvision
+
+        info["torchvision"] = torchvision.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def write_result(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tag = "gpu" if torch.cuda.is_available() else "cpu"
+    path = RESULTS / f"{name}-{tag}.json"
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
+    return path
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
+    line = lambda vals: "  ".join(str(v).rjust(w) for v, w in zip(vals, widths))  # noqa: E731
+    return "\n".join([line(cols), line(["-" * w for w in widths]), *(line([r.get(c, "") for c in cols]) for r in rows)])

@@ -1,0 +1,276 @@
+"""Vision input-pipeline throughput: end-to-end from JPEG vs the same model on synthetic GPU tensors.
+
+For each case (model, image size) in the same run:
+- ``synthetic``: training steps on uint8 batches already in device memory (augment + normalise + fwd/bwd
+  + optimizer step): the compute ceiling;
+- ``jpeg``: the same steps fed from JPEG bytes: the tar shard is indexed, bytes are read by offset in
+  DataLoader workers and decoded per step (GPU: batched nvJPEG ``decode_jpeg(device='cuda')``; CPU:
+  ``decode_image`` in the workers), with pinned memory, non-blocking copies and a prefetch thread;
+  the ratio ``jpeg / synthetic`` is the goal (>= 0.8).
+Cases: the CIFAR-10 tar at 32 px, and 224 px JPEGs made by upscaling and re-encoding CIFAR images
+(written once to a temporary tar). Also (CPU, optional) the pipelined vs unpipelined step time of a
+2-stage model-parallel job and its memory ratio, via the real CLI.
+
+    .venv/bin/python bench/vision_throughput.py                 # GPU when available, else a small CPU run
+    .venv/bin/python bench/vision_throughput.py --pipeline      # + K=2 pipelined/unpipelined on CPU
+
+Writes ``bench/results/vision_throughput.json`` and prints a summary line last.
+
+GPU time-to-94 % recipe (the ``gpu94`` preset, ResNet-9, bf16 autocast, channels-last, torch.compile)::
+
+    mariana vision train --preset gpu94 --data ../shared/data/cifar10/train.tar \
+        --eval-data ../shared/data/cifar10/test-dev.tar --out runs/gpu94 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(os.environ.get("MARIANA_DATA", ROOT.parent / "shared" / "data"))
+
+
+def make_224_tar(src_tar: Path, out: Path, n: int) -> Path:
+    """Upscale the first ``n`` CIFAR images to 224 px (bilinear) and re-encode as JPEG (quality 90)."""
+    from torchvision.io import decode_jpeg, encode_jpeg
+    from torchvision.transforms.v2 import functional as TF
+
+    with tarfile.open(src_tar) as src, tarfile.open(out, "w") as dst:
+        k = 0
+        for m in src:
+            if not m.isfile() or k >= n:
+                continue
+            img = decode_jpeg(torch.frombuffer(bytearray(src.extractfile(m).read()), dtype=torch.uint8))
+            big = TF.resize(img, [224, 224], antialias=True)
+            data = encode_jpeg(big, quality=90).numpy().tobytes()
+            info = tarfile.TarInfo(m.name)
+            info.size = len(data)
+            dst.addfile(info, io.BytesIO(data))
+            k += 1
+    return out
+
+
+def build(name: str, size: int, device, channels_last: bool, compile_: bool):
+    from mariana.apps.vision.model import build_model
+
+    model = build_model(name, 10, size, dropout=0.0).to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    fwd = torch.compile(model) if compile_ else model
+    return fwd, opt
+
+
+def train_steps(fwd, opt, batches, device, amp: bool, channels_last: bool, pad: int) -> tuple[int, float]:
+    """Run one training step per batch from the iterator; returns (images, seconds)."""
+    from mariana.apps.vision.data import augment_batch, normalize
+
+    n, t0, first = 0, None, True
+    ctx = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if amp
+        else torch.autocast(device.type, enabled=False)
+    )
+    for x, y in batches:
+        x = normalize(augment_batch(x, pad=pad), channels_last)
+        with ctx:
+            loss = F.cross_entropy(fwd(x).float(), y.to(device, non_blocking=True))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if first:  # exclude warm-up (cudnn autotune, compile) from the timing
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0, first = time.perf_counter(), False
+            continue
+        n += y.shape[0]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return n, time.perf_counter() - (t0 or time.perf_counter())
+
+
+def jpeg_batches(tar: Path, size: int, batch: int, steps: int, device, workers: int):
+    """Batches from the tar: (uint8 [B,3,S,S] on device | list of bytes for GPU decode, labels)."""
+    from mariana.apps.vision.data import Prefetcher, StreamingImages, TarSource, collate_stream
+
+    src = TarSource(tar)
+    gpu = device.type == "cuda"
+    ds = StreamingImages(src, size, decode=not gpu)
+    g = torch.Generator().manual_seed(0)
+    order = torch.randperm(len(src), generator=g).tolist()
+    idx = [order[(i * batch) % len(order) :][:batch] for i in range(steps)]
+    idx = [b for b in idx if len(b) == batch]
+    loader = torch.utils.data.DataLoader(
+        ds,
+        batch_sampler=idx,
+        collate_fn=collate_stream,
+        num_workers=workers,
+        pin_memory=gpu,
+        prefetch_factor=4 if workers else None,
+        persistent_workers=False,
+    )
+
+    def gen():
+        for x, y, _bad in Prefetcher(iter(loader), device, depth=4):
+            if isinstance(x, list):
+                from mariana.apps.vision.data import decode_many
+
+                x, fails = decode_many(x, size, device)
+                if fails:
+                    keep = torch.ones(len(y), dtype=torch.bool)
+                    keep[fails] = False
+                    y = y[keep]
+            yield x, y
+
+    return gen()
+
+
+def synthetic_batches(size: int, batch: int, steps: int, device):
+    x = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    for _ in range(steps):
+        yield x, y
+
+
+def run_case(name, size, tar, batch, steps, device, workers, amp, channels_last, compile_):
+    res = {"model": name, "image_size": size, "batch": batch, "steps": steps}
+    pad = size // 8
+    fwd, opt = build(name, size, device, channels_last, compile_)
+    n, s = train_steps(
+        fwd, opt, synthetic_batches(size, batch, steps, device), device, amp, channels_last, pad
+    )
+    res["synthetic_img_s"] = n / s
+    n, s = train_steps(
+        fwd, opt, jpeg_batches(tar, size, batch, steps, device, workers), device, amp, channels_last, pad
+    )
+    res["jpeg_img_s"] = n / s
+    res["ratio"] = res["jpeg_img_s"] / res["synthetic_img_s"]
+    print(json.dumps(res), file=sys.stderr, flush=True)
+    return res
+
+
+def pipeline_bench(out_dir: Path) -> dict:
+    """CPU, 2 processes: K=2 mariana-cnn-32 with 4 micro-batches (pipelined) vs 1 (unpipelined)."""
+    res = {}
+    for m in (1, 4):
+        run = out_dir / f"pp-m{m}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "mariana.platform.cli",
+            "vision",
+            "train",
+            "--data",
+            str(DATA / "cifar10" / "train.tar"),
+            "--out",
+            str(run),
+            "--model",
+            "mariana-cnn-32",
+            "--limit",
+            "1024",
+            "--workers",
+            "2",
+            "--model-parallel",
+            "2",
+            "--batch-size",
+            "32",
+            "--micro-batches",
+            str(m),
+            "--max-steps",
+            "8",
+            "--no-progress",
+            "--device",
+            "cpu",
+            "--optimizer",
+            "adam",
+            "--augment",
+            "none",
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
+        res[f"step_time_s_m{m}"] = json.loads((run / "metrics.json").read_text())["step_time_s"]
+        reps = [json.loads(p.read_text()) for p in sorted((run / "logs").glob("pipeline-rank-*.json"))]
+        tot = sum(r["param_bytes"] + r["optimizer_state_bytes"] for r in reps)
+        res["memory_ratio_max_rank"] = max(
+            (r["param_bytes"] + r["optimizer_state_bytes"]) / tot for r in reps
+        )
+    res["pipelined_speedup"] = res["step_time_s_m1"] / res["step_time_s_m4"]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default=str(DATA / "cifar10" / "train.tar"), help="CIFAR-10 train tar")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="compute device")
+    ap.add_argument("--steps", type=int, default=0, help="steps per measurement (0: 60 on GPU, 6 on CPU)")
+    ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="DataLoader workers")
+    ap.add_argument("--models", default="", help="comma list of model@size (default: resnet9@32,alexnet@224)")
+    ap.add_argument(
+        "--pipeline", action="store_true", help="also measure K=2 pipelined vs unpipelined on CPU"
+    )
+    ap.add_argument("--compile", action="store_true", help="torch.compile the models (GPU)")
+    args = ap.parse_args()
+    dev = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
+    gpu = dev.type == "cuda"
+    if gpu:
+        torch.backends.cudnn.benchmark = True
+    steps = args.steps or (60 if gpu else 6)
+    cases = args.models or (
+        "resnet9@32,alexnet@224,mariana-cnn@224" if gpu else "cifar-fast@32,mariana-cnn@224"
+    )
+    results = {
+        "device": torch.cuda.get_device_name(0) if gpu else "cpu",
+        "torch": torch.__version__,
+        "cases": [],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        tar224 = None
+        for spec in cases.split(","):
+            name, size = spec.split("@")
+            size = int(size)
+            batch = (512 if size <= 64 else 256) if gpu else (64 if size <= 64 else 8)
+            if size > 32:
+                if tar224 is None:
+                    tar224 = make_224_tar(
+                        Path(args.data), Path(tmp) / "cifar224.tar", max(2000, batch * (steps + 2))
+                    )
+                tar = tar224
+            else:
+                tar = Path(args.data)
+            results["cases"].append(
+                run_case(name, size, tar, batch, steps, dev, args.workers, gpu, True, args.compile)
+            )
+        if args.pipeline:
+            results["pipeline_cpu"] = pipeline_bench(Path(tmp))
+    out = ROOT / "bench" / "results" / "vision_throughput.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    summary = ", ".join(
+        f"{c['model']}@{c['image_size']}: jpeg {c['jpeg_img_s']:.0f} img/s = {100 * c['ratio']:.0f}% "
+        f"of synthetic {c['synthetic_img_s']:.0f}"
+        for c in results["cases"]
+    )
+    if "pipeline_cpu" in results:
+        p = results["pipeline_cpu"]
+        summary += f"; K=2 pipelined speed-up {p['pipelined_speedup']:.2f}x, memory {100 * p['memory_ratio_max_rank']:.0f}%"
+    print(summary)
+
+
+if __name__ == "__main__":
+    main()

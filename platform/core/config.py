@@ -1,0 +1,257 @@
+"""Typed job configs: dataclasses, TOML files and CLI flags.
+
+Every job has one flat dataclass (apps inherit `TrainConfig` and add their own fields). A resolved config
+comes from four layers, later ones winning::
+
+    dataclass defaults  <  --preset NAME  <  --config FILE.toml  <  explicit CLI flags
+
+Values from TOML and flags are type-checked against the dataclass annotations; a mismatch raises
+`MarianaError` naming the file and field. The resolved config is saved as ``RUN/config.toml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .errors import MarianaError
+
+C = TypeVar("C")
+
+
+def opt(default: Any, help: str, choices: typing.Sequence[Any] | None = None, cli: bool = True):
+    """A config field with a help string (shown by ``--help``) and optional allowed values."""
+    meta = {"help": help, "choices": tuple(choices) if choices else None, "cli": cli}
+    if isinstance(default, list | dict):
+        return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclass
+class TrainConfig:
+    """Fields every training job shares. Apps subclass this and add their own (flat) fields."""
+
+    data: str = opt("", "training data path (file or folder; see the app's docs for the layout)")
+    out: str = opt("runs/run", "run directory to create (config.toml, checkpoints/, metrics.jsonl, ...)")
+    config: str = opt("", "TOML file with config values (flags given on the command line override it)")
+    preset: str = opt("", "named preset of defaults (e.g. debug, small); see the app's configs.py")
+    device: str = opt("auto", "compute device: auto picks cuda when available", ["auto", "cpu", "cuda"])
+    workers: int = opt(1, "data-parallel worker processes on this node (launched through torchrun)")
+    nnodes: int = opt(1, "number of nodes (multi-node runs rendezvous at --rdzv-endpoint)")
+    rdzv_endpoint: str = opt("", "host:port of the c10d rendezvous for multi-node runs")
+    rdzv_id: str = opt("mariana", "rendezvous id shared by all nodes of one job")
+    max_restarts: int = opt(0, "torchrun restarts of failed workers; they resume from the last checkpoint")
+    timeout: float = opt(300.0, "collective timeout in seconds: a rank that stalls longer fails the job")
+    grad_comm: str = opt("fp32", "gradient all-reduce precision (bf16/fp16 halve the bytes)", ["fp32", "bf16", "fp16"])
+    epochs: int = opt(1, "passes over the training data (ignored when --max-steps > 0)")
+    max_steps: int = opt(0, "optimizer steps to run; 0 means --epochs full passes")
+    batch_size: int = opt(64, "samples per worker per micro-step (global batch = workers x this x grad-accum)")
+    lr: float = opt(1e-3, "peak learning rate")
+    weight_decay: float = opt(0.0, "decoupled weight decay")
+    optimizer: str = opt("adamw", "optimizer", ["sgd", "adam", "adamw"])
+    momentum: float = opt(0.9, "SGD momentum")
+    schedule: str = opt("constant", "learning-rate schedule after warm-up", ["constant", "cosine", "linear"])
+    warmup_steps: int = opt(0, "linear warm-up steps")
+    clip_grad: float = opt(0.0, "clip the global gradient norm to this value; 0 disables")
+    grad_accum: int = opt(1, "micro-steps accumulated per optimizer step")
+    log_every: int = opt(10, "optimizer steps between metrics.jsonl records")
+    eval_every: int = opt(0, "optimizer steps between evaluations; 0 evaluates only at the end")
+    ckpt_every: int = opt(0, "optimizer steps between checkpoints; 0 checkpoints only at the end")
+    seed: int = opt(0, "random seed (model init, shuffling, augmentation)")
+    resume: bool = opt(False, "continue from the last checkpoint in --out")
+    amp: str = opt("auto", "mixed precision: auto = bf16 autocast on GPU, off on CPU", ["auto", "bf16", "off"])
+    num_workers: int = opt(0, "data-loader worker processes per training process")
+    progress: bool = opt(True, "show a progress bar on rank 0")
+
+    def validate(self) -> None:
+        """Cross-field checks; raise MarianaError. Subclasses extend (call super().validate())."""
+        for name in ("workers", "nnodes", "epochs", "batch_size", "grad_accum", "log_every"):
+            if getattr(self, name) < 1:
+                raise MarianaError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "eval_every", "ckpt_every", "max_restarts", "num_workers", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise MarianaError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.timeout <= 0:
+            raise MarianaError(f"--timeout must be > 0 seconds, got {self.timeout}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise MarianaError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _base_type(tp: Any) -> tuple[Any, bool]:
+    """(inner type, optional?) for ``X`` or ``X | None``."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _type_name(tp: Any) -> str:
+    inner, optional = _base_type(tp)
+    name = getattr(inner, "__name__", str(inner))
+    if typing.get_origin(inner) is list:
+        name = f"list of {_type_name(typing.get_args(inner)[0])}"
+    return f"{name} or none" if optional else name
+
+
+def coerce(tp: Any, value: Any, where: str) -> Any:
+    """Check/convert a TOML or JSON value to the annotated type; MarianaError naming ``where`` if wrong."""
+    inner, optional = _base_type(tp)
+    if value is None:
+        if optional:
+            return None
+        raise MarianaError(f"{where}: expected {_type_name(tp)}, got nothing")
+    ok = False
+    if inner is bool:
+        ok = isinstance(value, bool)
+    elif inner is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif inner is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif inner is str:
+        ok = isinstance(value, str)
+    elif typing.get_origin(inner) is list:
+        if isinstance(value, list):
+            (elem,) = typing.get_args(inner)
+            return [coerce(elem, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    else:  # pragma: no cover - a config author used an unsupported annotation
+        raise TypeError(f"unsupported config type {tp!r} at {where}")
+    if not ok:
+        raise MarianaError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _parse_flag(tp: Any, flag: str):
+    """An argparse ``type=`` callable for a field type, with a clear message on failure."""
+    inner, optional = _base_type(tp)
+
+    def parse(text: str):
+        if optional and text.lower() in ("none", "null", ""):
+            return None
+        try:
+            if typing.get_origin(inner) is list:
+                (elem,) = typing.get_args(inner)
+                return [elem(t) for t in text.split(",") if t != ""]
+            return inner(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {_type_name(tp)}, got {text!r}") from None
+
+    parse.__name__ = _type_name(tp)
+    return parse
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one ``--kebab-case`` flag per dataclass field (bools get ``--x/--no-x``).
+
+    Defaults are suppressed so that only flags the user typed reach `resolve_config` (they must win over
+    the preset and the TOML file, and an untyped flag must not)."""
+    hints = _hints(cls)
+    for f in fields(cls):
+        if not f.metadata.get("cli", True):
+            continue
+        tp = hints[f.name]
+        help_ = f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        help_ = f"{help_} (default: {default!r})" if default not in ("", None) else help_
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_}
+        if _base_type(tp)[0] is bool:
+            parser.add_argument(f"--{_flag(f.name)}", action=argparse.BooleanOptionalAction, **kwargs)
+            continue
+        if f.metadata.get("choices"):
+            kwargs["choices"] = f.metadata["choices"]
+        parser.add_argument(f"--{_flag(f.name)}", type=_parse_flag(tp, f.name), metavar=f.name.upper(), **kwargs)
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise MarianaError(f"config file {path} does not exist")
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as e:
+        raise MarianaError(f"{path}: not valid TOML: {e}") from None
+
+
+def apply_values(cfg: C, values: dict[str, Any], source: str) -> C:
+    """Return a copy of ``cfg`` with ``values`` applied (type-checked; unknown keys rejected)."""
+    hints = _hints(type(cfg))
+    known = {f.name for f in fields(cfg)}  # type: ignore[arg-type]
+    updates = {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise MarianaError(f"{source}: unknown field {key!r} (known fields: {', '.join(sorted(known))})")
+        updates[name] = coerce(hints[name], value, f"{source}: field {key!r}")
+    return dataclasses.replace(cfg, **updates)  # type: ignore[type-var]
+
+
+def resolve_config(cls: type[C], args: argparse.Namespace, presets: dict[str, C] | None = None) -> C:
+    """Build the config: defaults < --preset < --config TOML < flags the user typed. Validates it."""
+    presets = presets or {}
+    given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}  # type: ignore[arg-type]
+    cfg = cls()
+    toml_path = given.get("config") or ""
+    toml_values = load_toml(toml_path) if toml_path else {}
+    preset = given.get("preset") or toml_values.get("preset") or ""
+    if preset:
+        if preset not in presets:
+            raise MarianaError(f"unknown preset {preset!r}; choose from: {', '.join(sorted(presets)) or 'none'}")
+        cfg = dataclasses.replace(presets[preset])  # type: ignore[type-var]
+    if toml_values:
+        cfg = apply_values(cfg, toml_values, str(toml_path))
+    cfg = dataclasses.replace(cfg, **given)  # type: ignore[type-var]
+    if hasattr(cfg, "validate"):
+        cfg.validate()  # type: ignore[attr-defined]
+    return cfg
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def to_toml(values: dict[str, Any]) -> str:
+    """Flat dict -> TOML text (None values are omitted: TOML has no null)."""
+    return "".join(f"{k} = {_toml_value(v)}\n" for k, v in values.items() if v is not None)
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    from .atomic import atomic_write_text
+
+    atomic_write_text(path, to_toml(dataclasses.asdict(cfg)))
+
+
+def load_config(cls: type[C], path: str | Path) -> C:
+    """Read a config saved by `save_config` (e.g. ``RUN/config.toml``) back into ``cls``."""
+    return apply_values(cls(), load_toml(path), str(path))

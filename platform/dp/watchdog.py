@@ -1,0 +1,145 @@
+"""Hang detection for distributed jobs.
+
+Every rank runs a daemon thread that publishes a heartbeat ``(step, phase, time)`` to the job's TCPStore
+about once a second. The training loop reports progress with `Watchdog.beat` (cheap: attribute writes).
+When a rank sees no progress of its own for ``timeout_s`` it reads every rank's heartbeat, names the
+rank(s) furthest behind (the one that stopped participating; the others sit waiting in a collective),
+prints the report and this process's Python stacks (faulthandler, all threads), writes
+``RUN/logs/stall-rank-R.json`` and exits with `EXIT_STALL`. torchrun then stops the other ranks; they
+print their stacks on SIGTERM (faulthandler is registered for it) so every rank's stack is in the log.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+EXIT_STALL = 75
+# Order of phases inside one optimizer step: a rank in an earlier phase than the others is the one behind.
+PHASES = {"init": 0, "data": 1, "compute": 2, "comm": 3, "optim": 4}
+
+
+def _connect_store(timeout_s: float):
+    """A separate client connection to the job's TCPStore (the watchdog thread must not share the
+    process group's connection with the main thread)."""
+    import torch.distributed as dist
+
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=max(5.0, timeout_s)))
+    except Exception:  # the report degrades to this rank's view only
+        return None
+
+
+class Watchdog:
+    def __init__(self, rank: int, world_size: int, timeout_s: float):
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.step, self.phase = 0, "init"
+        self.last_progress = time.monotonic()
+        self.armed = False  # armed by the first beat, so slow start-up (imports, data loading) is not a hang
+        self.report_dir: Path | None = None
+        self.attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._store = _connect_store(timeout_s)
+        self._stop = threading.Event()
+        # On SIGTERM (torchrun stopping the job after another rank failed) print our stacks, then die.
+        faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=True)
+        self._thread = threading.Thread(target=self._run, name="mariana-watchdog", daemon=True)
+        self._thread.start()
+
+    # --- called from the training loop -------------------------------------------------------------
+    def beat(self, step: int, phase: str = "data") -> None:
+        self.step, self.phase = step, phase
+        self.last_progress = time.monotonic()
+        self.armed = True
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+        self.last_progress = time.monotonic()
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # --- the thread ------------------------------------------------------------------------------------
+    def _key(self, rank: int) -> str:
+        return f"mariana/hb/{self.attempt}/{rank}"
+
+    def _publish(self) -> None:
+        if self._store is None:
+            return
+        age = time.monotonic() - self.last_progress
+        value = json.dumps({"step": self.step, "phase": self.phase, "idle_s": round(age, 1), "t": time.time()})
+        try:
+            self._store.set(self._key(self.rank), value)
+        except Exception:
+            self._store = None
+
+    def _heartbeats(self) -> dict[int, dict]:
+        beats: dict[int, dict] = {}
+        if self._store is None:
+            return beats
+        for r in range(self.world_size):
+            try:
+                if self._store.check([self._key(r)]):
+                    beats[r] = json.loads(self._store.get(self._key(r)))
+            except Exception:
+                pass
+        return beats
+
+    def _run(self) -> None:
+        period = min(1.0, self.timeout_s / 10)
+        while not self._stop.wait(period):
+            self._publish()
+            if self.armed and time.monotonic() - self.last_progress > self.timeout_s:
+                self._fire()
+
+    def _fire(self) -> None:
+        beats = self._heartbeats()
+        beats[self.rank] = {"step": self.step, "phase": self.phase, "t": time.time()}
+        now = time.time()
+        order = {r: (b["step"], PHASES.get(b["phase"], 0)) for r, b in beats.items()}
+        behind = min(order.values())
+        stalled = sorted(r for r, o in order.items() if o == behind)
+        if len(stalled) == len(order) and len(order) > 1:
+            stalled = []  # everyone at the same point: no single rank behind
+        missing = sorted(set(range(self.world_size)) - set(beats))
+        lines = [
+            f"[mariana watchdog] rank {self.rank}: no progress for {self.timeout_s:.0f}s "
+            f"(--timeout) at step {self.step}, phase {self.phase!r}.",
+            *(
+                f"[mariana watchdog]   rank {r}: step {b['step']} phase {b['phase']!r}, "
+                f"heartbeat {now - b['t']:.1f}s ago"
+                for r, b in sorted(beats.items())
+            ),
+        ]
+        if missing:
+            lines.append(f"[mariana watchdog]   no heartbeat from rank(s) {missing}")
+        culprits = sorted(set(stalled) | set(missing))
+        lines.append(
+            f"[mariana watchdog] stalled rank(s): {culprits}"
+            if culprits
+            else "[mariana watchdog] all ranks stopped at the same point (a shared resource or a collective hangs)"
+        )
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        print(f"[mariana watchdog] Python stacks of rank {self.rank}:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if self.report_dir is not None:
+            try:
+                report = {"rank": self.rank, "step": self.step, "phase": self.phase, "stalled_ranks": culprits,
+                          "heartbeats": beats, "timeout_s": self.timeout_s}
+                (self.report_dir / f"stall-rank-{self.rank}.json").write_text(json.dumps(report, indent=2))
+            except OSError:
+                pass
+        sys.stderr.flush()
+        os._exit(EXIT_STALL)

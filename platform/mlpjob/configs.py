@@ -1,0 +1,31 @@
+"""Config of the MLP smoke-test job (``mariana mlp train``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.config import TrainConfig, opt
+from ..core.errors import MarianaError
+
+
+@dataclass
+class MlpConfig(TrainConfig):
+    buckets: int = opt(1 << 14, "hash buckets for feature ids (id mod buckets)")
+    embed_dim: int = opt(16, "embedding width per feature id")
+    hidden: int = opt(64, "hidden width of the MLP")
+    layers: int = opt(2, "hidden layers")
+    val_fraction: float = opt(0.1, "last fraction of the rows (by order) held out for validation")
+    limit: int = opt(0, "use only the first N rows (0 = all)")
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0 < self.val_fraction < 1:
+            raise MarianaError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        if self.buckets < 2 or self.embed_dim < 1 or self.hidden < 1 or self.layers < 0:
+            raise MarianaError("--buckets >= 2, --embed-dim >= 1, --hidden >= 1 and --layers >= 0 are required")
+
+
+PRESETS = {
+    "debug": MlpConfig(buckets=1 << 12, embed_dim=8, hidden=16, layers=1, batch_size=32, limit=4000, log_every=5),
+    "small": MlpConfig(),
+}

@@ -1,0 +1,157 @@
+"""`parallelize_pipeline`: model parallel (pipeline stages) x data parallel over a 2-D DeviceMesh.
+
+Mesh ``(dp=G, mp=K)`` named ``("dp", "mp")`` (`mariana.platform.dp.dist.ParallelDims.build_mesh`): global
+rank ``r = g*K + s`` holds stage ``s`` of group ``g``. Activations and their gradients cross stage
+boundaries along ``mp`` (point-to-point, `schedule.GPipeSchedule`); after the backward pass each rank
+all-reduces its stage's gradients over its ``dp`` group only, i.e. among the G ranks that hold the same
+stage (one flat buffer per step, optionally sent in bf16/fp16).
+
+The model stays a plain single-device module: the caller passes it as an ``nn.Sequential`` of blocks (or
+a list of K stage modules) and gets back a `PipelineParallel` holding this rank's stage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from mariana.platform.core.errors import MarianaError
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .schedule import GPipeSchedule
+from .stages import split_blocks
+
+_WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class PipelineParallel:
+    """This rank's pipeline stage plus the step runner.
+
+    Attributes: ``stage`` (nn.Module on ``device``), ``stage_index``, ``n_stages``, ``dp_index``, ``dp_size``,
+    ``dp_ranks`` (global ranks that hold the same stage and share its gradients), ``mp_ranks`` (the
+    global ranks of this rank's pipeline, stage order), ``comm_seconds``/``comm_bytes`` (gradient
+    all-reduce cost since the last `take_comm`)."""
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        stage_index: int,
+        n_stages: int,
+        mesh,
+        device: torch.device,
+        n_microbatches: int,
+        loss_fn: Callable,
+        grad_comm: str = "fp32",
+        autocast=None,
+    ):
+        self.stage, self.stage_index, self.n_stages = stage, stage_index, n_stages
+        self.mesh, self.device = mesh, device
+        self.grad_comm = grad_comm
+        if mesh is not None:
+            self.dp_group = mesh.get_group("dp")
+            self.mp_group = mesh.get_group("mp")
+            self.dp_ranks = dist.get_process_group_ranks(self.dp_group)
+            self.mp_ranks = dist.get_process_group_ranks(self.mp_group)
+            self.dp_index = self.dp_ranks.index(dist.get_rank())
+        else:
+            self.dp_group = self.mp_group = None
+            self.dp_ranks, self.mp_ranks, self.dp_index = [0], [0], 0
+        self.dp_size = len(self.dp_ranks)
+        prev = self.mp_ranks[stage_index - 1] if stage_index > 0 else None
+        nxt = self.mp_ranks[stage_index + 1] if stage_index < n_stages - 1 else None
+        self.schedule = GPipeSchedule(
+            stage, stage_index, n_stages, prev, nxt, n_microbatches, loss_fn, device, autocast
+        )
+        self.comm_seconds, self.comm_bytes = 0.0, 0
+        if self.dp_size > 1:  # identical replicas: like DDP, start every group from dp rank 0's weights
+            for t in [*stage.parameters(), *stage.buffers()]:
+                dist.broadcast(t.data, self.dp_ranks[0], group=self.dp_group)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.n_stages - 1
+
+    def parameters(self):
+        return self.stage.parameters()
+
+    def train(self, mode: bool = True):
+        self.stage.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def train_step(self, inputs, targets, batch_size: int) -> torch.Tensor | None:
+        """Pipelined forward/backward of one batch (``inputs`` needed on the first stage, ``targets`` on
+        the last; ``batch_size`` on all), then the gradient all-reduce over ``dp``. Returns the mean loss
+        on the last stage, None elsewhere. The caller steps its optimizer afterwards."""
+        loss = self.schedule.train_step(inputs, targets, batch_size)
+        self.sync_gradients()
+        return loss
+
+    def forward(self, inputs, batch_size: int) -> torch.Tensor | None:
+        """Pipelined inference; logits on the last stage, None elsewhere."""
+        return self.schedule.forward(inputs, batch_size)
+
+    def sync_gradients(self) -> None:
+        """Average the stage's gradients over the ``dp`` group (the ranks holding the same stage)."""
+        if self.dp_size == 1:
+            return
+        params = [p for p in self.stage.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        t0 = time.perf_counter()
+        flat = _flatten_dense_tensors(grads)
+        wire = flat.to(_WIRE[self.grad_comm])
+        dist.all_reduce(wire, group=self.dp_group)
+        flat = wire.to(flat.dtype).div_(self.dp_size)
+        for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.copy_(g)
+        self.comm_seconds += time.perf_counter() - t0
+        self.comm_bytes += wire.numel() * wire.element_size()
+
+    def take_comm(self) -> tuple[float, int]:
+        out = (self.comm_seconds, self.comm_bytes)
+        self.comm_seconds, self.comm_bytes = 0.0, 0
+        return out
+
+
+def parallelize_pipeline(
+    model_or_stages: nn.Sequential | Sequence[nn.Module],
+    mesh,
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    n_microbatches: int = 4,
+    balance: str | Sequence[int] = "params",
+    sample: torch.Tensor | None = None,
+    grad_comm: str = "fp32",
+    autocast=None,
+) -> PipelineParallel:
+    """Place this rank's stage of ``model_or_stages`` on ``device`` and return its `PipelineParallel`.
+
+    ``model_or_stages``: an ``nn.Sequential`` of blocks, cut into ``mesh['mp'].size()`` stages by
+    ``balance`` (see `stages.split_blocks`), or a list of exactly K stage modules. Every rank passes the
+    same (identically initialised) model; only this rank's stage is moved to ``device`` and the rest is
+    dropped by the caller. ``mesh``: 2-D DeviceMesh ``("dp", "mp")``, or None for one process (K=1).
+    ``loss_fn(logits, targets)`` returns the mean loss; ``n_microbatches``: M per batch."""
+    k = mesh["mp"].size() if mesh is not None else 1
+    s = mesh["mp"].get_local_rank() if mesh is not None else 0
+    if isinstance(model_or_stages, nn.Sequential):
+        stages = split_blocks(model_or_stages, k, balance, sample)
+    else:
+        stages = list(model_or_stages)
+        if len(stages) != k:
+            raise MarianaError(f"got {len(stages)} stage modules for a mesh with {k} pipeline stages")
+    if n_microbatches < 1:
+        raise MarianaError(f"--micro-batches must be >= 1, got {n_microbatches}")
+    stage = stages[s].to(device)
+    return PipelineParallel(stage, s, k, mesh, device, n_microbatches, loss_fn, grad_comm, autocast)

@@ -1,0 +1,169 @@
+"""GPipe micro-batch schedule over torch.distributed point-to-point ops.
+
+One step on stage s of K (previous stage on rank ``prev``, next on rank ``next``), M micro-batches:
+
+    forward  m = 0..M-1:  x_m = recv(prev) (stage 0: input chunk m);  y_m = stage(x_m);  isend(y_m, next)
+                          (last stage: loss_m = loss_fn(y_m, target chunk m) * n_m / B)
+    backward m = 0..M-1:  g_m = recv(next) (last stage: d loss_m);  y_m.backward(g_m);  isend(x_m.grad, prev)
+
+Sends are asynchronous (``isend``), so stage s computes micro-batch m+1 while micro-batch m travels to
+and is computed on stage s+1: the stages work concurrently apart from the fill/drain bubble of K-1
+micro-batches. The loss is the mean over the whole batch, so the gradients equal those of the unsplit model
+on the full batch (exactly so for layers without batch statistics; BatchNorm sees micro-batches).
+
+All forwards precede all backwards (GPipe rather than 1F1B): between any two neighbouring stages traffic
+then flows in one direction at a time and every rank posts its P2P ops in the same order as its peer, which
+keeps NCCL (one ordered stream per communicator) free of send/send deadlocks without batching the ops.
+
+Each tensor is preceded by a small int64 header (dtype code, ndim, shape) so stages need no shape
+inference and the last, smaller batch of an epoch just works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.uint8]
+_HDR = 10  # dtype, ndim, up to 8 dims
+# tags keep activation and gradient streams apart on gloo (NCCL ignores tags; ordering handles it there)
+TAG_ACT, TAG_GRAD = 100, 200
+
+
+class P2P:
+    """Tensor send/recv with a shape header between this rank and its pipeline neighbours."""
+
+    def __init__(self, device: torch.device, group=None):
+        self.device, self.group = device, group
+        self.pending: list = []
+        self.bytes_sent = 0
+
+    def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        t = t.detach().contiguous()
+        if t.dim() > _HDR - 2:
+            raise ValueError(f"pipeline boundary tensors may have at most {_HDR - 2} dims, got {t.dim()}")
+        hdr = torch.zeros(_HDR, dtype=torch.int64)
+        hdr[0], hdr[1] = _DTYPES.index(t.dtype), t.dim()
+        hdr[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        hdr = hdr.to(self.device)
+        # keep both tensors alive until the sends complete (wait_all)
+        self.pending.append((dist.isend(hdr, dst, group=self.group, tag=tag), hdr))
+        self.pending.append((dist.isend(t, dst, group=self.group, tag=tag + 1), t))
+        self.bytes_sent += t.numel() * t.element_size()
+
+    def recv(self, src: int, tag: int) -> torch.Tensor:
+        hdr = torch.empty(_HDR, dtype=torch.int64, device=self.device)
+        dist.recv(hdr, src, group=self.group, tag=tag)
+        h = hdr.tolist()
+        shape = h[2 : 2 + h[1]]
+        t = torch.empty(shape, dtype=_DTYPES[h[0]], device=self.device)
+        dist.recv(t, src, group=self.group, tag=tag + 1)
+        return t
+
+    def wait_all(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+class GPipeSchedule:
+    """Runs one pipeline stage's part of a training or inference step (see module docstring).
+
+    ``stage``: this rank's module; ``stage_index``/``n_stages``; ``prev_rank``/``next_rank``: global ranks of
+    the neighbours (None at the ends); ``n_microbatches``: M; ``loss_fn(logits, targets) -> mean loss``
+    (used on the last stage only)."""
+
+    def __init__(
+        self,
+        stage: torch.nn.Module,
+        stage_index: int,
+        n_stages: int,
+        prev_rank: int | None,
+        next_rank: int | None,
+        n_microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        device: torch.device,
+        autocast=None,
+    ):
+        self.stage, self.index, self.n_stages = stage, stage_index, n_stages
+        self.prev, self.next = prev_rank, next_rank
+        self.m, self.loss_fn, self.device = n_microbatches, loss_fn, device
+        self.autocast = autocast
+        self.p2p = P2P(device)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.n_stages - 1
+
+    def _ctx(self):
+        import contextlib
+
+        return self.autocast() if self.autocast is not None else contextlib.nullcontext()
+
+    def _chunks(self, t: torch.Tensor | None, n_mb: int, what: str) -> list[torch.Tensor]:
+        if t is None:
+            raise ValueError(f"pipeline stage {self.index} needs the {what}")
+        if t.shape[0] < n_mb:
+            raise ValueError(f"batch of {t.shape[0]} is smaller than the {n_mb} micro-batches")
+        return list(torch.tensor_split(t, n_mb))
+
+    def train_step(
+        self, inputs: torch.Tensor | None, targets: torch.Tensor | None, batch_size: int
+    ) -> torch.Tensor | None:
+        """Forward + backward of one batch; gradients accumulate into the stage's ``.grad``.
+        ``inputs`` on stage 0 ([B, ...]), ``targets`` on the last stage ([B]); ``batch_size`` B on every
+        stage (all stages must agree on the number of micro-batches, min(M, B)). Returns the batch's mean
+        loss (a detached scalar) on the last stage, None elsewhere."""
+        n_mb = min(self.m, batch_size)
+        xs = self._chunks(inputs, n_mb, "input batch") if self.is_first else [None] * n_mb
+        ts = self._chunks(targets, n_mb, "targets") if self.is_last else [None] * n_mb
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        total = torch.zeros((), device=self.device)
+        for i in range(n_mb):
+            x = xs[i] if self.is_first else self.p2p.recv(self.prev, TAG_ACT).requires_grad_(True)
+            with self._ctx():
+                y = self.stage(x)
+                if self.is_last:
+                    y = self.loss_fn(y, ts[i]) * (ts[i].shape[0] / batch_size)
+            if self.is_last:
+                total += y.detach().float()
+            else:
+                self.p2p.send(y, self.next, TAG_ACT)
+            saved.append((x, y))
+        for i in range(n_mb):
+            x, y = saved[i]
+            if self.is_last:
+                y.backward()
+            else:
+                g = self.p2p.recv(self.next, TAG_GRAD)
+                y.backward(g.to(y.dtype))
+            if not self.is_first:
+                self.p2p.send(x.grad, self.prev, TAG_GRAD)
+            saved[i] = None  # type: ignore[call-overload]  # free activations as soon as possible
+        self.p2p.wait_all()
+        return total if self.is_last else None
+
+    @torch.no_grad()
+    def forward(self, inputs: torch.Tensor | None, batch_size: int) -> torch.Tensor | None:
+        """Inference through the pipeline: ``inputs`` [B, ...] on stage 0, ``batch_size`` B on every stage;
+        returns logits [B, C] (float32) on the last stage, None elsewhere. Micro-batches overlap across
+        stages as in training."""
+        n_mb = min(self.m, batch_size)
+        xs = self._chunks(inputs, n_mb, "input batch") if self.is_first else [None] * n_mb
+        outs = []
+        for i in range(n_mb):
+            x = xs[i] if self.is_first else self.p2p.recv(self.prev, TAG_ACT)
+            with self._ctx():
+                y = self.stage(x)
+            if self.is_last:
+                outs.append(y.float())
+            else:
+                self.p2p.send(y, self.next, TAG_ACT)
+        self.p2p.wait_all()
+        return torch.cat(outs) if self.is_last else None

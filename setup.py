@@ -1,0 +1,17 @@
+"""Map the repository folders onto the `mariana.*` namespace.
+
+`platform/` has no `__init__.py` (a top-level package named `platform` would shadow the standard library
+module torch imports), so `mariana.platform` is a namespace package and its subfolders are ordinary packages.
+"""
+
+from setuptools import find_packages, setup
+
+FOLDERS = {"mariana.platform": "platform", "mariana.apps": "apps", "mariana.serving": "serving"}
+
+packages, package_dir = [], {}
+for prefix, folder in FOLDERS.items():
+    package_dir[prefix] = folder
+    packages.append(prefix)
+    packages += [f"{prefix}.{sub}" for sub in find_packages(folder)]
+
+setup(packages=packages, package_dir=package_dir)

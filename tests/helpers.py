@@ -1,0 +1,51 @@
+"""One multi-process test helper for all three frameworks: free loopback ports, a deterministic
+environment, and the real launcher (``python -m mariana.platform.cli ...`` -> torchrun -> workers)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(os.environ.get("MARIANA_DATA", ROOT.parent / "shared" / "data")).resolve()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a CLI subprocess: one thread per process, unbuffered, no stray torchrun vars."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MARIANA_FAULT"))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+        env.pop(k, None)
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    env.update(extra or {})
+    return env
+
+
+def run_cli(args: list[str], timeout: float = 300, env: dict[str, str] | None = None, check: bool = False
+            ) -> subprocess.CompletedProcess:
+    """Run ``mariana <args>`` as a real subprocess from the repository root; returns its CompletedProcess
+    (text stdout/stderr). ``check=True`` raises with both streams in the message on a non-zero exit."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "mariana.platform.cli", *map(str, args)],
+        cwd=ROOT, env=cli_env(env), capture_output=True, text=True, timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"mariana {' '.join(map(str, args))} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+            f"\n--- stderr\n{proc.stderr[-8000:]}"
+        )
+    return proc
+
+
+def last_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""

@@ -1,0 +1,150 @@
+"""Vision input pipeline: tar shard == extracted folder, corrupt images skipped and counted, batch
+augmentation, the classifier API and the eval/classify commands."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+
+import pytest
+import torch
+from helpers import DATA, last_line, run_cli
+from mariana.apps.vision.data import (
+    DirSource,
+    StreamingImages,
+    TarSource,
+    augment_batch,
+    collate_stream,
+    decode_all,
+    open_source,
+)
+from mariana.platform.core.errors import MarianaError
+
+TEST_TAR = DATA / "cifar10" / "test-dev.tar"
+CORRUPT = b"\xff\xd8\xff\xe0" + b"\x00garbage, not a jpeg" * 20
+
+
+@pytest.fixture(scope="module")
+def small_shard(tmp_path_factory):
+    """A 60-image tar (6 per class, taken from test-dev.tar) plus one corrupt JPEG, and its extraction."""
+    root = tmp_path_factory.mktemp("shard")
+    shard = root / "small.tar"
+    per_class: dict[str, int] = {}
+    with tarfile.open(TEST_TAR) as src, tarfile.open(shard, "w") as dst:
+        for m in src:
+            if not m.isfile():
+                continue
+            cls = m.name.split("/")[-2]
+            if per_class.get(cls, 0) < 6:
+                per_class[cls] = per_class.get(cls, 0) + 1
+                dst.addfile(m, src.extractfile(m))
+        info = tarfile.TarInfo("test/cat/broken.jpg")
+        info.size = len(CORRUPT)
+        dst.addfile(info, io.BytesIO(CORRUPT))
+    out = root / "extracted"
+    with tarfile.open(shard) as tf:
+        tf.extractall(out, filter="data")
+    return shard, out
+
+
+def test_tar_equals_extracted_folder(small_shard):
+    shard, folder = small_shard
+    t, d = TarSource(shard), DirSource(folder)
+    assert len(t) == len(d) == 61
+    assert t.classes == d.classes and len(t.classes) == 10
+    assert t.names == d.names
+    assert torch.equal(t.labels, d.labels)
+    for i in range(len(t)):
+        assert t.read(i) == d.read(i)
+    a, b = decode_all(t, 32), decode_all(d, 32)
+    assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
+    assert isinstance(open_source(shard), TarSource) and isinstance(open_source(folder), DirSource)
+
+
+def test_corrupt_jpeg_is_skipped_and_counted(small_shard):
+    shard, folder = small_shard
+    for src in (TarSource(shard), DirSource(folder)):
+        data = decode_all(src, 32)
+        assert len(data) == 60 and data.images.shape == (60, 3, 32, 32) and data.images.dtype == torch.uint8
+        assert len(data.bad) == 1 and data.bad[0][0].endswith("test/cat/broken.jpg")
+    # the streaming path (DataLoader workers) drops it from the batch and reports the path
+    ds = StreamingImages(TarSource(shard), 32)
+    loader = torch.utils.data.DataLoader(ds, batch_size=61, collate_fn=collate_stream, num_workers=1)
+    imgs, labels, bad = next(iter(loader))
+    assert imgs.shape == (60, 3, 32, 32) and labels.shape == (60,)
+    assert len(bad) == 1 and bad[0].endswith("broken.jpg")
+
+
+def test_bad_layout_and_missing_path_are_clear_errors(tmp_path):
+    with pytest.raises(MarianaError, match="no such file"):
+        open_source(tmp_path / "nope.tar")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MarianaError, match="no images found"):
+        open_source(tmp_path / "empty")
+    (tmp_path / "notatar.tar").write_bytes(b"hello")
+    with pytest.raises(MarianaError, match="not an uncompressed tar"):
+        open_source(tmp_path / "notatar.tar")
+
+
+def test_augment_batch_crops_and_flips_whole_batch():
+    x = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).view(2, 3, 8, 8).to(torch.uint8)
+    g = torch.Generator().manual_seed(0)
+    y = augment_batch(x, generator=g, pad=0)
+    for i in range(2):  # pad=0: each image is itself or its mirror
+        assert torch.equal(y[i], x[i]) or torch.equal(y[i], x[i].flip(2))
+    z = augment_batch(x, generator=torch.Generator().manual_seed(1), pad=2)
+    assert z.shape == x.shape and z.dtype == torch.uint8
+
+
+@pytest.mark.slow
+def test_train_eval_classify_commands(small_shard, tmp_path):
+    shard, folder = small_shard
+    run = tmp_path / "run"
+    proc = run_cli(
+        [
+            "vision",
+            "train",
+            "--data",
+            shard,
+            "--eval-data",
+            folder,
+            "--out",
+            run,
+            "--preset",
+            "debug",
+            "--batch-size",
+            "8",
+            "--max-steps",
+            "3",
+            "--no-progress",
+        ],
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert last_line(proc.stdout).startswith("top-1 ")
+    assert json.loads((run / "metrics.json").read_text())["skipped_images"] == 1
+    assert "broken.jpg" in (run / "skipped.json").read_text()
+
+    proc = run_cli(["vision", "eval", "--model", run, "--data", shard])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert last_line(proc.stdout).startswith("top-1 ") and "top-5 " in last_line(proc.stdout)
+    ev = json.loads((run / "eval.json").read_text())
+    assert ev["images"] == 60 and ev["skipped"] == 1 and 0 <= ev["top1"] <= ev["top5"] <= 100
+
+    img = next(p for p in folder.rglob("*.jpg") if p.name != "broken.jpg")
+    proc = run_cli(["vision", "classify", "--model", run, img, folder / "test" / "cat" / "broken.jpg"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    first, second = proc.stdout.strip().splitlines()
+    assert len(first.split(": ", 1)[1].split(", ")) == 5
+    assert "error" in second
+
+    from mariana.apps.vision.predict import load_classifier
+
+    clf = load_classifier(run)
+    top = clf.classify_bytes(img.read_bytes(), k=3)
+    assert len(top) == 3 and all(lbl in clf.classes for lbl, _ in top)
+    assert top[0][1] >= top[1][1] >= top[2][1] and sum(p for _, p in top) <= 1.0 + 1e-6
+    for junk in (b"", b"hello world", CORRUPT):
+        with pytest.raises((ValueError, MarianaError)):
+            clf.classify_bytes(junk)
