@@ -44,4 +44,6 @@ def write_result(name: str, payload: dict) -> Path:
 def table(rows: list[dict], cols: list[str]) -> str:
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
     line = lambda vals: "  ".join(str(v).rjust(w) for v, w in zip(vals, widths))  # noqa: E731
-    return "\n".join([line(cols), line(["-" * w for w in widths]), *(line([r.get(c, "") for c in cols]) for r in rows)])
+    return "\n".join(
+        [line(cols), line(["-" * w for w in widths]), *(line([r.get(c, "") for c in cols]) for r in rows)]
+    )

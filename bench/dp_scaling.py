@@ -78,8 +78,11 @@ def worker_main(args) -> None:
             model = apply_data_parallel(build_mlp(shape), ctx, grad_comm=args.grad_comm)
             sec = train_steps(model, ctx.device, args.batch, args.steps, shape)
             comm_s, comm_bytes = model.comm_stats.take()
-            out = {"sec_per_step": sec, "comm_s_per_step": comm_s / args.steps,
-                   "comm_bytes_per_step": comm_bytes // args.steps}
+            out = {
+                "sec_per_step": sec,
+                "comm_s_per_step": comm_s / args.steps,
+                "comm_bytes_per_step": comm_bytes // args.steps,
+            }
         else:  # all-reduce sweep
             import torch.distributed as dist
 
@@ -105,8 +108,19 @@ def launch(n: int, extra: list[str]) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = f.name
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-           __file__, "--worker", "--result", result, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(n),
+        __file__,
+        "--worker",
+        "--result",
+        result,
+        *extra,
+    ]
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return json.loads(Path(result).read_text())
 
@@ -127,9 +141,21 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=512, help="samples per worker per step")
     ap.add_argument("--steps", type=int, default=4, help="timed steps (after one warm-up step)")
     ap.add_argument("--narrow", action="store_true", help="440 -> 7x1024 -> 3000 instead of the 50.7M model")
-    ap.add_argument("--link-gbps", type=float, default=400.0, help="assumed per-GPU link for the prediction, Gbit/s")
-    ap.add_argument("--gpu-step-ms", type=float, default=0.0,
-                    help="per-step compute time per GPU for the prediction (0: from FLOPs at --gpu-tflops)")
+    ap.add_argument(
+        "--link-gbps", type=float, default=400.0, help="assumed per-GPU link for the prediction, Gbit/s"
+    )
+    ap.add_argument(
+        "--hop-latency-us",
+        type=float,
+        default=10.0,
+        help="assumed latency per ring hop between GPUs for the prediction, microseconds",
+    )
+    ap.add_argument(
+        "--gpu-step-ms",
+        type=float,
+        default=0.0,
+        help="per-step compute time per GPU for the prediction (0: from FLOPs at --gpu-tflops)",
+    )
     ap.add_argument("--gpu-tflops", type=float, default=400.0, help="achieved bf16 TFLOP/s assumed per GPU")
     ap.add_argument("--gpu-batch", type=int, default=8192, help="per-GPU batch for the prediction")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -156,51 +182,98 @@ def main() -> None:
 
     rows = [
         {"run": "plain PyTorch 1x1 thread", "samples/s": round(args.batch / plain, 1), "vs plain": "1.00x"},
-        {"run": "mariana 1 worker", "samples/s": round(args.batch / one["sec_per_step"], 1),
-         "vs plain": f"{plain / one['sec_per_step']:.2f}x"},
-        {"run": "mariana 2 workers fp32", "samples/s": round(2 * args.batch / two["sec_per_step"], 1),
-         "vs plain": f"{2 * plain / two['sec_per_step']:.2f}x",
-         "comm MB/step": round(two["comm_bytes_per_step"] / 1e6, 1), "comm s/step": round(two["comm_s_per_step"], 3)},
-        {"run": "mariana 2 workers bf16", "samples/s": round(2 * args.batch / two_bf16["sec_per_step"], 1),
-         "vs plain": f"{2 * plain / two_bf16['sec_per_step']:.2f}x",
-         "comm MB/step": round(two_bf16["comm_bytes_per_step"] / 1e6, 1),
-         "comm s/step": round(two_bf16["comm_s_per_step"], 3)},
+        {
+            "run": "mariana 1 worker",
+            "samples/s": round(args.batch / one["sec_per_step"], 1),
+            "vs plain": f"{plain / one['sec_per_step']:.2f}x",
+        },
+        {
+            "run": "mariana 2 workers fp32",
+            "samples/s": round(2 * args.batch / two["sec_per_step"], 1),
+            "vs plain": f"{2 * plain / two['sec_per_step']:.2f}x",
+            "comm MB/step": round(two["comm_bytes_per_step"] / 1e6, 1),
+            "comm s/step": round(two["comm_s_per_step"], 3),
+        },
+        {
+            "run": "mariana 2 workers bf16",
+            "samples/s": round(2 * args.batch / two_bf16["sec_per_step"], 1),
+            "vs plain": f"{2 * plain / two_bf16['sec_per_step']:.2f}x",
+            "comm MB/step": round(two_bf16["comm_bytes_per_step"] / 1e6, 1),
+            "comm s/step": round(two_bf16["comm_s_per_step"], 3),
+        },
     ]
     sweep_rows = [
-        {"bytes": r["bytes"], "measured ms": round(r["seconds"] * 1e3, 3),
-         "ring model ms": round((alpha + 2 * (2 - 1) / 2 * r["bytes"] / bw) * 1e3, 3)}
+        {
+            "bytes": r["bytes"],
+            "measured ms": round(r["seconds"] * 1e3, 3),
+            "ring model ms": round((alpha + 2 * (2 - 1) / 2 * r["bytes"] / bw) * 1e3, 3),
+        }
         for r in sweep
     ]
     # Prediction for N GPUs: compute per step (FLOPs 6*P*batch at the assumed rate) + un-overlapped ring
-    # all-reduce of the bf16 gradients over the assumed link, with the fitted per-call latency.
+    # all-reduce of the bf16 gradients: t = 2(N-1) * hop latency + 2(N-1)/N * S / B (assumed link B).
     link = args.link_gbps * 1e9 / 8
-    compute = args.gpu_step_ms / 1e3 if args.gpu_step_ms else 6 * n_params * args.gpu_batch / (args.gpu_tflops * 1e12)
+    compute = (
+        args.gpu_step_ms / 1e3
+        if args.gpu_step_ms
+        else 6 * n_params * args.gpu_batch / (args.gpu_tflops * 1e12)
+    )
     grad_bytes = 2 * n_params
     pred = []
     for n in (2, 4, 8, 16, 32, 64):
-        comm = alpha + 2 * (n - 1) / n * grad_bytes / link
-        pred.append({"gpus": n, "compute ms": round(compute * 1e3, 2), "allreduce ms": round(comm * 1e3, 2),
-                     "efficiency": f"{compute / (compute + comm):.1%}"})
+        comm = 2 * (n - 1) * args.hop_latency_us * 1e-6 + 2 * (n - 1) / n * grad_bytes / link
+        pred.append(
+            {
+                "gpus": n,
+                "compute ms": round(compute * 1e3, 2),
+                "allreduce ms": round(comm * 1e3, 2),
+                "efficiency": f"{compute / (compute + comm):.1%}",
+            }
+        )
 
     print(f"Data-parallel scaling, MLP {shape} = {n_params / 1e6:.1f}M parameters, batch {args.batch}/worker")
     print(table(rows, ["run", "samples/s", "vs plain", "comm MB/step", "comm s/step"]))
-    print(f"\nscaling 2 workers vs mariana 1 worker: {one['sec_per_step'] * 2 / two['sec_per_step']:.2f}x (fp32), "
-          f"{one['sec_per_step'] * 2 / two_bf16['sec_per_step']:.2f}x (bf16 comm)")
-    print(f"\ngloo all-reduce on loopback, 2 ranks; fitted ring model: latency {alpha * 1e6:.0f} us, "
-          f"bus bandwidth {bw / 1e9:.2f} GB/s")
+    print(
+        f"\nscaling 2 workers vs mariana 1 worker: {one['sec_per_step'] * 2 / two['sec_per_step']:.2f}x (fp32), "
+        f"{one['sec_per_step'] * 2 / two_bf16['sec_per_step']:.2f}x (bf16 comm)"
+    )
+    print(
+        f"\ngloo all-reduce on loopback, 2 ranks; fitted ring model: latency {alpha * 1e6:.0f} us, "
+        f"bus bandwidth {bw / 1e9:.2f} GB/s"
+    )
     print(table(sweep_rows, ["bytes", "measured ms", "ring model ms"]))
-    print(f"\nPREDICTION (not measured): bf16 gradients over a {args.link_gbps:.0f} Gbit/s link per GPU, "
-          f"{compute * 1e3:.1f} ms compute per step, no comm/compute overlap")
+    print(
+        f"\nPREDICTION (not measured): bf16 gradients over a {args.link_gbps:.0f} Gbit/s link per GPU, "
+        f"{args.hop_latency_us:.0f} us per ring hop, {compute * 1e3:.1f} ms compute per step "
+        f"({args.gpu_batch} samples at {args.gpu_tflops:.0f} TFLOP/s), no comm/compute overlap"
+    )
     print(table(pred, ["gpus", "compute ms", "allreduce ms", "efficiency"]))
-    path = write_result("dp_scaling", {
-        "command": "python bench/dp_scaling.py " + " ".join(sys.argv[1:]),
-        "model_shape": shape, "params": n_params, "batch_per_worker": args.batch, "steps": args.steps,
-        "throughput": rows, "scaling_2_vs_1": one["sec_per_step"] * 2 / two["sec_per_step"],
-        "scaling_2_vs_1_bf16": one["sec_per_step"] * 2 / two_bf16["sec_per_step"],
-        "allreduce_sweep": sweep_rows, "ring_fit": {"latency_s": alpha, "bus_bandwidth_Bps": bw},
-        "prediction": {"assumptions": {"link_gbps": args.link_gbps, "compute_s": compute, "gpu_batch": args.gpu_batch,
-                                       "gpu_tflops": args.gpu_tflops, "overlap": "none"}, "rows": pred},
-    })
+    path = write_result(
+        "dp_scaling",
+        {
+            "command": "python bench/dp_scaling.py " + " ".join(sys.argv[1:]),
+            "model_shape": shape,
+            "params": n_params,
+            "batch_per_worker": args.batch,
+            "steps": args.steps,
+            "throughput": rows,
+            "scaling_2_vs_1": one["sec_per_step"] * 2 / two["sec_per_step"],
+            "scaling_2_vs_1_bf16": one["sec_per_step"] * 2 / two_bf16["sec_per_step"],
+            "allreduce_sweep": sweep_rows,
+            "ring_fit": {"latency_s": alpha, "bus_bandwidth_Bps": bw},
+            "prediction": {
+                "assumptions": {
+                    "link_gbps": args.link_gbps,
+                    "hop_latency_us": args.hop_latency_us,
+                    "compute_s": compute,
+                    "gpu_batch": args.gpu_batch,
+                    "gpu_tflops": args.gpu_tflops,
+                    "overlap": "none",
+                },
+                "rows": pred,
+            },
+        },
+    )
     print(f"\nwrote {path}")
 
 

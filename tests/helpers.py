@@ -23,20 +23,35 @@ def free_port() -> int:
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a CLI subprocess: one thread per process, unbuffered, no stray torchrun vars."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MARIANA_FAULT"))}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+    for k in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "GROUP_RANK",
+    ):
         env.pop(k, None)
-    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    env.update(
+        {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    )
     env.update(extra or {})
     return env
 
 
-def run_cli(args: list[str], timeout: float = 300, env: dict[str, str] | None = None, check: bool = False
-            ) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], timeout: float = 300, env: dict[str, str] | None = None, check: bool = False
+) -> subprocess.CompletedProcess:
     """Run ``mariana <args>`` as a real subprocess from the repository root; returns its CompletedProcess
     (text stdout/stderr). ``check=True`` raises with both streams in the message on a non-zero exit."""
     proc = subprocess.run(
         [sys.executable, "-m", "mariana.platform.cli", *map(str, args)],
-        cwd=ROOT, env=cli_env(env), capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT,
+        env=cli_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     if check and proc.returncode != 0:
         raise AssertionError(

@@ -1,7 +1,6 @@
 """Bad input gets one clear message and exit code 2, never a traceback."""
 
 import pytest
-
 from helpers import run_cli
 
 
@@ -24,14 +23,26 @@ def test_wrong_type_flag(tmp_path):
 
 def test_wrong_type_in_toml(tmp_path, data_dir):
     cfg = tmp_path / "job.toml"
-    cfg.write_text("batch_size = 32\nepochs = \"two\"\n")
-    p = run_cli(["mlp", "train", "--data", data_dir / "frappe" / "frappe.validation.libfm", "--out",
-                 tmp_path / "r", "--config", cfg])
+    cfg.write_text('batch_size = 32\nepochs = "two"\n')
+    p = run_cli(
+        [
+            "mlp",
+            "train",
+            "--data",
+            data_dir / "frappe" / "frappe.validation.libfm",
+            "--out",
+            tmp_path / "r",
+            "--config",
+            cfg,
+        ]
+    )
     assert_clean_error(p, "job.toml: field 'epochs': expected int, got str 'two'")
 
 
 def test_missing_data_path(tmp_path):
-    p = run_cli(["mlp", "train", "--data", tmp_path / "nowhere.libfm", "--out", tmp_path / "r", "--workers", "2"])
+    p = run_cli(
+        ["mlp", "train", "--data", tmp_path / "nowhere.libfm", "--out", tmp_path / "r", "--workers", "2"]
+    )
     assert_clean_error(p, "nowhere.libfm: no such file or directory")
     assert "launching" not in p.stderr  # caught before any worker starts
 

@@ -5,7 +5,6 @@ import time
 
 import pytest
 import torch
-
 from helpers import last_line, run_cli
 from mariana.platform.core.export import load_exported
 
@@ -19,8 +18,22 @@ def frappe(data_dir):
 
 def mlp_args(data, out, *extra):
     # SGD (not Adam) so that float sum-order differences are not amplified by the 1/sqrt(v) normaliser.
-    return ["mlp", "train", "--data", data, "--out", out, "--preset", "debug", "--optimizer", "sgd",
-            "--lr", "0.05", "--no-progress", *extra]
+    return [
+        "mlp",
+        "train",
+        "--data",
+        data,
+        "--out",
+        out,
+        "--preset",
+        "debug",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def params(run):
@@ -29,8 +42,10 @@ def params(run):
 
 def test_two_workers_equal_one_process_with_double_batch(frappe, tmp_path):
     run_cli(mlp_args(frappe, tmp_path / "one", "--batch-size", "64", "--max-steps", "8"), check=True)
-    p = run_cli(mlp_args(frappe, tmp_path / "two", "--batch-size", "32", "--max-steps", "8", "--workers", "2"),
-                check=True)
+    p = run_cli(
+        mlp_args(frappe, tmp_path / "two", "--batch-size", "32", "--max-steps", "8", "--workers", "2"),
+        check=True,
+    )
     assert last_line(p.stdout).startswith("validation AUC")
     a, b = params(tmp_path / "one"), params(tmp_path / "two")
     assert a.keys() == b.keys()
@@ -44,7 +59,18 @@ def test_two_workers_equal_one_process_with_double_batch(frappe, tmp_path):
 
 def test_resume_after_kill_equals_uninterrupted(frappe, tmp_path):
     straight, broken = tmp_path / "straight", tmp_path / "broken"
-    common = ["--workers", "2", "--max-steps", "12", "--ckpt-every", "6", "--optimizer", "adam", "--lr", "0.01"]
+    common = [
+        "--workers",
+        "2",
+        "--max-steps",
+        "12",
+        "--ckpt-every",
+        "6",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.01",
+    ]
     run_cli(mlp_args(frappe, straight, *common), check=True)
     p = run_cli(mlp_args(frappe, broken, *common), env={"MARIANA_FAULT": "kill:rank=1:step=8"})
     assert p.returncode != 0, "the injected SIGKILL should fail a job without restarts"
@@ -55,14 +81,21 @@ def test_resume_after_kill_equals_uninterrupted(frappe, tmp_path):
     a, b = params(straight), params(broken)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
-    steps = [r["step"] for r in map(json.loads, (broken / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    steps = [
+        r["step"] for r in map(json.loads, (broken / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+    ]
     assert steps[-1] == 12
 
 
 def test_sigkilled_worker_is_restarted_and_resumes(frappe, tmp_path):
     out = tmp_path / "fault"
-    p = run_cli(mlp_args(frappe, out, "--workers", "2", "--max-steps", "20", "--ckpt-every", "5",
-                         "--max-restarts", "1"), env={"MARIANA_FAULT": "kill:rank=1:step=12"}, check=True)
+    p = run_cli(
+        mlp_args(
+            frappe, out, "--workers", "2", "--max-steps", "20", "--ckpt-every", "5", "--max-restarts", "1"
+        ),
+        env={"MARIANA_FAULT": "kill:rank=1:step=12"},
+        check=True,
+    )
     assert json.loads((out / "metrics.json").read_text())["steps"] == 20
     assert "resumed from step 10" in (out / "logs" / "rank-0.log").read_text()
     state = torch.load(out / "checkpoints" / "step_00000020" / "state.pt", weights_only=True)
@@ -73,8 +106,11 @@ def test_sigkilled_worker_is_restarted_and_resumes(frappe, tmp_path):
 def test_stalled_rank_fails_job_within_timeout_and_is_named(frappe, tmp_path):
     out = tmp_path / "hang"
     t0 = time.monotonic()
-    p = run_cli(mlp_args(frappe, out, "--workers", "2", "--max-steps", "50", "--timeout", "6"),
-                env={"MARIANA_FAULT": "hang:rank=1:step=4"}, timeout=120)
+    p = run_cli(
+        mlp_args(frappe, out, "--workers", "2", "--max-steps", "50", "--timeout", "6"),
+        env={"MARIANA_FAULT": "hang:rank=1:step=4"},
+        timeout=120,
+    )
     elapsed = time.monotonic() - t0
     assert p.returncode != 0
     assert elapsed < 60, f"took {elapsed:.0f}s"
@@ -86,7 +122,22 @@ def test_stalled_rank_fails_job_within_timeout_and_is_named(frappe, tmp_path):
 
 def test_bf16_gradient_comm_halves_bytes(frappe, tmp_path):
     for comm in ("fp32", "bf16"):
-        run_cli(mlp_args(frappe, tmp_path / comm, "--workers", "2", "--max-steps", "5", "--log-every", "5",
-                         "--grad-comm", comm), check=True)
-    rec = {c: json.loads((tmp_path / c / "metrics.jsonl").read_text().splitlines()[0]) for c in ("fp32", "bf16")}
+        run_cli(
+            mlp_args(
+                frappe,
+                tmp_path / comm,
+                "--workers",
+                "2",
+                "--max-steps",
+                "5",
+                "--log-every",
+                "5",
+                "--grad-comm",
+                comm,
+            ),
+            check=True,
+        )
+    rec = {
+        c: json.loads((tmp_path / c / "metrics.jsonl").read_text().splitlines()[0]) for c in ("fp32", "bf16")
+    }
     assert rec["bf16"]["comm_bytes"] * 2 == rec["fp32"]["comm_bytes"] > 0

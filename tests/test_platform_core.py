@@ -5,9 +5,14 @@ import dataclasses
 
 import pytest
 import torch
-
 from mariana.platform.core.atomic import atomic_torch_save, atomic_write_text
-from mariana.platform.core.config import TrainConfig, add_config_args, load_config, resolve_config, save_config
+from mariana.platform.core.config import (
+    TrainConfig,
+    add_config_args,
+    load_config,
+    resolve_config,
+    save_config,
+)
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import export_model, load_exported
 from mariana.platform.core.optim import lr_factor

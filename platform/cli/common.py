@@ -13,7 +13,9 @@ from ..core.errors import MarianaError
 
 def add_train_parser(group, name: str, cfg_cls: type, help: str, func: Callable) -> argparse.ArgumentParser:
     """A ``train`` leaf parser whose flags are ``cfg_cls``'s fields."""
-    p = group.add_parser(name, help=help, description=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = group.add_parser(
+        name, help=help, description=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     add_config_args(p, cfg_cls)
     p.set_defaults(func=func)
     return p
@@ -32,10 +34,14 @@ def check_fresh_run_dir(cfg: Any) -> None:
     """Refuse to train over an existing run's checkpoints unless --resume (nothing trained is lost)."""
     latest = Path(cfg.out) / "checkpoints" / "latest"
     if latest.exists() and not cfg.resume:
-        raise MarianaError(f"{cfg.out} already holds a trained run; pass --resume to continue it or choose another --out")
+        raise MarianaError(
+            f"{cfg.out} already holds a trained run; pass --resume to continue it or choose another --out"
+        )
 
 
-def run_training(args, argv, cfg_cls: type, presets: dict, train_fn: Callable[[Any], dict], headline: Callable[[dict], str]) -> int:
+def run_training(
+    args, argv, cfg_cls: type, presets: dict, train_fn: Callable[[Any], dict], headline: Callable[[dict], str]
+) -> int:
     """The thin train entry point: resolve config, launch workers if needed, train, print the headline."""
     from ..dp.launch import in_worker, launch_if_needed
 

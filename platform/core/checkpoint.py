@@ -25,8 +25,12 @@ def rng_state() -> dict[str, Any]:
     _, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
-                  "gauss": float(gauss)},
+        "numpy": {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -37,13 +41,17 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    np.random.set_state(
+        ("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run: RunDir, step: int, state: dict[str, Any] | None, rank: int, barrier, keep: int = 2) -> None:
+def save_checkpoint(
+    run: RunDir, step: int, state: dict[str, Any] | None, rank: int, barrier, keep: int = 2
+) -> None:
     """Write this rank's part of the checkpoint for ``step``; ``state`` is rank 0's (None elsewhere).
     ``barrier()`` synchronises the ranks (a no-op in one process)."""
     name = f"step_{step:08d}"

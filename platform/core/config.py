@@ -50,10 +50,14 @@ class TrainConfig:
     rdzv_id: str = opt("mariana", "rendezvous id shared by all nodes of one job")
     max_restarts: int = opt(0, "torchrun restarts of failed workers; they resume from the last checkpoint")
     timeout: float = opt(300.0, "collective timeout in seconds: a rank that stalls longer fails the job")
-    grad_comm: str = opt("fp32", "gradient all-reduce precision (bf16/fp16 halve the bytes)", ["fp32", "bf16", "fp16"])
+    grad_comm: str = opt(
+        "fp32", "gradient all-reduce precision (bf16/fp16 halve the bytes)", ["fp32", "bf16", "fp16"]
+    )
     epochs: int = opt(1, "passes over the training data (ignored when --max-steps > 0)")
     max_steps: int = opt(0, "optimizer steps to run; 0 means --epochs full passes")
-    batch_size: int = opt(64, "samples per worker per micro-step (global batch = workers x this x grad-accum)")
+    batch_size: int = opt(
+        64, "samples per worker per micro-step (global batch = workers x this x grad-accum)"
+    )
     lr: float = opt(1e-3, "peak learning rate")
     weight_decay: float = opt(0.0, "decoupled weight decay")
     optimizer: str = opt("adamw", "optimizer", ["sgd", "adam", "adamw"])
@@ -67,7 +71,9 @@ class TrainConfig:
     ckpt_every: int = opt(0, "optimizer steps between checkpoints; 0 checkpoints only at the end")
     seed: int = opt(0, "random seed (model init, shuffling, augmentation)")
     resume: bool = opt(False, "continue from the last checkpoint in --out")
-    amp: str = opt("auto", "mixed precision: auto = bf16 autocast on GPU, off on CPU", ["auto", "bf16", "off"])
+    amp: str = opt(
+        "auto", "mixed precision: auto = bf16 autocast on GPU, off on CPU", ["auto", "bf16", "off"]
+    )
     num_workers: int = opt(0, "data-loader worker processes per training process")
     progress: bool = opt(True, "show a progress bar on rank 0")
 
@@ -176,7 +182,9 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
             continue
         if f.metadata.get("choices"):
             kwargs["choices"] = f.metadata["choices"]
-        parser.add_argument(f"--{_flag(f.name)}", type=_parse_flag(tp, f.name), metavar=f.name.upper(), **kwargs)
+        parser.add_argument(
+            f"--{_flag(f.name)}", type=_parse_flag(tp, f.name), metavar=f.name.upper(), **kwargs
+        )
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -213,7 +221,9 @@ def resolve_config(cls: type[C], args: argparse.Namespace, presets: dict[str, C]
     preset = given.get("preset") or toml_values.get("preset") or ""
     if preset:
         if preset not in presets:
-            raise MarianaError(f"unknown preset {preset!r}; choose from: {', '.join(sorted(presets)) or 'none'}")
+            raise MarianaError(
+                f"unknown preset {preset!r}; choose from: {', '.join(sorted(presets)) or 'none'}"
+            )
         cfg = dataclasses.replace(presets[preset])  # type: ignore[type-var]
     if toml_values:
         cfg = apply_values(cfg, toml_values, str(toml_path))

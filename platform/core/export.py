@@ -33,7 +33,9 @@ def export_model(run_dir: str | Path, state_dict: dict[str, torch.Tensor], meta:
     return path
 
 
-def load_exported(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict]:
+def load_exported(
+    run_dir: str | Path, device: str | torch.device = "cpu"
+) -> tuple[dict[str, torch.Tensor], dict]:
     """Read an exported model: (state dict on ``device``, metadata dict). ``run_dir`` may also be the
     ``.safetensors`` file itself."""
     path = Path(run_dir)

@@ -112,8 +112,13 @@ class Trainer:
 
     def save(self) -> None:
         self.ctx.set_phase("checkpoint")
-        save_checkpoint(self.run, self.step, self.state_dict() if self.ctx.is_main else None, self.ctx.rank,
-                        self.ctx.barrier)
+        save_checkpoint(
+            self.run,
+            self.step,
+            self.state_dict() if self.ctx.is_main else None,
+            self.ctx.rank,
+            self.ctx.barrier,
+        )
         if self.ctx.is_main:
             log.info("checkpoint at step %d written to %s", self.step, self.run.ckpt_dir)
 
@@ -133,8 +138,13 @@ class Trainer:
         if rng is not None:
             set_rng_state(rng)
         if self.ctx.is_main:
-            log.info("resumed from step %d (epoch %d, batch %d)%s", self.step, self.epoch, self.pos,
-                     " after a worker restart" if restarted else "")
+            log.info(
+                "resumed from step %d (epoch %d, batch %d)%s",
+                self.step,
+                self.epoch,
+                self.pos,
+                " after a worker restart" if restarted else "",
+            )
 
     # --- evaluation ------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
@@ -172,8 +182,16 @@ class Trainer:
         self.maybe_resume()
         model.train()
         comm = getattr(model, "comm_stats", None)
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (ctx.is_main and cfg.progress),
-                   desc="train", unit="step", dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
+        bar = tqdm(
+            total=self.total_steps,
+            initial=self.step,
+            disable=not (ctx.is_main and cfg.progress),
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=1.0,
+            file=sys.stderr,
+        )
         it = None
         loss_sum = torch.zeros((), device=ctx.device)
         interval_samples, interval_steps, last_log = 0, 0, time.perf_counter()
@@ -230,7 +248,9 @@ class Trainer:
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total_steps:
                 eval_metrics = self.evaluate()
                 if ctx.is_main:
-                    self.run.log_metrics({"step": self.step, **{f"eval_{k}": v for k, v in eval_metrics.items()}})
+                    self.run.log_metrics(
+                        {"step": self.step, **{f"eval_{k}": v for k, v in eval_metrics.items()}}
+                    )
                     log.info("step %d eval %s", self.step, eval_metrics)
             if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step < self.total_steps:
                 self.save()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -80,6 +79,8 @@ def apply_data_parallel(
         return model
     group = mesh.get_group("dp") if mesh is not None else None
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    # Gradients live in the all-reduce buckets (no copy in/out of the buckets each step).
+    ddp_kwargs.setdefault("gradient_as_bucket_view", True)
     ddp = DDP(model, device_ids=device_ids, process_group=group, **ddp_kwargs)
     ddp.register_comm_hook(group, _timed_hook(_HOOKS[grad_comm], stats, ctx, _WIRE_BYTES[grad_comm]))
     ddp.comm_stats = stats  # type: ignore[attr-defined]

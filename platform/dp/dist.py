@@ -93,8 +93,9 @@ def _init_process_group(backend: str, rank: int, world: int, timeout: timedelta)
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                             timeout=timeout)
+        base = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+        )
         store = dist.PrefixStore(f"mariana/attempt_{attempt}", base)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     else:
@@ -123,7 +124,9 @@ class ParallelDims:
         if self.dp == -1:
             self.dp = self.world_size // self.mp
         if self.dp * self.mp != self.world_size:
-            raise MarianaError(f"dp {self.dp} x mp {self.mp} = {self.dp * self.mp} != world size {self.world_size}")
+            raise MarianaError(
+                f"dp {self.dp} x mp {self.mp} = {self.dp * self.mp} != world size {self.world_size}"
+            )
 
     def build_mesh(self, device_type: str = "cpu"):
         """A DeviceMesh of shape (dp, mp) named ("dp", "mp"): ranks r = g*mp + s hold stage s of group g."""

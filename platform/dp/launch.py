@@ -29,7 +29,14 @@ def needs_launcher(cfg: TrainConfig) -> bool:
 
 
 def torchrun_args(cfg: TrainConfig, argv: list[str], module: str = CLI_MODULE) -> list[str]:
-    args = ["--nnodes", str(cfg.nnodes), "--nproc-per-node", str(cfg.workers), "--max-restarts", str(cfg.max_restarts)]
+    args = [
+        "--nnodes",
+        str(cfg.nnodes),
+        "--nproc-per-node",
+        str(cfg.workers),
+        "--max-restarts",
+        str(cfg.max_restarts),
+    ]
     args += ["--monitor-interval", "0.5"]
     if cfg.nnodes == 1 and not cfg.rdzv_endpoint:
         args += ["--standalone"]

@@ -79,7 +79,9 @@ class Watchdog:
         if self._store is None:
             return
         age = time.monotonic() - self.last_progress
-        value = json.dumps({"step": self.step, "phase": self.phase, "idle_s": round(age, 1), "t": time.time()})
+        value = json.dumps(
+            {"step": self.step, "phase": self.phase, "idle_s": round(age, 1), "t": time.time()}
+        )
         try:
             self._store.set(self._key(self.rank), value)
         except Exception:
@@ -136,8 +138,14 @@ class Watchdog:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         if self.report_dir is not None:
             try:
-                report = {"rank": self.rank, "step": self.step, "phase": self.phase, "stalled_ranks": culprits,
-                          "heartbeats": beats, "timeout_s": self.timeout_s}
+                report = {
+                    "rank": self.rank,
+                    "step": self.step,
+                    "phase": self.phase,
+                    "stalled_ranks": culprits,
+                    "heartbeats": beats,
+                    "timeout_s": self.timeout_s,
+                }
                 (self.report_dir / f"stall-rank-{self.rank}.json").write_text(json.dumps(report, indent=2))
             except OSError:
                 pass

@@ -16,8 +16,16 @@ def _train(args, argv):
 
     if getattr(args, "data", None):
         check_data_path(args.data)
-    return run_training(args, argv, MlpConfig, PRESETS, go,
-                        lambda m: f"validation AUC {m.get('eval_auc', float('nan')):.4f} logloss {m.get('eval_logloss', float('nan')):.4f}")
+    return run_training(
+        args,
+        argv,
+        MlpConfig,
+        PRESETS,
+        go,
+        lambda m: (
+            f"validation AUC {m.get('eval_auc', float('nan')):.4f} logloss {m.get('eval_logloss', float('nan')):.4f}"
+        ),
+    )
 
 
 def _eval(args, argv):
@@ -38,8 +46,11 @@ def register(sub) -> None:
     grp = sub.add_parser("mlp", help="smoke-test job: a small click MLP on libFM data (data-parallel demo)")
     g = grp.add_subparsers(dest="mlp_command", required=True, metavar="COMMAND")
     add_train_parser(g, "train", MlpConfig, "train the click MLP with synchronous data-parallel SGD", _train)
-    e = g.add_parser("eval", help="AUC/logloss of an exported run on a libFM file",
-                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    e = g.add_parser(
+        "eval",
+        help="AUC/logloss of an exported run on a libFM file",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     e.add_argument("--model", required=True, help="run directory of a finished `mariana mlp train`")
     e.add_argument("--data", required=True, help="libFM file to score")
     e.set_defaults(func=_eval)

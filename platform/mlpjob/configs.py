@@ -22,10 +22,14 @@ class MlpConfig(TrainConfig):
         if not 0 < self.val_fraction < 1:
             raise MarianaError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
         if self.buckets < 2 or self.embed_dim < 1 or self.hidden < 1 or self.layers < 0:
-            raise MarianaError("--buckets >= 2, --embed-dim >= 1, --hidden >= 1 and --layers >= 0 are required")
+            raise MarianaError(
+                "--buckets >= 2, --embed-dim >= 1, --hidden >= 1 and --layers >= 0 are required"
+            )
 
 
 PRESETS = {
-    "debug": MlpConfig(buckets=1 << 12, embed_dim=8, hidden=16, layers=1, batch_size=32, limit=4000, log_every=5),
+    "debug": MlpConfig(
+        buckets=1 << 12, embed_dim=8, hidden=16, layers=1, batch_size=32, limit=4000, log_every=5
+    ),
     "small": MlpConfig(),
 }

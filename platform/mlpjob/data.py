@@ -41,7 +41,12 @@ def read_libfm(path: str | Path, limit: int = 0, max_skipped_report: int = 5):
             labels.append(1.0 if label > 0 else 0.0)
             rows.append(ids)
     if skipped:
-        log.warning("%s: skipped %d malformed line(s), e.g. line(s) %s", path, len(skipped), skipped[:max_skipped_report])
+        log.warning(
+            "%s: skipped %d malformed line(s), e.g. line(s) %s",
+            path,
+            len(skipped),
+            skipped[:max_skipped_report],
+        )
     if not rows:
         raise DataError(f"{path}: no valid libFM rows")
     width = max(map(len, rows))
@@ -72,7 +77,9 @@ class ClickRows(torch.utils.data.Dataset):
         return {"ids": self.ids[t], "mask": self.mask[t], "label": self.labels[t]}
 
 
-def split(labels: np.ndarray, ids: np.ndarray, val_fraction: float, buckets: int) -> tuple[ClickRows, ClickRows]:
+def split(
+    labels: np.ndarray, ids: np.ndarray, val_fraction: float, buckets: int
+) -> tuple[ClickRows, ClickRows]:
     """Train/validation split by row order (the last ``val_fraction`` rows validate)."""
     n_val = max(1, int(len(labels) * val_fraction))
     cut = len(labels) - n_val

@@ -38,6 +38,10 @@ def evaluate_run(model_dir: str, data: str) -> dict:
     model.load_state_dict(state)
     model.eval()
     labels, ids, skipped = read_libfm(data)
-    result = {**metrics(model, ClickRows(labels, ids, cfg["buckets"])), "rows": len(labels), "skipped": len(skipped)}
+    result = {
+        **metrics(model, ClickRows(labels, ids, cfg["buckets"])),
+        "rows": len(labels),
+        "skipped": len(skipped),
+    }
     (Path(model_dir) / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     return result

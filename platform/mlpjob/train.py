@@ -34,15 +34,25 @@ def train(cfg: MlpConfig) -> dict:
         torch.manual_seed(cfg.seed)
         labels, ids, _ = read_libfm(cfg.data, cfg.limit)
         train_rows, val_rows = split(labels, ids, cfg.val_fraction, cfg.buckets)
-        log.info("%d training rows, %d validation rows, %d worker(s)", len(train_rows), len(val_rows), ctx.world_size)
-        model = apply_data_parallel(ClickMLP(cfg.buckets, cfg.embed_dim, cfg.hidden, cfg.layers), ctx,
-                                    grad_comm=cfg.grad_comm)
+        log.info(
+            "%d training rows, %d validation rows, %d worker(s)",
+            len(train_rows),
+            len(val_rows),
+            ctx.world_size,
+        )
+        model = apply_data_parallel(
+            ClickMLP(cfg.buckets, cfg.embed_dim, cfg.hidden, cfg.layers), ctx, grad_comm=cfg.grad_comm
+        )
         sampler = ShardedBatchSampler(len(train_rows), cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
         loader = IndexBatchLoader(train_rows, sampler, num_workers=cfg.num_workers)
-        trainer = Trainer(cfg, model, None, None, loader, step_fn, ctx, run, eval_fn=lambda m: metrics(m, val_rows))
+        trainer = Trainer(
+            cfg, model, None, None, loader, step_fn, ctx, run, eval_fn=lambda m: metrics(m, val_rows)
+        )
         final = trainer.fit()
         if ctx.is_main:
-            export_model(run.path, unwrap(model).state_dict(), {"job": "mlp", "config": dataclasses.asdict(cfg)})
+            export_model(
+                run.path, unwrap(model).state_dict(), {"job": "mlp", "config": dataclasses.asdict(cfg)}
+            )
         return final
     finally:
         teardown(ctx)
