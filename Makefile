@@ -22,7 +22,7 @@ demo: $(STAMP)
 	DATA=$(DATA) RUNS=$(RUNS) PY=$(PY) bash scripts/demo.sh
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -4,7 +4,7 @@ For each case (model, image size) in the same run:
 - ``synthetic``: training steps on uint8 batches already in device memory (augment + normalise + fwd/bwd
   + optimizer step): the compute ceiling;
 - ``jpeg``: the same steps fed from JPEG bytes: the tar shard is indexed, bytes are read by offset in
-  DataLoader workers and decoded per step (GPU: batched nvJPEG ``decode_jpeg(device='cuda')``; CPU:
+  DataLoader workers and decoded per step (GPU: batched nvJPEG ``decode_jpeg(device='cuda')`` in the prefetch thread; CPU:
   ``decode_image`` in the workers), with pinned memory, non-blocking copies and a prefetch thread;
   the ratio ``jpeg / synthetic`` is the goal (>= 0.8).
 Cases: the CIFAR-10 tar at 32 px, and 224 px JPEGs made by upscaling and re-encoding CIFAR images
@@ -13,8 +13,9 @@ Cases: the CIFAR-10 tar at 32 px, and 224 px JPEGs made by upscaling and re-enco
 
     .venv/bin/python bench/vision_throughput.py                 # GPU when available, else a small CPU run
     .venv/bin/python bench/vision_throughput.py --pipeline      # + K=2 pipelined/unpipelined on CPU
+    .venv/bin/python bench/vision_throughput.py --device cpu --steps 4 --workers 1 --pipeline   # ~2 min, 2 cores
 
-Writes ``bench/results/vision_throughput.json`` and prints a summary line last.
+Writes ``bench/results/vision_throughput-{cpu,cuda}.json`` and prints a summary line last.
 
 GPU time-to-94 % recipe (the ``gpu94`` preset, ResNet-9, bf16 autocast, channels-last, torch.compile)::
 
@@ -37,6 +38,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("MARIANA_DATA", ROOT.parent / "shared" / "data"))
@@ -123,15 +127,10 @@ def jpeg_batches(tar: Path, size: int, batch: int, steps: int, device, workers: 
     )
 
     def gen():
-        for x, y, _bad in Prefetcher(iter(loader), device, depth=4):
-            if isinstance(x, list):
-                from mariana.apps.vision.data import decode_many
+        from mariana.apps.vision.data import gpu_decode_batch
 
-                x, fails = decode_many(x, size, device)
-                if fails:
-                    keep = torch.ones(len(y), dtype=torch.bool)
-                    keep[fails] = False
-                    y = y[keep]
+        transform = gpu_decode_batch(size, device) if gpu else None
+        for x, y, _bad in Prefetcher(iter(loader), device, depth=4, transform=transform):
             yield x, y
 
     return gen()
@@ -161,43 +160,56 @@ def run_case(name, size, tar, batch, steps, device, workers, amp, channels_last,
     return res
 
 
-def pipeline_bench(out_dir: Path) -> dict:
+def _cli_train(run: Path, extra: list[str]) -> list[str]:
+    """The `mariana vision train` command of the CPU pipeline measurements (mariana-cnn-32, batch 32)."""
+    return [
+        sys.executable,
+        "-m",
+        "mariana.platform.cli",
+        "vision",
+        "train",
+        "--data",
+        str(DATA / "cifar10" / "train.tar"),
+        "--out",
+        str(run),
+        "--model",
+        "mariana-cnn-32",
+        "--limit",
+        "1024",
+        "--batch-size",
+        "32",
+        "--max-steps",
+        "8",
+        "--no-progress",
+        "--device",
+        "cpu",
+        "--optimizer",
+        "adam",
+        "--augment",
+        "none",
+        *extra,
+    ]
+
+
+def unsplit_bench(out_dir: Path) -> dict:
+    """CPU, 1 process x 1 thread: the same model and batch without model parallelism (the reference
+    for the K=2 step times: each pipeline stage also gets one thread)."""
+    run = out_dir / "unsplit"
+    cmd = _cli_train(run, ["--workers", "1", "--log-every", "1"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_time_s"] for r in recs if "step_time_s" in r][1:]  # drop the warm-up step
+    return {"step_time_s": sum(times) / max(1, len(times))}
+
+
+def pipeline_bench(out_dir: Path, balance: str = "params") -> dict:
     """CPU, 2 processes: K=2 mariana-cnn-32 with 4 micro-batches (pipelined) vs 1 (unpipelined)."""
-    res = {}
+    res = {"stage_balance": balance}
     for m in (1, 4):
-        run = out_dir / f"pp-m{m}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "mariana.platform.cli",
-            "vision",
-            "train",
-            "--data",
-            str(DATA / "cifar10" / "train.tar"),
-            "--out",
-            str(run),
-            "--model",
-            "mariana-cnn-32",
-            "--limit",
-            "1024",
-            "--workers",
-            "2",
-            "--model-parallel",
-            "2",
-            "--batch-size",
-            "32",
-            "--micro-batches",
-            str(m),
-            "--max-steps",
-            "8",
-            "--no-progress",
-            "--device",
-            "cpu",
-            "--optimizer",
-            "adam",
-            "--augment",
-            "none",
-        ]
+        run = out_dir / f"pp-{balance}-m{m}"
+        extra = ["--workers", "2", "--model-parallel", "2", "--micro-batches", str(m)]
+        cmd = _cli_train(run, [*extra, "--stage-balance", balance])
         env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
         res[f"step_time_s_m{m}"] = json.loads((run / "metrics.json").read_text())["step_time_s"]
@@ -216,7 +228,12 @@ def main() -> None:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="compute device")
     ap.add_argument("--steps", type=int, default=0, help="steps per measurement (0: 60 on GPU, 6 on CPU)")
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="DataLoader workers")
-    ap.add_argument("--models", default="", help="comma list of model@size (default: resnet9@32,alexnet@224)")
+    ap.add_argument(
+        "--models",
+        default="",
+        help="comma list of model@size (default GPU: resnet9@32,alexnet@224,mariana-cnn@224; CPU: "
+        "cifar-fast@32,mariana-cnn@224); 'none' with --pipeline for the pipeline measurement only",
+    )
     ap.add_argument(
         "--pipeline", action="store_true", help="also measure K=2 pipelined vs unpipelined on CPU"
     )
@@ -235,21 +252,23 @@ def main() -> None:
         "resnet9@32,alexnet@224,mariana-cnn@224" if gpu else "cifar-fast@32,mariana-cnn@224"
     )
     results = {
+        "machine": machine(),
+        "command": "bench/vision_throughput.py " + " ".join(sys.argv[1:]),
         "device": torch.cuda.get_device_name(0) if gpu else "cpu",
         "torch": torch.__version__,
         "cases": [],
     }
     with tempfile.TemporaryDirectory() as tmp:
         tar224 = None
-        for spec in cases.split(","):
+        for spec in [] if cases == "none" else cases.split(","):
             name, size = spec.split("@")
             size = int(size)
             batch = (512 if size <= 64 else 256) if gpu else (64 if size <= 64 else 8)
             if size > 32:
                 if tar224 is None:
-                    tar224 = make_224_tar(
-                        Path(args.data), Path(tmp) / "cifar224.tar", max(2000, batch * (steps + 2))
-                    )
+                    # GPU: enough distinct images that the page cache, not the tar, is measured; CPU: just the run's
+                    n224 = max(2000, batch * (steps + 2)) if gpu else batch * (steps + 2)
+                    tar224 = make_224_tar(Path(args.data), Path(tmp) / "cifar224.tar", n224)
                 tar = tar224
             else:
                 tar = Path(args.data)
@@ -257,8 +276,9 @@ def main() -> None:
                 run_case(name, size, tar, batch, steps, dev, args.workers, gpu, True, args.compile)
             )
         if args.pipeline:
-            results["pipeline_cpu"] = pipeline_bench(Path(tmp))
-    out = ROOT / "bench" / "results" / "vision_throughput.json"
+            results["pipeline_cpu"] = [pipeline_bench(Path(tmp), b) for b in ("params", "time")]
+            results["unsplit_cpu"] = unsplit_bench(Path(tmp))
+    out = ROOT / "bench" / "results" / f"vision_throughput-{dev.type}.json"  # a GPU run keeps the CPU record
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     summary = ", ".join(
@@ -267,8 +287,12 @@ def main() -> None:
         for c in results["cases"]
     )
     if "pipeline_cpu" in results:
-        p = results["pipeline_cpu"]
-        summary += f"; K=2 pipelined speed-up {p['pipelined_speedup']:.2f}x, memory {100 * p['memory_ratio_max_rank']:.0f}%"
+        for p in results["pipeline_cpu"]:
+            summary += (
+                f"; K=2 ({p['stage_balance']}-balanced) pipelined speed-up {p['pipelined_speedup']:.2f}x, "
+                f"memory {100 * p['memory_ratio_max_rank']:.0f}%"
+            )
+        summary += f"; unsplit 1-process step {results['unsplit_cpu']['step_time_s']:.2f} s"
     print(summary)
 
 

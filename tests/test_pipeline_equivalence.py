@@ -84,6 +84,8 @@ def test_split_keeps_block_names_and_function():
 @pytest.mark.slow
 @pytest.mark.parametrize("micro", [1, 4])
 def test_two_stage_pipeline_matches_unsplit_model(tmp_path, micro):
+    from helpers import cli_env
+
     proc = subprocess.run(
         [
             sys.executable,
@@ -100,7 +102,7 @@ def test_two_stage_pipeline_matches_unsplit_model(tmp_path, micro):
         capture_output=True,
         text=True,
         timeout=180,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+        env=cli_env(),  # the shared test environment: 1 thread per process, no stray torchrun variables
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)

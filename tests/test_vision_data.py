@@ -145,6 +145,66 @@ def test_train_eval_classify_commands(small_shard, tmp_path):
     top = clf.classify_bytes(img.read_bytes(), k=3)
     assert len(top) == 3 and all(lbl in clf.classes for lbl, _ in top)
     assert top[0][1] >= top[1][1] >= top[2][1] and sum(p for _, p in top) <= 1.0 + 1e-6
-    for junk in (b"", b"hello world", CORRUPT):
-        with pytest.raises((ValueError, MarianaError)):
+    for junk in (b"", b"hello world", CORRUPT, b"\x89PNG\r\n\x1a\n" + b"\x00" * 40):
+        with pytest.raises((ValueError, MarianaError), match="image"):
             clf.classify_bytes(junk)
+    # the serving layer reports this as the model version: stable for the same weights, str, non-empty
+    assert isinstance(clf.version, str) and clf.version.startswith("cifar-fast-")
+    assert load_classifier(run).version == clf.version
+
+
+def test_raw_bytes_path_decodes_like_the_worker_path(small_shard):
+    """The GPU input path (workers read bytes, the prefetch thread decodes batched) run on CPU gives the
+    same batch as decoding in the workers, and still drops + reports the corrupt image."""
+    from mariana.apps.vision.data import Prefetcher, gpu_decode_batch
+
+    shard, _ = small_shard
+    src = TarSource(shard)
+    cpu = torch.device("cpu")
+
+    def batches(decode: bool):
+        ds = StreamingImages(src, 32, decode=decode)
+        loader = torch.utils.data.DataLoader(ds, batch_size=61, collate_fn=collate_stream)
+        return list(Prefetcher(iter(loader), cpu, transform=None if decode else gpu_decode_batch(32, cpu)))
+
+    (a,), (b,) = batches(True), batches(False)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert len(a[2]) == len(b[2]) == 1
+
+
+@pytest.mark.slow
+def test_streamed_training_skips_and_counts_corrupt_image_once(small_shard, tmp_path):
+    """--cache off: DataLoader workers read from the tar and decode per step; the corrupt JPEG is
+    dropped from its batch in every epoch but recorded once."""
+    shard, _ = small_shard
+    run = tmp_path / "run"
+    args = ["vision", "train", "--data", shard, "--out", run, "--preset", "debug", "--cache", "off"]
+    # one batch of all 61 files per epoch, 2 epochs: the corrupt file is met twice
+    args += ["--num-workers", "1", "--batch-size", "61", "--max-steps", "2", "--no-progress"]
+    proc = run_cli(args, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert last_line(proc.stdout).startswith("train loss")
+    assert "(streamed)" in proc.stderr
+    assert json.loads((run / "metrics.json").read_text())["skipped_images"] == 1
+    skipped = json.loads((run / "skipped.json").read_text())["skipped"]
+    assert [s["path"].endswith("test/cat/broken.jpg") for s in skipped] == [True]
+
+
+def test_model_too_deep_for_image_size_is_a_clear_error(small_shard, tmp_path):
+    shard, _ = small_shard
+    args = [
+        "vision",
+        "train",
+        "--data",
+        shard,
+        "--out",
+        tmp_path / "r",
+        "--model",
+        "alexnet",
+        "--max-steps",
+        "1",
+    ]
+    proc = run_cli(args, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--model alexnet cannot take 32 px images" in proc.stderr
+    assert "Traceback" not in proc.stderr

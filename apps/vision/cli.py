@@ -56,7 +56,7 @@ def _classify(args, argv):
         try:
             top = clf.classify_file(path, args.k)
         except MarianaError as e:
-            print(f"{path}: error: {e}")
+            print(f"error: {e}")
             failed += 1
             continue
         print(f"{path}: " + ", ".join(f"{label} {p:.3f}" for label, p in top))

@@ -223,6 +223,16 @@ class DecodedImages:
         return self.images.shape[0]
 
 
+def subset_indices(n: int, limit: int) -> list[int]:
+    """Indices of the ``--limit`` subset of ``n`` images (all when ``limit`` is 0 or >= n): a fixed random
+    choice, in index order; random rather than the first ``limit`` because names are sorted class by class,
+    so the subset keeps the class balance. Both input paths (decoded once, streamed) use it."""
+    if not limit or limit >= n:
+        return list(range(n))
+    g = torch.Generator().manual_seed(1234)
+    return torch.randperm(n, generator=g)[:limit].sort().values.tolist()
+
+
 def decode_all(
     src: ImageSource,
     size: int,
@@ -233,11 +243,7 @@ def decode_all(
 ) -> DecodedImages:
     """Read and decode every image of ``src`` (the first ``limit`` of a class-balanced order when
     ``limit`` > 0) into a `DecodedImages`. Corrupt images are skipped and counted with their path."""
-    idx = list(range(len(src)))
-    if limit and limit < len(idx):
-        # interleave classes so a subset keeps the class balance (names are sorted class by class)
-        g = torch.Generator().manual_seed(1234)
-        idx = torch.randperm(len(src), generator=g)[:limit].sort().values.tolist()
+    idx = subset_indices(len(src), limit)
     parts, labels, bad = [], [], []
     it = range(0, len(idx), chunk)
     if progress:
@@ -345,12 +351,13 @@ def v2_augment(size: int):
 class Prefetcher:
     """Wrap a batch iterator: a background thread pulls the next ``depth`` batches (reading/decoding in
     DataLoader workers continues meanwhile) and copies them to ``device`` with ``non_blocking=True`` on a
-    side CUDA stream, so host->device copies overlap the current step's compute."""
+    side CUDA stream, so host->device copies overlap the current step's compute. ``transform(batch)``
+    (e.g. batched nvJPEG decoding of raw bytes) also runs in that thread, on the side stream."""
 
-    def __init__(self, it: Iterator, device: torch.device, depth: int = 2):
+    def __init__(self, it: Iterator, device: torch.device, depth: int = 2, transform=None):
         import queue
 
-        self.device, self.q = device, queue.Queue(maxsize=depth)
+        self.device, self.q, self.transform = device, queue.Queue(maxsize=depth), transform
         self.stream = torch.cuda.Stream() if device.type == "cuda" else None
         self._done = object()
         self._err: BaseException | None = None
@@ -370,11 +377,13 @@ class Prefetcher:
                 if self.stream is not None:
                     with torch.cuda.stream(self.stream):
                         batch = self._move(batch)
+                        if self.transform is not None:
+                            batch = self.transform(batch)
                     ev = torch.cuda.Event()
                     ev.record(self.stream)
                     self.q.put((batch, ev))
                 else:
-                    self.q.put((batch, None))
+                    self.q.put((self.transform(batch) if self.transform is not None else batch, None))
         except BaseException as e:  # surface loader errors in the consumer thread
             self._err = e
         self.q.put(self._done)
@@ -389,7 +398,37 @@ class Prefetcher:
             batch, ev = item
             if ev is not None:
                 torch.cuda.current_stream().wait_event(ev)
+                _record_stream(batch, torch.cuda.current_stream())
             yield batch
+
+
+def gpu_decode_batch(size: int, device: torch.device):
+    """A `Prefetcher` transform: ``(list of encoded images, labels, bad paths)`` -> ``(uint8 [B',3,S,S] on
+    device, labels [B'], bad paths)``, decoding with batched ``decode_jpeg`` on ``device``; failures are
+    dropped from the batch and added to the bad list."""
+
+    def transform(batch):
+        x, y, bad = batch
+        if not isinstance(x, list):
+            return batch
+        imgs, fails = decode_many(x, size, device)
+        if fails:
+            keep = torch.ones(len(x), dtype=torch.bool)
+            keep[fails] = False
+            y = y[keep.to(y.device)]
+            bad = list(bad) + [f"item {i} of a batch" for i in fails]
+        return imgs, y, bad
+
+    return transform
+
+
+def _record_stream(batch, stream) -> None:
+    """Tell the caching allocator the batch (allocated on the copy stream) is used on ``stream``."""
+    if isinstance(batch, torch.Tensor):
+        batch.record_stream(stream)
+    elif isinstance(batch, tuple | list):
+        for b in batch:
+            _record_stream(b, stream)
 
 
 def image_bytes_ok(data: bytes) -> bool:
@@ -411,5 +450,6 @@ __all__ = [
     "decode_one",
     "normalize",
     "open_source",
+    "subset_indices",
     "v2_augment",
 ]

@@ -2,10 +2,12 @@
 
 clf = load_classifier("runs/vision")          # RUN/model.safetensors + its metadata; no pickle
 clf.classify_bytes(jpeg_bytes, k=5)           # -> [("cat", 0.83), ("dog", 0.09), ...]
+clf.version                                   # "cifar-fast-3f2a9c1e7b4d": model name + weights digest
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -17,10 +19,19 @@ from .model import build_model
 
 
 class Classifier:
-    """An exported vision model ready for inference on ``device``: ``classes``, ``image_size``."""
+    """An exported vision model ready for inference on ``device``: ``classes``, ``image_size``,
+    ``version`` (model name + the first 12 hex digits of the weights file's SHA-256, so the same weights
+    always report the same version)."""
 
     def __init__(
-        self, model: torch.nn.Module, classes: list[str], image_size: int, mean, std, device: torch.device
+        self,
+        model: torch.nn.Module,
+        classes: list[str],
+        image_size: int,
+        mean,
+        std,
+        device: torch.device,
+        version: str = "unknown",
     ):
         self.model, self.classes, self.image_size, self.device = (
             model.eval(),
@@ -28,6 +39,7 @@ class Classifier:
             image_size,
             device,
         )
+        self.version = version
         self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255
 
@@ -65,6 +77,8 @@ def load_classifier(run_dir: str | Path, device: str | torch.device = "cpu") -> 
     normalisation) written by ``mariana vision train``."""
     device = torch.device(device)
     state, meta = load_exported(run_dir)
+    weights = Path(run_dir) / "model.safetensors" if Path(run_dir).is_dir() else Path(run_dir)
+    version = f"{meta.get('model', 'vision')}-{hashlib.sha256(weights.read_bytes()).hexdigest()[:12]}"
     if meta.get("app") != "vision":
         raise MarianaError(f"{run_dir}: not a vision model (its metadata says app={meta.get('app')!r})")
     model = build_model(
@@ -77,5 +91,11 @@ def load_classifier(run_dir: str | Path, device: str | torch.device = "cpu") -> 
             f"{run_dir}: weights do not match model {meta['model']!r}: {str(e)[:300]}"
         ) from None
     return Classifier(
-        model.to(device), meta["classes"], int(meta["image_size"]), meta["mean"], meta["std"], device
+        model.to(device),
+        meta["classes"],
+        int(meta["image_size"]),
+        meta["mean"],
+        meta["std"],
+        device,
+        version,
     )

@@ -32,9 +32,10 @@ from .data import (
     augment_batch,
     collate_stream,
     decode_all,
-    decode_many,
+    gpu_decode_batch,
     normalize,
     open_source,
+    subset_indices,
 )
 from .model import as_blocks, build_model, num_params
 
@@ -57,19 +58,29 @@ class CachedLoader:
 
 class StreamLoader:
     """`BatchLoader` that reads + decodes in DataLoader workers (pinned memory) and prefetches to the
-    device: (uint8 [B',3,S,S] or list of bytes for GPU decoding, int64 [B'], skipped paths)."""
+    device: (uint8 [B',3,S,S], int64 [B'], skipped paths); with GPU decoding the workers only read bytes."""
 
     def __init__(
-        self, ds: StreamingImages, sampler: ShardedBatchSampler, num_workers: int, device: torch.device
+        self,
+        ds: StreamingImages,
+        sampler: ShardedBatchSampler,
+        num_workers: int,
+        device: torch.device,
+        indices: list[int] | None = None,
     ):
+        # ``indices``: the --limit subset; the sampler then draws positions 0..len(indices)-1 within it
+        subset = torch.utils.data.Subset(ds, indices) if indices is not None else ds
         self.inner = IndexBatchLoader(
-            ds, sampler, collate_stream, num_workers, pin_memory=device.type == "cuda"
+            subset, sampler, collate_stream, num_workers, pin_memory=device.type == "cuda"
         )
         self.device = device
         self.batches_per_epoch = sampler.batches_per_epoch
+        # raw bytes (GPU decoding): decode in the prefetch thread so that it overlaps the training step
+        self.transform = None if ds.decode else gpu_decode_batch(ds.size, device)
 
     def iterate(self, epoch: int, start: int = 0):
-        return iter(Prefetcher(self.inner.iterate(epoch, start), self.device, depth=3))
+        it = self.inner.iterate(epoch, start)
+        return iter(Prefetcher(it, self.device, depth=3, transform=self.transform))
 
 
 class PipelineLoader:
@@ -126,6 +137,24 @@ def report_skipped(bad: list[tuple[str, str]], where: str) -> None:
             ", ".join(p for p, _ in bad[:5]),
             " ..." if len(bad) > 5 else "",
         )
+
+
+def check_input_size(model: torch.nn.Module, cfg: VisionConfig) -> None:
+    """One forward pass of a zero image [1,3,S,S] in eval mode (no RNG drawn, no state changed), so that a
+    model that cannot take S px input (e.g. ``alexnet`` at 32 px) fails here with a clear message instead
+    of a shape error inside the training loop."""
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, 3, cfg.image_size, cfg.image_size))
+    except RuntimeError as e:
+        raise MarianaError(
+            f"--model {cfg.model} cannot take {cfg.image_size} px images ({str(e).splitlines()[0][:160]}); "
+            "raise --image-size (224 for ImageNet models) or pick a CIFAR model (cifar-fast, resnet9, mariana-cnn-32)"
+        ) from None
+    finally:
+        model.train(was)
 
 
 def make_prepare(cfg: VisionConfig, train: bool):
@@ -199,6 +228,11 @@ def _train(cfg: VisionConfig, ctx) -> dict[str, Any]:
         )
     progress = ctx.is_main and cfg.progress
     classes = src.classes
+    # the model first: a model that cannot take the image size fails before minutes of decoding
+    model = build_model(cfg.model, len(classes), cfg.image_size, cfg.dropout)
+    check_input_size(model, cfg)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     skipped: list[tuple[str, str]] = []
     if use_cache:
         data = decode_all(src, cfg.image_size, decode_device(cfg, device), limit=cfg.limit, progress=progress)
@@ -207,7 +241,7 @@ def _train(cfg: VisionConfig, ctx) -> dict[str, Any]:
         data.images, data.labels = data.images.to(device), data.labels.to(device)
         n_train = len(data)
     else:
-        n_train = len(src)
+        n_train = len(subset_indices(len(src), cfg.limit))
     eval_data = None
     if cfg.eval_data:
         eval_data = load_images(cfg.eval_data, cfg, device, cfg.eval_limit, classes)
@@ -219,9 +253,6 @@ def _train(cfg: VisionConfig, ctx) -> dict[str, Any]:
         f"{len(eval_data)} eval images" if eval_data is not None else "no eval data",
     )
 
-    model = build_model(cfg.model, len(classes), cfg.image_size, cfg.dropout)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
     loss_fn = lambda logits, y: F.cross_entropy(logits.float(), y, label_smoothing=cfg.label_smoothing)  # noqa: E731
 
     if k == 1:
@@ -256,33 +287,30 @@ def _train_data_parallel(cfg, ctx, run, model, loss_fn, data, src, eval_data, sk
     from mariana.platform.core.loop import Trainer, unwrap
     from mariana.platform.dp.ddp import apply_data_parallel
 
-    sampler = ShardedBatchSampler(
-        data.__len__() if data is not None else len(src), cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed
-    )
     if data is not None:
+        sampler = ShardedBatchSampler(len(data), cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
         loader = CachedLoader(data, sampler)
     else:
         on_gpu_decode = decode_device(cfg, ctx.device).type == "cuda"
         ds = StreamingImages(src, cfg.image_size, decode=not on_gpu_decode)
-        loader = StreamLoader(ds, sampler, cfg.num_workers, ctx.device)
+        idx = subset_indices(len(src), cfg.limit)
+        sampler = ShardedBatchSampler(len(idx), cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
+        loader = StreamLoader(ds, sampler, cfg.num_workers, ctx.device, idx)
     wrapped = apply_data_parallel(model, ctx, None, cfg.grad_comm)
     if cfg.compile:
         wrapped = torch.compile(wrapped)
     prepare = make_prepare(cfg, train=True)
 
+    seen_bad = {p for p, _ in skipped}
+
     def step_fn(m, batch):
-        if len(batch) == 3:  # streamed: (images or encoded bytes, labels, skipped paths)
+        if len(batch) == 3:  # streamed: (uint8 images on the device, labels, skipped paths)
             x, y, bad = batch
-            if isinstance(x, list):  # GPU decoding of the raw bytes, batched
-                x, fails = decode_many(x, cfg.image_size, ctx.device)
-                if fails:
-                    keep = torch.ones(len(y), dtype=torch.bool)
-                    keep[fails] = False
-                    y = y[keep.to(y.device)]
-                    bad = list(bad) + [f"batch item {i}" for i in fails]
-            if bad:
-                skipped.extend((p, "not a decodable image") for p in bad)
-                log.warning("skipped %d corrupt image(s): %s", len(bad), ", ".join(bad[:3]))
+            new = [p for p in bad if p not in seen_bad]  # count each file once, not once per epoch
+            if new:
+                seen_bad.update(new)
+                skipped.extend((p, "not a decodable image") for p in new)
+                log.warning("skipped %d corrupt image(s): %s", len(new), ", ".join(new[:3]))
         else:
             x, y = batch
         logits = m(prepare(x))

@@ -22,7 +22,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .schedule import GPipeSchedule
-from .stages import split_blocks
+from .stages import balanced_boundaries, block_costs_time, split_blocks
 
 _WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -146,6 +146,14 @@ def parallelize_pipeline(
     k = mesh["mp"].size() if mesh is not None else 1
     s = mesh["mp"].get_local_rank() if mesh is not None else 0
     if isinstance(model_or_stages, nn.Sequential):
+        if balance == "time" and k > 1:
+            # every rank must cut at the same blocks: average the measured block times over all ranks
+            if sample is None:
+                raise MarianaError("balance='time' needs a sample input batch")
+            costs = torch.tensor(block_costs_time(model_or_stages, sample), dtype=torch.float64)
+            if dist.is_initialized():
+                dist.all_reduce(costs)
+            balance = balanced_boundaries(costs.tolist(), k)
         stages = split_blocks(model_or_stages, k, balance, sample)
     else:
         stages = list(model_or_stages)

@@ -1,0 +1,134 @@
+"""``mariana asr prepare|train|eval|transcribe`` (stdlib-only imports at module level)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _headline(m: dict) -> str:
+    if "eval_wer" in m:
+        return f"dev WER {m['eval_wer']:.2f}% SER {m.get('eval_ser', float('nan')):.2f}%"
+    return f"train loss {m.get('train_loss', float('nan')):.4f}"
+
+
+def _prepare(args, argv):
+    from mariana.platform.cli.common import check_data_path
+
+    from .data import parse_speakers, prepare
+
+    check_data_path(args.data)
+    r = prepare(
+        args.data,
+        args.out,
+        parse_speakers(args.test_speakers),
+        parse_speakers(args.dev_speakers),
+        args.utterances,
+        args.max_digits,
+        args.seed,
+    )
+    if r.skipped:
+        print(f"skipped {len(r.skipped)} unreadable recording(s):")
+        for path, reason in r.skipped:
+            print(f"  {path}: {reason}")
+    print(
+        f"prepared {args.out}: train {r.counts['train']} dev {r.counts['dev']} test {r.counts['test']} "
+        f"utterances, skipped {len(r.skipped)}"
+    )
+    return 0
+
+
+def _train(args, argv):
+    from mariana.platform.cli.common import check_data_path, run_training
+
+    from .configs import PRESETS, AsrConfig
+    from .train import train
+
+    def go(cfg):
+        check_data_path(cfg.data)
+        return train(cfg)
+
+    if getattr(args, "data", None):
+        check_data_path(args.data)
+    return run_training(args, argv, AsrConfig, PRESETS, go, _headline)
+
+
+def _eval(args, argv):
+    from mariana.platform.cli.common import check_data_path
+
+    from .evaluate import evaluate_run
+
+    check_data_path(args.data)
+    check_data_path(args.model, "--model")
+    r = evaluate_run(args.model, args.data, args.beam, args.jobs)
+    if r["skipped"]:
+        print(f"skipped {r['skipped']} unreadable recording(s): {', '.join(r['skipped_paths'][:5])}")
+    print(f"utterances {r['utterances']} words {r['words']} beam {r['beam']}")
+    print(f"WER {r['wer']:.2f}% SER {r['ser']:.2f}%")
+    return 0
+
+
+def _transcribe(args, argv):
+    from mariana.platform.cli.common import check_data_path
+    from mariana.platform.core.errors import MarianaError
+
+    from .predict import Transcriber
+
+    check_data_path(args.model, "--model")
+    t = Transcriber(args.model, beam=args.beam)
+    failed = 0
+    for path in args.wavs:
+        try:
+            print(f"{path}\t{t.transcribe_file(path)}")
+        except MarianaError as e:
+            print(f"{path}\terror: {e}")
+            failed += 1
+    print(f"transcribed {len(args.wavs) - failed} of {len(args.wavs)} file(s)")
+    return 2 if failed == len(args.wavs) else 0
+
+
+def register(sub) -> None:
+    from mariana.platform.cli.common import add_train_parser
+
+    from .configs import AsrConfig
+
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    grp = sub.add_parser(
+        "asr", help="speech recognition: connected-digit acoustic DNN with CTC (data parallel)"
+    )
+    g = grp.add_subparsers(dest="asr_command", required=True, metavar="COMMAND")
+
+    p = g.add_parser(
+        "prepare",
+        help="build Kaldi data dirs OUT/{train,dev,test} of connected-digit utterances",
+        formatter_class=fmt,
+    )
+    p.add_argument("--data", required=True, help="FSDD recordings folder or a Kaldi data dir")
+    p.add_argument("--out", required=True, help="output folder for train/, dev/, test/")
+    p.add_argument(
+        "--test-speakers", default="", help="comma-separated test speakers (default: last speaker)"
+    )
+    p.add_argument("--dev-speakers", default="", help="comma-separated dev speakers (default: none)")
+    p.add_argument("--utterances", type=int, default=200, help="connected-digit utterances per speaker")
+    p.add_argument("--max-digits", type=int, default=7, help="most digits per utterance")
+    p.add_argument("--seed", type=int, default=0, help="random seed (digit order, pauses, noise)")
+    p.set_defaults(func=_prepare)
+
+    add_train_parser(
+        g, "train", AsrConfig, "train the acoustic DNN with CTC (--workers N data parallel)", _train
+    )
+
+    e = g.add_parser("eval", help="WER/SER of a trained run on a Kaldi data dir", formatter_class=fmt)
+    e.add_argument("--model", required=True, help="run directory of `mariana asr train`")
+    e.add_argument("--data", required=True, help="Kaldi data dir to score, e.g. OUT/test")
+    e.add_argument(
+        "--beam", type=int, default=None, help="prefix beam width (default: the run's --beam; 0 greedy)"
+    )
+    e.add_argument("--jobs", type=int, default=2, help="parallel feature processes")
+    e.set_defaults(func=_eval)
+
+    t = g.add_parser("transcribe", help="print the transcript of WAV files", formatter_class=fmt)
+    t.add_argument("--model", required=True, help="run directory of `mariana asr train`")
+    t.add_argument("--data", default="", help="unused; WAV files are given as arguments")
+    t.add_argument("--beam", type=int, default=None, help="prefix beam width (default: the run's --beam)")
+    t.add_argument("wavs", nargs="+", help="WAV files")
+    t.set_defaults(func=_transcribe)

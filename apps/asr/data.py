@@ -1,0 +1,265 @@
+"""Connected-digit data preparation and Kaldi-style data directories.
+
+``prepare`` reads either an FSDD-style folder of isolated digits (``{digit}_{speaker}_{take}.wav``) or an
+existing Kaldi data directory (``wav.scp`` with file paths, ``text``, ``utt2spk``), splits it by speaker and
+writes ``OUT/{train,dev,test}/`` Kaldi data dirs (``wav.scp``, ``text``, ``utt2spk``, ``spk2utt``) with their
+WAVs under ``OUT/{split}/wav/``. From FSDD it builds connected-digit utterances: 1..max_digits recordings of
+one speaker joined by 50-300 ms pauses of low-level noise; the transcript is the digit words.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+from mariana.platform.core.errors import DataError, MarianaError
+
+DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+FSDD_NAME = re.compile(r"^(\d)_([A-Za-z0-9-]+)_(\d+)\.wav$")
+SPLITS = ("train", "dev", "test")
+
+
+@dataclass
+class Utterance:
+    """One Kaldi utterance: id, speaker, transcript words, audio file path."""
+
+    utt: str
+    spk: str
+    words: list[str]
+    path: str
+
+
+@dataclass
+class PrepareReport:
+    counts: dict[str, int] = field(default_factory=dict)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+
+
+def read_wav(path: str | Path | io.BytesIO) -> tuple[np.ndarray, int]:
+    """Read a WAV file as mono float32 samples in [-1, 1] -> (samples [N], sample rate Hz).
+
+    Raises MarianaError naming the file when it cannot be decoded or holds no samples."""
+    # An in-memory upload (serving) is named as such rather than by its object repr.
+    name = "uploaded audio" if isinstance(path, io.IOBase) else str(path)
+    try:
+        data, sr = sf.read(path, dtype="float32", always_2d=True)
+    except Exception as e:  # soundfile raises LibsndfileError / RuntimeError / TypeError on bad input
+        reason = str(e).replace(repr(path), "").strip(": ") or type(e).__name__
+        raise MarianaError(f"{name}: unreadable audio, expected a WAV/FLAC/OGG file ({reason})") from None
+    if data.shape[0] == 0:
+        raise MarianaError(f"{name}: audio has no samples")
+    return data.mean(axis=1).astype(np.float32), int(sr)
+
+
+def write_wav(path: Path, samples: np.ndarray, sr: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sf.write(str(path), np.clip(samples, -1.0, 1.0), sr, subtype="PCM_16")
+
+
+# --- Kaldi data dirs --------------------------------------------------------------------------------------
+def _read_table(path: Path, required: bool = True) -> list[tuple[int, str, str]]:
+    """Lines ``key rest`` of a Kaldi table -> [(line number, key, rest)]."""
+    if not path.is_file():
+        if required:
+            raise DataError(f"{path}: missing (a Kaldi data dir needs wav.scp, text and utt2spk)")
+        return []
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = line.strip().split(maxsplit=1)
+        rows.append((n, parts[0], parts[1] if len(parts) > 1 else ""))
+    return rows
+
+
+def read_kaldi_dir(d: str | Path) -> list[Utterance]:
+    """Read a Kaldi data dir (``wav.scp`` with plain file paths, ``text``, ``utt2spk``) -> utterances.
+
+    Relative paths in ``wav.scp`` are taken relative to the directory. Piped entries (``cmd |``) and
+    utterances missing from ``text``/``utt2spk`` raise MarianaError naming the file and line."""
+    d = Path(d)
+    if not d.is_dir():
+        raise DataError(f"{d}: no such directory")
+    wavs = _read_table(d / "wav.scp")
+    texts = {k: v for _, k, v in _read_table(d / "text")}
+    spks = {k: v for _, k, v in _read_table(d / "utt2spk")}
+    utts = []
+    for n, key, rest in wavs:
+        if rest.endswith("|") or rest.startswith("|") or " |" in rest:
+            raise DataError(
+                f"{d / 'wav.scp'} line {n}: piped entry {rest!r} is not supported; "
+                "expected a WAV file path (run the command once and point wav.scp at the file)"
+            )
+        if not rest:
+            raise DataError(f"{d / 'wav.scp'} line {n}: expected '<utt-id> <wav path>', got {key!r}")
+        if key not in texts:
+            raise DataError(f"{d / 'text'}: no transcript for utterance {key!r} (wav.scp line {n})")
+        if key not in spks:
+            raise DataError(f"{d / 'utt2spk'}: no speaker for utterance {key!r} (wav.scp line {n})")
+        path = Path(rest)
+        if not path.is_absolute():
+            path = d / path
+        utts.append(Utterance(key, spks[key], texts[key].split(), str(path)))
+    return utts
+
+
+def write_kaldi_dir(d: Path, utts: list[Utterance]) -> None:
+    """Write ``wav.scp``, ``text``, ``utt2spk``, ``spk2utt`` (sorted by utterance id, as Kaldi wants)."""
+    d.mkdir(parents=True, exist_ok=True)
+    utts = sorted(utts, key=lambda u: u.utt)
+    (d / "wav.scp").write_text("".join(f"{u.utt} {u.path}\n" for u in utts))
+    (d / "text").write_text("".join(f"{u.utt} {' '.join(u.words)}\n" for u in utts))
+    (d / "utt2spk").write_text("".join(f"{u.utt} {u.spk}\n" for u in utts))
+    spk2utt: dict[str, list[str]] = {}
+    for u in utts:
+        spk2utt.setdefault(u.spk, []).append(u.utt)
+    (d / "spk2utt").write_text("".join(f"{s} {' '.join(us)}\n" for s, us in sorted(spk2utt.items())))
+
+
+# --- FSDD -> connected digits --------------------------------------------------------------------------
+def scan_fsdd(folder: Path) -> dict[str, list[tuple[int, Path]]]:
+    """``{speaker: [(digit, path), ...]}`` for files named ``{digit}_{speaker}_{take}.wav``."""
+    by_spk: dict[str, list[tuple[int, Path]]] = {}
+    for p in sorted(folder.iterdir()):
+        m = FSDD_NAME.match(p.name)
+        if m:
+            by_spk.setdefault(m.group(2), []).append((int(m.group(1)), p))
+    return by_spk
+
+
+def _pause(rng: np.random.Generator, sr: int, level: float) -> np.ndarray:
+    """50-300 ms of low-level Gaussian noise (not digital silence, which no microphone records)."""
+    n = int(sr * rng.uniform(0.05, 0.30))
+    return (rng.standard_normal(n) * level).astype(np.float32)
+
+
+def build_connected(
+    recordings: list[tuple[int, np.ndarray]], sr: int, n_utts: int, max_digits: int, rng: np.random.Generator
+) -> list[tuple[list[int], np.ndarray]]:
+    """Join one speaker's isolated digits into ``n_utts`` utterances of 1..max_digits digits.
+
+    Recordings are drawn without replacement from a shuffled list (reshuffled when exhausted), so every
+    recording is used before any repeats. Returns [(digits, samples)]."""
+    order: list[int] = []
+    out = []
+    # The noise level follows the speaker's recording level: about -50 dB under the typical speech RMS.
+    rms = float(np.median([np.sqrt(np.mean(x**2)) + 1e-8 for _, x in recordings]))
+    level = rms * 10 ** (-50 / 20)
+    for _ in range(n_utts):
+        k = int(rng.integers(1, max_digits + 1))
+        digits, parts = [], [_pause(rng, sr, level)]
+        for _ in range(k):
+            if not order:
+                order = list(rng.permutation(len(recordings)))
+            d, x = recordings[order.pop()]
+            digits.append(d)
+            parts += [x, _pause(rng, sr, level)]
+        out.append((digits, np.concatenate(parts)))
+    return out
+
+
+def _split_speakers(speakers: list[str], test: list[str], dev: list[str]) -> dict[str, str]:
+    unknown = [s for s in test + dev if s not in speakers]
+    if unknown:
+        raise MarianaError(
+            f"speaker(s) {', '.join(unknown)} not found in the data (speakers: {', '.join(speakers)})"
+        )
+    both = set(test) & set(dev)
+    if both:
+        raise MarianaError(f"speaker(s) {', '.join(sorted(both))} given as both test and dev speakers")
+    return {s: "test" if s in test else "dev" if s in dev else "train" for s in speakers}
+
+
+def prepare(
+    data: str | Path,
+    out: str | Path,
+    test_speakers: list[str] | None = None,
+    dev_speakers: list[str] | None = None,
+    utterances: int = 200,
+    max_digits: int = 7,
+    seed: int = 0,
+) -> PrepareReport:
+    """Build ``out/{train,dev,test}`` Kaldi data dirs from an FSDD folder or a Kaldi data dir.
+
+    ``utterances``: connected-digit utterances per speaker (FSDD input only). Speakers in
+    ``test_speakers`` go to test only and ``dev_speakers`` to dev only; the rest to train. Without test
+    speakers the last speaker (sorted) is held out for test. Unreadable recordings are skipped and counted."""
+    data, out = Path(data), Path(out)
+    if not data.exists():
+        raise DataError(f"--data {data}: no such file or directory")
+    if not data.is_dir():
+        raise DataError(f"--data {data}: expected a folder of FSDD WAVs or a Kaldi data dir")
+    if max_digits < 1 or utterances < 1:
+        raise MarianaError("--max-digits and --utterances must be >= 1")
+    test_speakers, dev_speakers = list(test_speakers or []), list(dev_speakers or [])
+    report = PrepareReport()
+    rng = np.random.default_rng(seed)
+    for split in SPLITS:  # a re-run replaces the old output rather than mixing with it
+        if (out / split).exists():
+            shutil.rmtree(out / split)
+    result: dict[str, list[Utterance]] = {s: [] for s in SPLITS}
+
+    if (data / "wav.scp").is_file():
+        utts = read_kaldi_dir(data)
+        speakers = sorted({u.spk for u in utts})
+        if not test_speakers:
+            test_speakers = speakers[-1:]
+        split_of = _split_speakers(speakers, test_speakers, dev_speakers)
+        for u in utts:
+            try:
+                read_wav(u.path)
+            except MarianaError as e:
+                report.skipped.append((u.path, str(e)))
+                continue
+            split = split_of[u.spk]
+            dst = out / split / "wav" / f"{u.utt}.wav"
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(u.path, dst)
+            result[split].append(Utterance(u.utt, u.spk, u.words, str(dst.resolve())))
+    else:
+        by_spk = scan_fsdd(data)
+        if not by_spk:
+            raise DataError(
+                f"--data {data}: no '{{digit}}_{{speaker}}_{{take}}.wav' files and no wav.scp "
+                "(expected an FSDD recordings folder or a Kaldi data dir)"
+            )
+        speakers = sorted(by_spk)
+        if not test_speakers:
+            test_speakers = speakers[-1:]
+        split_of = _split_speakers(speakers, test_speakers, dev_speakers)
+        for spk in speakers:
+            recs, sr = [], None
+            for digit, path in by_spk[spk]:
+                try:
+                    x, r = read_wav(path)
+                except MarianaError as e:
+                    report.skipped.append((str(path), str(e)))
+                    continue
+                if sr is not None and r != sr:
+                    report.skipped.append((str(path), f"{path}: sample rate {r} Hz, speaker uses {sr} Hz"))
+                    continue
+                sr = r
+                recs.append((digit, x))
+            if not recs:
+                continue
+            split = split_of[spk]
+            for i, (digits, samples) in enumerate(build_connected(recs, sr, utterances, max_digits, rng)):
+                utt = f"{spk}-{i:05d}"
+                dst = out / split / "wav" / f"{utt}.wav"
+                write_wav(dst, samples, sr)
+                result[split].append(
+                    Utterance(utt, spk, [DIGIT_WORDS[d] for d in digits], str(dst.resolve()))
+                )
+    for split in SPLITS:
+        write_kaldi_dir(out / split, result[split])
+        report.counts[split] = len(result[split])
+    return report
+
+
+def parse_speakers(text: str | None) -> list[str]:
+    return [s for s in (text or "").split(",") if s]

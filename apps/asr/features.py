@@ -1,0 +1,254 @@
+"""Filterbank features: torchaudio's Kaldi-compatible fbank, per-speaker CMVN, a sharded on-disk cache.
+
+Cache layout (one folder per data dir and feature settings)::
+
+    CACHE/index.json       {"key", "dim", "utts": [{"utt", "spk", "words", "shard", "offset", "frames"}],
+                            "skipped": [{"path", "reason"}]}
+    CACHE/shard-NNNNN.f16  raw little-endian float16 frames [frames, dim], utterances back to back
+
+An utterance is ``shard[offset : offset + frames]`` (offsets in frames). Features are computed in parallel
+worker threads (one chunk of utterances each); unreadable audio is skipped and recorded with its path.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from mariana.platform.core.atomic import atomic_write_text
+from mariana.platform.core.errors import MarianaError
+
+from .data import Utterance, read_kaldi_dir, read_wav
+
+INDEX = "index.json"
+
+
+@dataclass(frozen=True)
+class FeatureSettings:
+    """Feature extraction settings (part of the cache key and of the exported model's metadata)."""
+
+    num_mel_bins: int = 40
+    sample_rate: int = 8000
+    frame_length_ms: float = 25.0
+    frame_shift_ms: float = 10.0
+    cmvn: str = "speaker"  # speaker | utterance | none
+
+    def key(self, extra: str = "") -> str:
+        return hashlib.sha1((json.dumps(asdict(self), sort_keys=True) + extra).encode()).hexdigest()[:12]
+
+
+def fbank(samples: torch.Tensor, s: FeatureSettings) -> torch.Tensor:
+    """Kaldi fbank of mono float samples [N] at ``s.sample_rate`` -> log mel energies [frames, bins].
+
+    Samples are scaled to the 16-bit integer range first, as Kaldi reads WAVs."""
+    import torchaudio
+
+    wav = samples.reshape(1, -1).float() * 32768.0
+    return torchaudio.compliance.kaldi.fbank(
+        wav,
+        num_mel_bins=s.num_mel_bins,
+        sample_frequency=float(s.sample_rate),
+        frame_length=s.frame_length_ms,
+        frame_shift=s.frame_shift_ms,
+        dither=0.0,
+        energy_floor=0.0,
+    )
+
+
+def load_audio(path_or_file, s: FeatureSettings, speed: float = 1.0) -> torch.Tensor:
+    """Read a WAV -> mono float samples [N] at ``s.sample_rate``; ``speed`` != 1 is Kaldi-style speed
+    perturbation (resample by 1/speed: tempo and pitch change together)."""
+    import torchaudio.functional as AF
+
+    x, sr = read_wav(path_or_file)
+    wav = torch.from_numpy(x)
+    if sr != s.sample_rate:
+        wav = AF.resample(wav, sr, s.sample_rate)
+    if speed != 1.0:
+        # Playing s.sample_rate*speed samples per second: resample from sr*speed down to sr.
+        wav = AF.resample(wav, int(round(s.sample_rate * speed)), s.sample_rate)
+    return wav
+
+
+def _chunk_worker(args) -> tuple[list[tuple[int, np.ndarray]], list[tuple[int, str]]]:
+    """Compute raw fbank for ``[(index, path, speed)]`` in a worker thread."""
+    items, settings, _threads = args
+    s = FeatureSettings(**settings)
+    done, failed = [], []
+    for i, path, speed in items:
+        try:
+            feats = fbank(load_audio(path, s, speed), s)
+            if feats.shape[0] == 0:
+                raise MarianaError(f"{path}: shorter than one frame")
+            done.append((i, feats.numpy().astype(np.float32)))
+        except MarianaError as e:
+            failed.append((i, str(e)))
+        except Exception as e:  # a decoder or resampler failing on strange input must not stop the job
+            failed.append((i, f"{path}: {type(e).__name__}: {e}"))
+    return done, failed
+
+
+def compute_raw(
+    jobs_in: list[tuple[str, float]], s: FeatureSettings, jobs: int = 2
+) -> tuple[dict[int, np.ndarray], dict[int, str]]:
+    """Raw fbank for each ``(path, speed)`` in parallel -> ({index: [frames, bins]}, {index: reason})."""
+    items = [(i, p, sp) for i, (p, sp) in enumerate(jobs_in)]
+    jobs = max(1, min(jobs, len(items)))
+    chunks = [items[k::jobs] for k in range(jobs)]
+    args = [(c, asdict(s), 1) for c in chunks]
+    feats: dict[int, np.ndarray] = {}
+    failed: dict[int, str] = {}
+    if jobs == 1:
+        results = [_chunk_worker((items, asdict(s), torch.get_num_threads()))]
+    else:
+        # Threads, not processes: libsndfile decoding and torch kernels release the GIL, and a worker
+        # thread starts in microseconds where a spawned process re-imports torch (seconds per job).
+        with cf.ThreadPoolExecutor(jobs) as ex:
+            results = list(ex.map(_chunk_worker, args))
+    for done, bad in results:
+        feats.update(done)
+        failed.update(bad)
+    return feats, failed
+
+
+def apply_cmvn(feats: list[np.ndarray], groups: list[str]) -> list[np.ndarray]:
+    """Mean/variance normalisation per group (speaker or utterance): each bin to zero mean, unit variance
+    over all frames of the group."""
+    stats: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
+    for f, g in zip(feats, groups):
+        s1, s2, n = stats.get(g, (0.0, 0.0, 0))
+        stats[g] = (s1 + f.sum(0, dtype=np.float64), s2 + (f.astype(np.float64) ** 2).sum(0), n + len(f))
+    norm = {}
+    for g, (s1, s2, n) in stats.items():
+        mean = s1 / n
+        std = np.sqrt(np.maximum(s2 / n - mean**2, 1e-8))
+        norm[g] = (mean.astype(np.float32), std.astype(np.float32))
+    return [(f - norm[g][0]) / norm[g][1] for f, g in zip(feats, groups)]
+
+
+def extract(
+    utts: list[Utterance], s: FeatureSettings, jobs: int = 2, speeds: tuple[float, ...] = (1.0,)
+) -> tuple[list[Utterance], list[np.ndarray], list[tuple[str, str]]]:
+    """Features of ``utts`` (x each speed factor), CMVN applied -> (kept utterances, [frames, bins] float32
+    arrays, skipped [(path, reason)]). Perturbed copies get ids ``sp{factor}-{utt}`` and speakers
+    ``sp{factor}-{spk}`` (separate CMVN statistics, as in Kaldi recipes)."""
+    work, meta = [], []
+    for sp in speeds:
+        for u in utts:
+            work.append((u.path, sp))
+            if sp == 1.0:
+                meta.append(u)
+            else:
+                meta.append(Utterance(f"sp{sp}-{u.utt}", f"sp{sp}-{u.spk}", u.words, u.path))
+    raw, failed = compute_raw(work, s, jobs)
+    kept = [i for i in range(len(work)) if i in raw]
+    skipped = [(work[i][0], failed[i]) for i in sorted(failed) if work[i][1] == 1.0]
+    out_utts = [meta[i] for i in kept]
+    feats = [raw[i] for i in kept]
+    if s.cmvn != "none":
+        groups = [u.spk if s.cmvn == "speaker" else u.utt for u in out_utts]
+        feats = apply_cmvn(feats, groups)
+    return out_utts, feats, skipped
+
+
+class FeatureCache:
+    """Read side of the sharded fp16 cache: ``len``, ``feats(i) -> float32 tensor [frames, dim]``,
+    ``utts`` (id, spk, words, frames), ``skipped``."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        index = json.loads((self.folder / INDEX).read_text())
+        self.key, self.dim, self.utts, self.skipped = (
+            index["key"],
+            index["dim"],
+            index["utts"],
+            index["skipped"],
+        )
+        self._shards: dict[int, np.ndarray] = {}
+        self.lengths = [u["frames"] for u in self.utts]
+
+    def __len__(self) -> int:
+        return len(self.utts)
+
+    def _shard(self, k: int) -> np.ndarray:
+        if k not in self._shards:
+            path = self.folder / f"shard-{k:05d}.f16"
+            self._shards[k] = np.memmap(path, dtype="<f2", mode="r").reshape(-1, self.dim)
+        return self._shards[k]
+
+    def feats(self, i: int) -> torch.Tensor:
+        u = self.utts[i]
+        a = self._shard(u["shard"])[u["offset"] : u["offset"] + u["frames"]]
+        return torch.from_numpy(np.asarray(a, dtype=np.float32))
+
+
+def write_cache(
+    folder: Path,
+    key: str,
+    utts: list[Utterance],
+    feats: list[np.ndarray],
+    skipped: list[tuple[str, str]],
+    shard_frames: int = 1 << 20,
+) -> None:
+    """Write shards (about ``shard_frames`` frames each) and then the index (written last, atomically:
+    a cache without index.json is incomplete and is rebuilt)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / INDEX).unlink(missing_ok=True)
+    dim = feats[0].shape[1] if feats else 0
+    entries, shard, offset, buf = [], 0, 0, []
+
+    def flush():
+        nonlocal shard, offset, buf
+        if buf:
+            np.concatenate(buf).astype("<f2").tofile(folder / f"shard-{shard:05d}.f16")
+            shard, offset, buf = shard + 1, 0, []
+
+    for u, f in zip(utts, feats):
+        entries.append(
+            {"utt": u.utt, "spk": u.spk, "words": u.words, "shard": shard, "offset": offset, "frames": len(f)}
+        )
+        buf.append(f)
+        offset += len(f)
+        if offset >= shard_frames:
+            flush()
+    flush()
+    index = {
+        "key": key,
+        "dim": dim,
+        "utts": entries,
+        "skipped": [{"path": p, "reason": r} for p, r in skipped],
+    }
+    atomic_write_text(folder / INDEX, json.dumps(index) + "\n")
+
+
+def cached_features(
+    data_dir: str | Path,
+    s: FeatureSettings,
+    jobs: int = 2,
+    speeds: tuple[float, ...] = (1.0,),
+    cache_root: str | Path | None = None,
+) -> FeatureCache:
+    """The feature cache of a Kaldi data dir, built if missing or stale (settings or wav.scp changed).
+
+    The cache lives in ``cache_root/<key>`` (default ``DATA_DIR/feats/<key>``)."""
+    data_dir = Path(data_dir)
+    scp = data_dir / "wav.scp"
+    if not scp.is_file():
+        raise MarianaError(f"{data_dir}: no wav.scp (run `mariana asr prepare` first)")
+    stamp = hashlib.sha1(
+        scp.read_bytes() + (data_dir / "text").read_bytes() + repr(tuple(speeds)).encode()
+    ).hexdigest()
+    key = s.key(stamp)
+    folder = Path(cache_root or data_dir / "feats") / key
+    if (folder / INDEX).is_file():
+        cache = FeatureCache(folder)
+        if cache.key == key:
+            return cache
+    utts, feats, skipped = extract(read_kaldi_dir(data_dir), s, jobs, speeds)
+    write_cache(folder, key, utts, feats, skipped)
+    return FeatureCache(folder)

@@ -1,0 +1,235 @@
+"""``mariana asr train``: CTC training of the acoustic DNN with synchronous data-parallel SGD.
+
+Data: a prepared folder (``DATA/train`` and, optionally, ``DATA/dev`` Kaldi data dirs). Features come from
+the sharded fp16 cache (built by rank 0 on first use, optionally with speed-perturbed copies); batches are
+drawn length-bucketed so padding stays small; SpecAugment masks are applied on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.export import export_model
+from mariana.platform.core.loop import Trainer, unwrap
+from mariana.platform.core.rundir import RunDir, setup_logging
+from mariana.platform.dp.ddp import apply_data_parallel
+from mariana.platform.dp.dist import init_distributed, teardown
+from mariana.platform.dp.sampler import IndexBatchLoader
+
+from .configs import AsrConfig
+from .decode import error_rates, greedy_decode
+from .features import FeatureCache, FeatureSettings, cached_features
+from .model import build_model
+
+BLANK = "<blank>"
+
+
+def feature_settings(cfg: AsrConfig | dict) -> FeatureSettings:
+    c = dataclasses.asdict(cfg) if not isinstance(cfg, dict) else cfg
+    return FeatureSettings(num_mel_bins=c["num_mel_bins"], sample_rate=c["sample_rate"], cmvn=c["cmvn"])
+
+
+class UtteranceSet(torch.utils.data.Dataset):
+    """Cached utterances as (feats [T, bins] float32, target unit ids [L] int64)."""
+
+    def __init__(self, cache: FeatureCache, vocab: list[str]):
+        self.cache = cache
+        self.unit = {w: i for i, w in enumerate(vocab)}
+        self.lengths = cache.lengths
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def __getitem__(self, i: int):
+        words = self.cache.utts[i]["words"]
+        return self.cache.feats(i), torch.tensor([self.unit.get(w, 0) for w in words], dtype=torch.long)
+
+
+def collate(items) -> dict[str, torch.Tensor]:
+    """[(feats [T_i, F], targets [L_i])] -> padded feats [B, T, F], lengths [B], targets [sum L],
+    target_lengths [B]."""
+    feats = torch.nn.utils.rnn.pad_sequence([f for f, _ in items], batch_first=True)
+    return {
+        "feats": feats,
+        "lengths": torch.tensor([len(f) for f, _ in items]),
+        "targets": torch.cat([t for _, t in items]),
+        "target_lengths": torch.tensor([len(t) for _, t in items]),
+    }
+
+
+class BucketBatchSampler:
+    """Length-bucketed, deterministic, sharded batches (the `ShardedBatchSampler` contract).
+
+    Each epoch: a seeded permutation is cut into pools of ``pool`` global batches; each pool is sorted by
+    length and cut into global batches of ``batch_size x world_size`` similar-length utterances; the batch
+    order is shuffled; rank r takes the r-th slice of each global batch."""
+
+    def __init__(self, lengths, batch_size, rank=0, world_size=1, seed=0, pool=50):
+        self.lengths = torch.as_tensor(lengths)
+        self.batch_size, self.rank, self.world, self.seed, self.pool = (
+            batch_size,
+            rank,
+            world_size,
+            seed,
+            pool,
+        )
+        self.batches_per_epoch = len(self.lengths) // (batch_size * world_size)
+        if self.batches_per_epoch == 0:
+            raise MarianaError(
+                f"{len(self.lengths)} training utterances is less than one global batch "
+                f"({batch_size} x {world_size} workers); prepare more --utterances or lower --batch-size"
+            )
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        perm = torch.randperm(len(self.lengths), generator=g)
+        gb = self.batch_size * self.world
+        perm = perm[: self.batches_per_epoch * gb]
+        glob = []
+        for p in range(0, len(perm), gb * self.pool):
+            chunk = perm[p : p + gb * self.pool]
+            chunk = chunk[torch.argsort(self.lengths[chunk], stable=True)]
+            glob += [chunk[i : i + gb] for i in range(0, len(chunk), gb)]
+        order = torch.randperm(len(glob), generator=g).tolist()
+        lo = self.rank * self.batch_size
+        for b in order[start:]:
+            yield glob[b][lo : lo + self.batch_size].tolist()
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+
+def spec_augment(feats: torch.Tensor, cfg: AsrConfig) -> torch.Tensor:
+    """Independent frequency and time masks per utterance (torchaudio), value 0 = the CMVN mean."""
+    import torchaudio.transforms as T
+
+    x = feats.transpose(1, 2).unsqueeze(1)  # [B, 1, F, T]
+    for _ in range(cfg.num_masks):
+        x = T.FrequencyMasking(cfg.freq_mask, iid_masks=True)(x)
+        x = T.TimeMasking(cfg.time_mask, iid_masks=True)(x)
+    return x.squeeze(1).transpose(1, 2)
+
+
+def make_step_fn(cfg: AsrConfig):
+    def step_fn(model, batch):
+        feats = batch["feats"]
+        if cfg.spec_augment:
+            feats = spec_augment(feats, cfg)
+        logp = model(feats, batch["lengths"])
+        loss = F.ctc_loss(
+            logp.transpose(0, 1),
+            batch["targets"],
+            batch["lengths"],
+            batch["target_lengths"],
+            blank=0,
+            reduction="mean",
+            zero_infinity=True,
+        )
+        return loss, feats.shape[0]
+
+    return step_fn
+
+
+@torch.no_grad()
+def decode_set(model, dataset: UtteranceSet, vocab: list[str], beam: int = 0, batch: int = 64):
+    """Decode every utterance of ``dataset`` -> (refs, hyps) as word lists."""
+    from .decode import beam_decode
+
+    device = next(model.parameters()).device
+    order = sorted(range(len(dataset)), key=lambda i: dataset.lengths[i])
+    refs, hyps = [None] * len(dataset), [None] * len(dataset)
+    for s in range(0, len(order), batch):
+        idx = order[s : s + batch]
+        b = collate([dataset[i] for i in idx])
+        logp = model(b["feats"].to(device), b["lengths"].to(device))[..., : len(vocab)].float().cpu()
+        for j, i in enumerate(idx):
+            n = int(b["lengths"][j])
+            units = beam_decode(logp[j], beam, n) if beam > 0 else greedy_decode(logp[j], n)
+            hyps[i] = [vocab[k] for k in units]
+            refs[i] = dataset.cache.utts[i]["words"]
+    return refs, hyps
+
+
+def flush_denormals_on_cpu(device) -> None:
+    """Treat denormal floats as zero on the CPU. The CTC gradient of a wide output layer (12000 units of
+    which 11 are ever targets) is mostly softmax probabilities of ~1e-40, and x86 matmuls on denormals
+    run an order of magnitude slower: flushing them halved the `mariana` preset's CPU step time
+    (bench/asr_throughput.py, 2.48 -> 1.24 s) without changing anything above 1e-38."""
+    if torch.device(device).type == "cpu":
+        torch.set_flush_denormal(True)
+
+
+def train(cfg: AsrConfig) -> dict:
+    ctx = init_distributed(cfg.device, cfg.timeout)
+    try:
+        run = RunDir(cfg.out)
+        log = setup_logging(run, ctx.rank)
+        if ctx.is_main:
+            run.save_config(cfg)
+        torch.manual_seed(cfg.seed)
+        flush_denormals_on_cpu(ctx.device)
+        data = Path(cfg.data)
+        train_dir, dev_dir = data / "train", data / "dev"
+        if not (train_dir / "wav.scp").is_file():
+            raise MarianaError(
+                f"--data {data}: no train/wav.scp (run `mariana asr prepare --out {data}` first)"
+            )
+        s = feature_settings(cfg)
+        has_dev = (dev_dir / "wav.scp").is_file() and (dev_dir / "wav.scp").stat().st_size > 0
+        root = (lambda split: Path(cfg.cache) / split) if cfg.cache else (lambda split: None)
+        if ctx.is_main:  # one process computes the caches; the others wait and read them
+            cache = cached_features(train_dir, s, cfg.feature_jobs, tuple(cfg.speed_perturb), root("train"))
+            if has_dev:
+                cached_features(dev_dir, s, cfg.feature_jobs, (1.0,), root("dev"))
+        ctx.barrier()
+        cache = cached_features(train_dir, s, 1, tuple(cfg.speed_perturb), root("train"))
+        if cache.skipped and ctx.is_main:
+            log.warning(
+                "skipped %d unreadable recording(s): %s",
+                len(cache.skipped),
+                "; ".join(f"{x['path']} ({x['reason']})" for x in cache.skipped[:5]),
+            )
+        vocab = [BLANK] + sorted({w for u in cache.utts for w in u["words"]})
+        train_set = UtteranceSet(cache, vocab)
+        dev_set = (
+            UtteranceSet(cached_features(dev_dir, s, 1, (1.0,), root("dev")), vocab) if has_dev else None
+        )
+        frames = sum(cache.lengths)
+        log.info(
+            "%d training utterances (%d frames), %d dev, vocabulary %d + blank, %d worker(s)",
+            len(train_set),
+            frames,
+            len(dev_set) if dev_set else 0,
+            len(vocab) - 1,
+            ctx.world_size,
+        )
+        cfg_dict = dataclasses.asdict(cfg)
+        model = build_model(cfg_dict, len(vocab))
+        log.info("model: %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
+        model = apply_data_parallel(model, ctx, grad_comm=cfg.grad_comm)
+        sampler = BucketBatchSampler(train_set.lengths, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
+        loader = IndexBatchLoader(train_set, sampler, collate_fn=collate, num_workers=cfg.num_workers)
+
+        def eval_fn(m):
+            refs, hyps = decode_set(m, dev_set, vocab, cfg.beam)
+            r = error_rates(refs, hyps)
+            return {"wer": r["wer"], "ser": r["ser"]}
+
+        trainer = Trainer(
+            cfg, model, None, None, loader, make_step_fn(cfg), ctx, run, eval_fn=eval_fn if dev_set else None
+        )
+        final = trainer.fit()
+        if ctx.is_main:
+            export_model(
+                run.path,
+                unwrap(model).state_dict(),
+                {"job": "asr", "config": cfg_dict, "vocab": vocab, "train_frames": frames},
+            )
+        return final
+    finally:
+        teardown(ctx)

@@ -1,0 +1,437 @@
+"""Streaming readers for click logs: Criteo TSV and libSVM/libFM, hashed per field.
+
+Formats
+- ``criteo``: ``label \\t I1..I13 \\t C1..C26`` (39 features; empty = missing). Integer counts become
+  (a) dense features ``log1p(max(x, 0))`` ``[13]`` and (b) categorical buckets ``floor(log(x)^2)`` for
+  x > 2 (the Criteo winners' log transform; small values kept as they are), categoricals are hashed.
+  Fields: 13 bucketised integers + 26 categoricals = 39.
+- ``libfm``: ``label id:value id:value ...`` (label 1 = click, 0 or -1 = no click). The k-th pair is
+  field k (Frappe: 10 one-hot fields); missing trailing fields get the missing row with value 0.
+
+Hashing: field f owns rows ``[f * R, (f + 1) * R)`` of one table (``R = rows_per_field``). Row ``f * R``
+is the field's missing / out-of-vocabulary row; a value maps to ``f * R + 1 + h(value) % (R - 1)``.
+Integer ids (libFM ids, bucketised counts) use ``h(x) = x``; strings use CRC32 mixed with the field.
+At prediction time a row never trained (no gradient reached it) is mapped to the OOV row too, so ids
+unseen in training never fail and never read an untrained random vector.
+
+Readers are generators over lines, parsed in chunks (vectorised with numpy per chunk): memory is O(chunk).
+A malformed line is skipped and counted with its (1-based) line number in `ReadStats`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from mariana.platform.core.errors import DataError
+
+FORMATS = ("criteo", "libfm")
+CRITEO_INTS, CRITEO_CATS = 13, 26
+
+
+@dataclass
+class Schema:
+    """What the hashed rows look like: ``num_fields`` ids per row into ``num_fields * rows_per_field``
+    table rows, and ``num_dense`` float features."""
+
+    format: str
+    num_fields: int
+    rows_per_field: int
+    num_dense: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_fields * self.rows_per_field
+
+    def to_dict(self) -> dict:
+        return {
+            "format": self.format,
+            "num_fields": self.num_fields,
+            "rows_per_field": self.rows_per_field,
+            "num_dense": self.num_dense,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Schema:
+        return cls(d["format"], int(d["num_fields"]), int(d["rows_per_field"]), int(d["num_dense"]))
+
+
+@dataclass
+class Batch:
+    """``ids`` int64 [B, F] table rows; ``vals`` float32 [B, F]; ``dense`` float32 [B, D];
+    ``labels`` float32 [B] in {0, 1} (zeros when parsing unlabelled records)."""
+
+    ids: torch.Tensor
+    vals: torch.Tensor
+    dense: torch.Tensor
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def to(self, device) -> Batch:
+        nb = torch.device(device).type == "cuda"
+        return Batch(*(t.to(device, non_blocking=nb) for t in (self.ids, self.vals, self.dense, self.labels)))
+
+    def slice(self, a: int, b: int) -> Batch:
+        return Batch(self.ids[a:b], self.vals[a:b], self.dense[a:b], self.labels[a:b])
+
+    @staticmethod
+    def cat(batches: list[Batch]) -> Batch:
+        return Batch(
+            *(torch.cat([getattr(b, k) for b in batches]) for k in ("ids", "vals", "dense", "labels"))
+        )
+
+
+@dataclass
+class ReadStats:
+    rows: int = 0
+    skipped: int = 0
+    errors: dict[int, str] = field(default_factory=dict)  # line number -> message (first `keep`)
+    keep: int = 100
+
+    def bad(self, lineno: int, msg: str) -> None:
+        self.skipped += 1
+        if len(self.errors) < self.keep:
+            self.errors[lineno] = msg
+
+
+_M1 = np.uint64(0x9E3779B97F4A7C15)
+_M2 = np.uint64(0xBF58476D1CE4E5B9)
+
+
+def _mix(x: np.ndarray, salt: np.ndarray) -> np.ndarray:
+    """splitmix64-style mix of uint64 values with a per-field salt (deterministic across processes)."""
+    with np.errstate(over="ignore"):
+        z = (x + salt * _M1) * _M2
+        z ^= z >> np.uint64(31)
+        z *= _M1
+        z ^= z >> np.uint64(29)
+    return z
+
+
+def _crc(tokens: np.ndarray) -> np.ndarray:
+    """CRC32 of each distinct string (hashing only the unique ones: power-law data repeats a lot)."""
+    uniq, inv = np.unique(tokens, return_inverse=True)
+    h = np.fromiter((zlib.crc32(t.encode()) for t in uniq), dtype=np.uint64, count=len(uniq))
+    return h[inv.reshape(-1)].reshape(tokens.shape)
+
+
+class Encoder:
+    """Turns text records into `Batch`es for one `Schema` (vectorised over a chunk of lines)."""
+
+    def __init__(self, schema: Schema):
+        self.schema = schema
+        if schema.format not in FORMATS:
+            raise DataError(f"unknown format {schema.format!r}; expected one of {', '.join(FORMATS)}")
+        R = schema.rows_per_field
+        self.base = torch.arange(schema.num_fields, dtype=torch.int64) * R
+
+    # ---------------------------------------------------------------- per-format parsing
+    def encode(
+        self, lines: list[str], has_label: bool = True, first_lineno: int = 1, stats: ReadStats | None = None
+    ) -> tuple[Batch, list[int], dict[int, str]]:
+        """Parse ``lines``. Returns (batch of the valid lines, their indices in ``lines``, index -> error)."""
+        if self.schema.format == "criteo":
+            return self._criteo(lines, has_label, first_lineno, stats)
+        return self._libfm(lines, has_label, first_lineno, stats)
+
+    def _finish(self, raw: np.ndarray, known: np.ndarray) -> torch.Tensor:
+        """raw uint64 [n, F] values (already hashed or small ints), known bool [n, F] -> rows [n, F]."""
+        R = self.schema.rows_per_field
+        local = (raw % np.uint64(R - 1)).astype(np.int64) + 1
+        local[~known] = 0
+        return torch.from_numpy(local) + self.base
+
+    def _criteo(self, lines, has_label, first, stats):
+        off = 1 if has_label else 0
+        want = off + CRITEO_INTS + CRITEO_CATS
+        errors: dict[int, str] = {}
+        good_idx, rows = [], []
+        for i, line in enumerate(lines):
+            parts = line.rstrip("\r\n").split("\t")
+            # Trailing empty fields are often stripped from copies of the log: pad them as missing.
+            if len(parts) > want or len(parts) < off + CRITEO_INTS + 1:
+                errors[i] = f"expected {want} tab-separated fields, got {len(parts)}"
+                continue
+            if len(parts) < want:
+                parts += [""] * (want - len(parts))
+            if has_label and parts[0] not in ("0", "1"):
+                errors[i] = f"label must be 0 or 1, got {parts[0][:20]!r}"
+                continue
+            rows.append(parts)
+            good_idx.append(i)
+        labels = np.zeros(len(rows), dtype=np.float32)
+        ints = np.zeros((len(rows), CRITEO_INTS), dtype=np.int64)
+        int_known = np.zeros((len(rows), CRITEO_INTS), dtype=bool)
+        keep = np.ones(len(rows), dtype=bool)
+        if rows:
+            arr = np.array(rows, dtype=object)
+            if has_label:
+                labels = (arr[:, 0] == "1").astype(np.float32)
+            int_tok = arr[:, off : off + CRITEO_INTS]
+            int_tok = int_tok.astype(str)
+            int_known = int_tok != ""
+            try:  # one numpy conversion for the whole chunk
+                ints = np.where(int_known, int_tok, "0").astype(np.int64)
+            except (ValueError, OverflowError):  # find the bad lines: a bad count invalidates only its line
+                for j in range(len(rows)):
+                    try:
+                        ints[j] = [int(t) if t else 0 for t in int_tok[j]]
+                    except ValueError:
+                        bad = next(t for t in int_tok[j] if t and not t.lstrip("-").isdigit())
+                        errors[good_idx[j]] = f"integer feature is not an integer: {bad[:20]!r}"
+                        keep[j] = False
+            cats = arr[:, off + CRITEO_INTS :].astype(str)
+        else:
+            cats = np.zeros((0, CRITEO_CATS), dtype=str)
+        ints, int_known, labels, cats = ints[keep], int_known[keep], labels[keep], cats[keep]
+        good_idx = [g for g, k in zip(good_idx, keep) if k]
+        pos = np.maximum(ints, 0).astype(np.float64)
+        dense = np.log1p(pos).astype(np.float32)
+        # log^2 bucketing of counts > 2 (negative values get their own small buckets)
+        bucket = np.where(
+            ints > 2, np.floor(np.log(np.maximum(pos, 1.0)) ** 2).astype(np.int64) + 3, ints + 3
+        )
+        raw_int = bucket.astype(np.uint64)
+        cat_known = cats != ""
+        salt = np.arange(CRITEO_CATS, dtype=np.uint64)[None, :] + np.uint64(1)
+        raw_cat = _mix(_crc(cats), salt) if len(cats) else np.zeros((0, CRITEO_CATS), np.uint64)
+        ids = self._finish(np.concatenate([raw_int, raw_cat], 1), np.concatenate([int_known, cat_known], 1))
+        n = len(good_idx)
+        batch = Batch(
+            ids, torch.ones(n, self.schema.num_fields), torch.from_numpy(dense), torch.from_numpy(labels)
+        )
+        if stats is not None:
+            stats.rows += n
+            for i, msg in errors.items():
+                stats.bad(first + i, msg)
+        return batch, good_idx, errors
+
+    def _libfm(self, lines, has_label, first, stats):
+        fast = self._libfm_fast(lines, has_label)
+        if fast is None:  # some line is malformed: the per-line parser finds which and why
+            return self._libfm_checked(lines, has_label, first, stats)
+        if stats is not None:
+            stats.rows += len(fast)
+        return fast, list(range(len(lines))), {}
+
+    def _libfm_fast(self, lines, has_label) -> Batch | None:
+        """Vectorised parse of a chunk whose lines are all valid (numpy converts every token in one call);
+        None if any line is not, so that errors are always reported per line by `_libfm_checked`."""
+        F = self.schema.num_fields
+        toks = [ln.split() for ln in lines]
+        n = len(toks)
+        lens = np.fromiter(map(len, toks), dtype=np.int64, count=n)
+        nfeat = lens - 1 if has_label else lens
+        if n == 0 or lens.min() < 1 or nfeat.max() > F:
+            return None
+        try:  # C-level conversions over the whole chunk (map over builtins, no Python loop per field)
+            if has_label:
+                lab = np.fromiter(map(float, [t[0] for t in toks]), dtype=np.float64, count=n)
+                if not np.isin(lab, (1.0, 0.0, -1.0)).all():
+                    return None
+                feats = [x for t in toks for x in t[1:]]
+            else:
+                lab = np.zeros(n)
+                feats = [x for t in toks for x in t]
+            pairs = " ".join(feats).replace(":", " ").split()
+            m = len(feats)
+            if len(pairs) != 2 * m:  # a token without ':' or with several
+                return None
+            ident = np.fromiter(map(int, pairs[0::2]), dtype=np.int64, count=m)
+            value = np.fromiter(map(float, pairs[1::2]), dtype=np.float32, count=m)
+        except (ValueError, OverflowError):
+            return None
+        if len(ident) and ident.min() < 0:
+            return None
+        row = np.repeat(np.arange(n), nfeat)
+        col = np.arange(len(ident)) - np.repeat(np.cumsum(nfeat) - nfeat, nfeat)
+        ids = np.zeros((n, F), dtype=np.uint64)
+        vals = np.zeros((n, F), dtype=np.float32)
+        known = np.zeros((n, F), dtype=bool)
+        ids[row, col] = ident.astype(np.uint64)
+        vals[row, col] = value
+        known[row, col] = True
+        labels = torch.from_numpy((lab > 0).astype(np.float32))
+        return Batch(self._finish(ids, known), torch.from_numpy(vals), torch.zeros(n, 0), labels)
+
+    def _libfm_checked(self, lines, has_label, first, stats):
+        F = self.schema.num_fields
+        errors: dict[int, str] = {}
+        good_idx: list[int] = []
+        labels: list[float] = []
+        ids = np.zeros((len(lines), F), dtype=np.int64)
+        vals = np.zeros((len(lines), F), dtype=np.float32)
+        known = np.zeros((len(lines), F), dtype=bool)
+        n = 0
+        for i, line in enumerate(lines):
+            parts = line.split()
+            if not parts:
+                errors[i] = "empty line"
+                continue
+            try:
+                if has_label:
+                    lab = float(parts[0])
+                    if lab not in (1.0, 0.0, -1.0):
+                        raise ValueError(f"label must be 1, 0 or -1, got {parts[0][:20]!r}")
+                    feats = parts[1:]
+                else:
+                    feats = parts
+                if len(feats) > F:
+                    raise ValueError(f"{len(feats)} features, the model has {F} fields")
+                for k, tok in enumerate(feats):
+                    a, sep, b = tok.partition(":")
+                    if not sep:
+                        raise ValueError(f"feature {tok[:20]!r} is not id:value")
+                    ident = int(a)
+                    if ident < 0:
+                        raise ValueError(f"negative feature id {ident}")
+                    ids[n, k] = ident
+                    vals[n, k] = float(b)
+                    known[n, k] = True
+            except ValueError as e:
+                msg = str(e)
+                errors[i] = (
+                    msg
+                    if " " in msg and "invalid literal" not in msg
+                    else f"bad number in {line.strip()[:40]!r}"
+                )
+                known[n] = False
+                vals[n] = 0
+                continue
+            if has_label:
+                labels.append(1.0 if lab > 0 else 0.0)
+            good_idx.append(i)
+            n += 1
+        rows = self._finish(ids[:n].astype(np.uint64), known[:n])
+        lab_t = torch.tensor(labels, dtype=torch.float32) if has_label else torch.zeros(n)
+        batch = Batch(rows, torch.from_numpy(vals[:n].copy()), torch.zeros(n, 0), lab_t)
+        if stats is not None:
+            stats.rows += n
+            for i, msg in errors.items():
+                stats.bad(first + i, msg)
+        return batch, good_idx, errors
+
+
+def check_file(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{p}: no such data file")
+    return p
+
+
+def count_lines(path: str | Path) -> int:
+    """Number of lines (streaming, 1 MiB blocks)."""
+    n, last = 0, b"\n"
+    with open(check_file(path), "rb") as f:
+        while block := f.read(1 << 20):
+            n += block.count(b"\n")
+            last = block[-1:]
+    return n + (0 if last == b"\n" else 1)
+
+
+def infer_schema(
+    path: str | Path, fmt: str, rows_per_field: int, num_fields: int = 0, probe: int = 1000
+) -> Schema:
+    """Criteo has a fixed layout; for libFM the number of fields is the most features seen in the first
+    ``probe`` valid lines unless ``num_fields`` is given."""
+    if fmt == "criteo":
+        return Schema("criteo", CRITEO_INTS + CRITEO_CATS, rows_per_field, CRITEO_INTS)
+    if fmt != "libfm":
+        raise DataError(f"unknown --format {fmt!r}; expected criteo or libfm")
+    if num_fields <= 0:
+        widths = []
+        with open(check_file(path), encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 1 and all(":" in p for p in parts[1:]):
+                    widths.append(len(parts) - 1)
+                if len(widths) >= probe:
+                    break
+        if not widths:
+            raise DataError(f"{path}: no valid libFM line ('label id:value ...') in the first lines")
+        num_fields = max(widths)
+    return Schema("libfm", num_fields, rows_per_field, 0)
+
+
+def iter_chunks(
+    path: str | Path,
+    encoder: Encoder,
+    start: int = 0,
+    stop: int | None = None,
+    chunk: int = 8192,
+    stats: ReadStats | None = None,
+    has_label: bool = True,
+) -> Iterator[Batch]:
+    """Stream the lines ``[start, stop)`` (0-based, by row order) of ``path`` as encoded chunks."""
+    buf: list[str] = []
+    first = start + 1
+    with open(check_file(path), encoding="utf-8", errors="replace") as f:
+        for i, line in enumerate(f):
+            if i < start:
+                continue
+            if stop is not None and i >= stop:
+                break
+            buf.append(line)
+            if len(buf) >= chunk:
+                b, _, _ = encoder.encode(buf, has_label, first, stats)
+                first += len(buf)
+                buf = []
+                if len(b):
+                    yield b
+    if buf:
+        b, _, _ = encoder.encode(buf, has_label, first, stats)
+        if len(b):
+            yield b
+
+
+def iter_batches(chunks: Iterator[Batch], batch_size: int, drop_last: bool = False) -> Iterator[Batch]:
+    """Re-cut a stream of chunks into batches of exactly ``batch_size`` rows (the last may be short)."""
+    pending: list[Batch] = []
+    have = 0
+    for c in chunks:
+        pending.append(c)
+        have += len(c)
+        if have >= batch_size:
+            cat = Batch.cat(pending)
+            n_full = len(cat) // batch_size
+            for k in range(n_full):
+                yield cat.slice(k * batch_size, (k + 1) * batch_size)
+            rest = cat.slice(n_full * batch_size, len(cat))
+            pending, have = ([rest], len(rest)) if len(rest) else ([], 0)
+    if have and not drop_last:
+        yield Batch.cat(pending)
+
+
+def split_bounds(total: int, fractions: tuple[float, float, float]) -> dict[str, tuple[int, int]]:
+    """Row-order split of ``total`` lines: {'train': (0, a), 'val': (a, b), 'test': (b, total), 'all': ...}."""
+    tr, va, _ = fractions
+    a = int(round(total * tr))
+    b = int(round(total * (tr + va)))
+    return {"train": (0, a), "val": (a, b), "test": (b, total), "all": (0, total)}
+
+
+def parse_split(text: str) -> tuple[float, float, float]:
+    try:
+        parts = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        parts = ()
+    if len(parts) != 3 or any(p < 0 for p in parts) or abs(sum(parts) - 1.0) > 1e-6:
+        raise DataError(f"--split must be three fractions train,val,test summing to 1, got {text!r}")
+    return parts  # type: ignore[return-value]
+
+
+def load_split(path, encoder: Encoder, start: int, stop: int | None, stats: ReadStats | None = None) -> Batch:
+    """Whole split in memory (for evaluation of small splits and the in-memory cache)."""
+    chunks = list(iter_chunks(path, encoder, start, stop, stats=stats))
+    if not chunks:
+        F, D = encoder.schema.num_fields, encoder.schema.num_dense
+        return Batch(
+            torch.zeros(0, F, dtype=torch.int64), torch.zeros(0, F), torch.zeros(0, D), torch.zeros(0)
+        )
+    return Batch.cat(chunks)

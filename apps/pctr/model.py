@@ -1,0 +1,110 @@
+"""Click-prediction models: LR, FM, DNN, DeepFM, DCN-v2 (plain single-device ``nn.Module``s).
+
+All share one embedding table ``table: nn.Embedding(num_rows, 1 + dim, sparse=True)``: column 0 is the
+feature's linear weight, columns 1.. its ``dim``-dimensional embedding (one lookup serves both terms).
+Inputs: ``ids`` int64 [B, F] table rows, ``vals`` float32 [B, F] feature values, ``dense`` float32 [B, D].
+Output: logits float32 [B].
+
+``forward(ids, vals, dense)`` looks rows up in ``self.table`` (sparse gradient). ``forward_rows(rows,
+vals, dense)`` takes the looked-up rows ``[B, F, 1 + dim]`` instead: the trainers gather them from the
+unique rows of the batch (pulled from a parameter server or a local shard) so that only those rows carry
+gradients. Everything except ``table`` is "dense" (``dense_parameters()``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+MODELS = ("lr", "fm", "dnn", "deepfm", "dcn")
+
+
+def mlp(sizes: list[int], dropout: float = 0.0) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+        if dropout > 0:
+            layers.append(nn.Dropout(dropout))
+    return nn.Sequential(*layers)
+
+
+class CTRModel(nn.Module):
+    def __init__(
+        self,
+        kind: str,
+        num_rows: int,
+        num_fields: int,
+        num_dense: int,
+        dim: int = 16,
+        hidden: tuple[int, ...] = (256, 128),
+        cross_layers: int = 3,
+        dropout: float = 0.0,
+        init_std: float = 0.01,
+    ):
+        super().__init__()
+        if kind not in MODELS:
+            raise ValueError(f"unknown model {kind!r}; choose from {', '.join(MODELS)}")
+        self.kind, self.num_fields, self.num_dense = kind, num_fields, num_dense
+        self.dim = 0 if kind == "lr" else dim
+        self.table = nn.Embedding(num_rows, 1 + self.dim, sparse=True)
+        nn.init.normal_(self.table.weight, std=init_std)
+        self.bias = nn.Parameter(torch.zeros(1))
+        self.dense_linear = nn.Linear(num_dense, 1, bias=False) if num_dense else None
+        flat = num_fields * self.dim + num_dense
+        if kind in ("dnn", "deepfm", "dcn"):
+            self.deep = mlp([flat, *hidden], dropout)
+            deep_out = hidden[-1] if hidden else flat
+        if kind in ("dnn", "deepfm"):
+            self.head = nn.Linear(deep_out, 1)
+        if (
+            kind == "dcn"
+        ):  # DCN-v2 (Wang et al. 2021): x_{l+1} = x0 * (W_l x_l + b_l) + x_l, parallel deep net
+            self.cross = nn.ModuleList(nn.Linear(flat, flat) for _ in range(cross_layers))
+            self.head = nn.Linear(flat + deep_out, 1)
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        return [p for n, p in self.named_parameters() if not n.startswith("table.")]
+
+    def forward(self, ids: torch.Tensor, vals: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        return self.forward_rows(self.table(ids), vals, dense)
+
+    def forward_rows(self, rows: torch.Tensor, vals: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        """rows [B, F, 1 + dim] -> logits [B]."""
+        w = rows[..., 0]
+        logit = (w * vals).sum(1) + self.bias
+        if self.dense_linear is not None:
+            logit = logit + self.dense_linear(dense).squeeze(1)
+        if self.kind == "lr":
+            return logit
+        emb = rows[..., 1:] * vals.unsqueeze(-1)  # [B, F, dim]
+        if self.kind in ("fm", "deepfm"):
+            s = emb.sum(1)
+            logit = logit + 0.5 * (s * s - (emb * emb).sum(1)).sum(1)
+        if self.kind == "fm":
+            return logit
+        x0 = emb.reshape(emb.shape[0], -1)
+        if self.num_dense:
+            x0 = torch.cat([x0, dense], 1)
+        deep = self.deep(x0)
+        if self.kind == "dcn":
+            x = x0
+            for layer in self.cross:
+                x = x0 * layer(x) + x
+            return self.head(torch.cat([x, deep], 1)).squeeze(1) + self.bias
+        out = self.head(deep).squeeze(1)
+        return out + (logit if self.kind == "deepfm" else self.bias)
+
+
+def build_model(cfg, schema) -> CTRModel:
+    hidden = tuple(int(h) for h in str(cfg.hidden).split(",") if h.strip())
+    return CTRModel(
+        cfg.model,
+        schema.num_rows,
+        schema.num_fields,
+        schema.num_dense,
+        cfg.dim,
+        hidden,
+        cfg.cross_layers,
+        cfg.dropout,
+        cfg.init_std,
+    )

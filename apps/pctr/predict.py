@@ -1,0 +1,140 @@
+"""Inference API used by `mariana pctr eval` and the serving module.
+
+``load_predictor(run_dir) -> Predictor`` reads only the exported files (``model.safetensors`` with the
+metadata JSON: schema = format + hashing, model shape); nothing is unpickled.
+
+Predictor:
+- ``.format``: ``'criteo' | 'libfm'``; ``.version``: str
+- ``.parse(lines: list[str]) -> (Batch, errors: dict[int, str])``: records in the training format WITHOUT
+  the label (criteo: 39 tab-separated fields; libfm: ``id:value ...``); invalid lines are left out and
+  reported by index.
+- ``.parse_json(instances: list[dict]) -> (Batch, errors)``: criteo ``{"I1": 3, ..., "C26": "a9b0..."}``
+  (absent key = missing); libfm ``{"features": [[id, value], ...]}`` or ``{"features": {"id": value}}``.
+- ``.predict(batch) -> np.ndarray float32 [B]`` click probabilities.
+- ``.predict_lines(lines) -> (probs: list[float | None], errors)`` (None where the line was invalid).
+Ids unseen in training (their hashed row received no gradient) are scored with the field's OOV row.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.export import load_exported
+
+from .data import CRITEO_CATS, CRITEO_INTS, Batch, Encoder, Schema
+from .model import CTRModel
+
+
+class Predictor:
+    def __init__(self, state: dict[str, torch.Tensor], meta: dict, device: str | torch.device = "cpu"):
+        if meta.get("app") != "pctr":
+            raise MarianaError(f"the exported model is not a pctr model (app={meta.get('app')!r})")
+        self.meta = meta
+        self.schema = Schema.from_dict(meta["schema"])
+        self.format: str = self.schema.format
+        self.version: str = str(meta.get("version", "unknown"))
+        self.encoder = Encoder(self.schema)
+        m = meta["model"]
+        hidden = tuple(int(h) for h in str(m["hidden"]).split(",") if h.strip())
+        self.device = torch.device(device)
+        self.model = CTRModel(
+            m["kind"],
+            self.schema.num_rows,
+            self.schema.num_fields,
+            self.schema.num_dense,
+            m["dim"],
+            hidden,
+            m["cross_layers"],
+            0.0,
+        )
+        self.seen = state.pop("seen").bool().to(self.device)
+        self.model.load_state_dict(state)
+        self.model.to(self.device).eval()
+        self.R = self.schema.rows_per_field
+
+    def map_oov(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows never trained -> the field's missing/OOV row (``field * R``)."""
+        return torch.where(self.seen[ids], ids, ids - ids % self.R)
+
+    def parse(self, lines: list[str]) -> tuple[Batch, dict[int, str]]:
+        batch, _, errors = self.encoder.encode(list(lines), has_label=False)
+        return batch, errors
+
+    def parse_labelled(self, lines: list[str]) -> tuple[Batch, list[int], dict[int, str]]:
+        return self.encoder.encode(list(lines), has_label=True)
+
+    def parse_json(self, instances: list[dict]) -> tuple[Batch, dict[int, str]]:
+        lines, bad = [], {}
+        index = []
+        for i, inst in enumerate(instances):
+            try:
+                lines.append(self._json_line(inst))
+                index.append(i)
+            except (TypeError, ValueError, KeyError) as e:
+                bad[i] = f"invalid instance: {e}"
+        batch, errors = self.parse(lines)
+        for j, msg in errors.items():
+            bad[index[j]] = msg
+        return batch, dict(sorted(bad.items()))
+
+    def _json_line(self, inst: dict) -> str:
+        if not isinstance(inst, dict):
+            raise TypeError(f"expected an object, got {type(inst).__name__}")
+        if self.format == "criteo":
+            names = [f"I{i}" for i in range(1, CRITEO_INTS + 1)] + [
+                f"C{i}" for i in range(1, CRITEO_CATS + 1)
+            ]
+            unknown = set(inst) - set(names)
+            if unknown:
+                raise KeyError(f"unknown field(s) {sorted(unknown)}")
+            vals = []
+            for n in names:
+                v = inst.get(n)
+                if v is None:
+                    vals.append("")
+                elif n.startswith("I"):
+                    if isinstance(v, bool) or not isinstance(v, int | str):
+                        raise ValueError(f"{n} must be an integer")
+                    vals.append(str(v))
+                else:
+                    vals.append(str(v))
+            return "\t".join(vals)
+        feats = inst.get("features")
+        if isinstance(feats, dict):
+            feats = list(feats.items())
+        if not isinstance(feats, list):
+            raise KeyError("libfm instances need 'features': [[id, value], ...] or {id: value}")
+        return " ".join(f"{int(k)}:{float(v)}" for k, v in feats)
+
+    @torch.no_grad()
+    def predict(self, batch: Batch) -> np.ndarray:
+        if len(batch) == 0:
+            return np.zeros(0, dtype=np.float32)
+        b = batch.to(self.device)
+        ids = self.map_oov(b.ids)
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        rows = self.model.table.weight.index_select(0, uniq)
+        logits = self.model.forward_rows(F.embedding(inv, rows), b.vals, b.dense)
+        return torch.sigmoid(logits).float().cpu().numpy()
+
+    def predict_lines(self, lines: list[str]) -> tuple[list[float | None], dict[int, str]]:
+        batch, errors = self.parse(lines)
+        probs = self.predict(batch)
+        out: list[float | None] = []
+        k = 0
+        for i in range(len(lines)):
+            if i in errors:
+                out.append(None)
+            else:
+                out.append(float(probs[k]))
+                k += 1
+        return out, errors
+
+
+def load_predictor(run_dir: str | Path, device: str | torch.device = "cpu") -> Predictor:
+    state, meta = load_exported(run_dir)
+    return Predictor(state, meta, device)

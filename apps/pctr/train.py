@@ -1,0 +1,557 @@
+"""Training of the click models: in one process (CPU or CUDA) or on the parameter-server framework.
+
+Both modes run the same step on the same math: the unique rows of a batch are pulled (from a local shard
+or from the servers), the model runs on them (`CTRModel.forward_rows`), and the gradient of exactly those
+rows is pushed back and applied by the row optimiser; dense parameters use Adam (locally, or on server 0).
+
+Data: the training split is streamed in row order in epoch 1 (parsed by a background thread one or more
+batches ahead of the step) and kept, already encoded, in memory; later epochs read that cache (shuffled
+batch order). Worker w of W takes global batches g with g % W == w.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from mariana.platform.core.errors import DataError
+from mariana.platform.core.export import export_model
+from mariana.platform.core.rundir import RunDir, setup_logging
+from mariana.platform.ps.shard import TableSpec
+
+from .configs import PctrConfig
+from .data import (
+    Batch,
+    Encoder,
+    ReadStats,
+    count_lines,
+    infer_schema,
+    iter_batches,
+    iter_chunks,
+    load_split,
+    parse_split,
+    split_bounds,
+)
+from .model import CTRModel, build_model
+from .optim import build_dense, row_config
+
+log = logging.getLogger("mariana")
+TABLE = "table"
+
+
+# --------------------------------------------------------------------------- data
+class Prefetcher:
+    """Run a generator in a background thread, ``depth`` items ahead (parsing overlaps the step)."""
+
+    _END = object()
+
+    def __init__(self, gen: Iterator, depth: int = 2):
+        self.q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self.err: BaseException | None = None
+        self.stop = threading.Event()
+        self.t = threading.Thread(target=self._run, args=(gen,), daemon=True)
+        self.t.start()
+
+    def _run(self, gen):
+        try:
+            for item in gen:
+                while not self.stop.is_set():
+                    try:
+                        self.q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stop.is_set():
+                    return
+        except BaseException as e:  # re-raised in the consumer
+            self.err = e
+        self.q.put(self._END)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self.q.get()
+        if item is self._END:
+            if self.err is not None:
+                raise self.err
+            raise StopIteration
+        return item
+
+    def close(self):
+        self.stop.set()
+
+
+class WorkerData:
+    """Worker ``w`` of ``W``'s share of the training rows ``[start, stop)`` in batches of ``batch_size``.
+
+    ``batches(epoch, skip)`` yields ``steps_per_epoch`` batches; epoch 0 streams the file (and fills the
+    cache), later epochs come from the cache (on ``cache_device``)."""
+
+    def __init__(
+        self,
+        path,
+        encoder: Encoder,
+        start: int,
+        stop: int,
+        batch_size: int,
+        worker: int = 0,
+        num_workers: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        cache_device="cpu",
+    ):
+        self.path, self.encoder, self.start, self.stop = path, encoder, start, stop
+        self.bs, self.w, self.W, self.seed, self.shuffle = batch_size, worker, num_workers, seed, shuffle
+        self.cache: list[Batch] = []
+        self.cache_complete = False
+        self.cache_device = torch.device(cache_device)
+        self.stats = ReadStats()
+        self.steps_per_epoch = max(1, ((stop - start) // batch_size) // num_workers)
+
+    def _stream(self) -> Iterator[Batch]:
+        chunks = iter_chunks(self.path, self.encoder, self.start, self.stop, stats=self.stats)
+        for g, b in enumerate(iter_batches(chunks, self.bs, drop_last=True)):
+            if g % self.W == self.w:
+                b = b.to(self.cache_device)
+                self.cache.append(b)
+                yield b
+        self.cache_complete = True
+        if not self.cache:
+            raise DataError(
+                f"{self.path}: no valid rows for worker {self.w} in lines {self.start}-{self.stop}"
+            )
+
+    def batches(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
+        n = self.steps_per_epoch
+        if epoch == 0 and not self.cache_complete:
+            self.cache.clear()
+            k = 0
+            for b in self._stream():
+                if k >= n:
+                    continue  # keep caching the rest of this worker's rows
+                if k >= skip:
+                    yield b
+                k += 1
+            # malformed lines may leave fewer batches than planned: top up from the cache
+            while k < n:
+                if k >= skip:
+                    yield self.cache[k % len(self.cache)]
+                k += 1
+            return
+        if not self.cache_complete:
+            for _ in self._stream():
+                pass
+        order = np.arange(n) % len(self.cache)
+        if self.shuffle:
+            order = np.random.default_rng(self.seed * 1009 + epoch).permutation(order)
+        for k in range(skip, n):
+            yield self.cache[order[k]]
+
+
+# --------------------------------------------------------------------------- one step
+def gather_rows(client, ids: torch.Tensor, step: int, device, want_dense: bool = False):
+    """Pull the unique rows of ``ids [B, F]``: (unique ids [U], inverse [B, F], rows leaf [U, K], dense)."""
+    uniq, inv = torch.unique(ids, return_inverse=True)
+    pulled, dense = client.pull({TABLE: uniq}, step, want_dense)
+    rows = pulled[TABLE].to(device, non_blocking=True)
+    return uniq, inv, rows, dense
+
+
+def train_step(model: CTRModel, client, batch: Batch, step: int, device, dense_opt=None, remote_dense=False):
+    """One pull -> forward/backward -> push. Returns the mean log-loss (float tensor)."""
+    uniq, inv, rows, dense_flat = gather_rows(client, batch.ids, step, device, want_dense=remote_dense)
+    if remote_dense and dense_flat is not None:
+        from mariana.platform.ps.dense import unflatten_into
+
+        unflatten_into(dense_flat, model.dense_parameters())
+    rows.requires_grad_(True)
+    emb = F.embedding(inv, rows)  # [B, F, K]; backward sums the gradient of repeated ids into rows.grad
+    logits = model.forward_rows(emb, batch.vals, batch.dense)
+    loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+    params = model.dense_parameters()
+    for p in params:
+        p.grad = None
+    loss.backward()
+    dense_grad = None
+    if remote_dense:
+        from mariana.platform.ps.dense import flatten
+
+        dense_grad = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in params]).cpu()
+    client.push({TABLE: (uniq, rows.grad)}, dense_grad, step)
+    if dense_opt is not None:
+        dense_opt.step()
+    return loss.detach()
+
+
+@torch.no_grad()
+def predict_batches(model: CTRModel, batches, client, device, seen=None, rows_per_field=None) -> np.ndarray:
+    """Probabilities for each batch (rows from ``client``; unseen rows -> OOV row if ``seen`` given)."""
+    model.eval()
+    out = []
+    for b in batches:
+        b = b.to(device)
+        ids = b.ids
+        if seen is not None:
+            ids = torch.where(seen[ids], ids, ids - ids % rows_per_field)
+        uniq, inv, rows, _ = gather_rows(client, ids, -1, device)
+        out.append(torch.sigmoid(model.forward_rows(F.embedding(inv, rows), b.vals, b.dense)).float().cpu())
+    model.train()
+    return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.float32)
+
+
+def auc_logloss(labels: np.ndarray, probs: np.ndarray) -> dict[str, float]:
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    if len(labels) == 0:
+        return {"auc": float("nan"), "logloss": float("nan")}
+    p = np.clip(probs.astype(np.float64), 1e-7, 1 - 1e-7)
+    auc = float(roc_auc_score(labels, p)) if 0 < labels.sum() < len(labels) else float("nan")
+    return {"auc": auc, "logloss": float(log_loss(labels, p, labels=[0, 1]))}
+
+
+# --------------------------------------------------------------------------- shared set-up
+class Setup:
+    def __init__(self, cfg: PctrConfig):
+        self.cfg = cfg
+        self.schema = infer_schema(cfg.data, cfg.format, cfg.rows_per_field, cfg.num_fields)
+        self.encoder = Encoder(self.schema)
+        self.lines = count_lines(cfg.data)
+        self.bounds = split_bounds(self.lines, parse_split(cfg.split))
+        self.spec = TableSpec(
+            TABLE, self.schema.num_rows, 1 + (0 if cfg.model == "lr" else cfg.dim), cfg.init_std
+        )
+
+    def val_batches(self, device) -> tuple[list[Batch], np.ndarray]:
+        a, b = self.bounds["val"]
+        if self.cfg.val_rows:
+            b = min(b, a + self.cfg.val_rows)
+        val = load_split(self.cfg.data, self.encoder, a, b)
+        bs = 8192
+        batches = [val.slice(i, i + bs).to(device) for i in range(0, len(val), bs)]
+        return batches, val.labels.numpy()
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        return self.cfg.max_steps if self.cfg.max_steps > 0 else self.cfg.epochs * steps_per_epoch
+
+    def meta(self, extra: dict | None = None) -> dict:
+        import dataclasses
+
+        cfg = dataclasses.asdict(self.cfg)
+        return {
+            "app": "pctr",
+            "format": self.schema.format,
+            "schema": self.schema.to_dict(),
+            "model": {
+                "kind": self.cfg.model,
+                "dim": self.cfg.dim,
+                "hidden": self.cfg.hidden,
+                "cross_layers": self.cfg.cross_layers,
+                "dropout": self.cfg.dropout,
+            },
+            "config": cfg,
+            "version": time.strftime("%Y%m%d-%H%M%S") + f"-{self.cfg.model}",
+            **(extra or {}),
+        }
+
+
+def export(run: RunDir, setup: Setup, model: CTRModel, table: torch.Tensor, seen: torch.Tensor, extra=None):
+    sd = {k: v for k, v in model.state_dict().items() if k != "table.weight"}
+    sd["table.weight"] = table
+    sd["seen"] = seen.to(torch.uint8)
+    export_model(run.path, sd, setup.meta(extra))
+
+
+def _counter(run: RunDir, worker: int, rec: dict) -> None:
+    d = run.path / "counters"
+    d.mkdir(exist_ok=True)
+    with open(d / f"worker-{worker}.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+# --------------------------------------------------------------------------- single process
+def train_local(cfg: PctrConfig) -> dict:
+    """Train in this process (CUDA when available and --device allows). Returns the final metrics."""
+    from mariana.platform.dp.dist import resolve_device
+    from mariana.platform.ps.shard import EmbeddingShard
+    from mariana.platform.ps.worker import LocalClient
+
+    run = RunDir(cfg.out)
+    run.save_config(cfg)
+    setup_logging(run)
+    torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.device)
+    st = Setup(cfg)
+    model = build_model(cfg, st.schema)
+    from mariana.platform.ps.shard import init_rows
+
+    with torch.no_grad():
+        model.table.weight.copy_(init_rows(st.spec, cfg.seed))
+    model.to(device)
+    shard = EmbeddingShard(
+        [st.spec], 0, 1, row_config(cfg), cfg.seed, device, {TABLE: model.table.weight.data}
+    )
+    client = LocalClient(shard)
+    dense_opt = build_dense(cfg, model.dense_parameters())
+    a, b = st.bounds["train"]
+    data = WorkerData(
+        cfg.data, st.encoder, a, b, cfg.batch_size, seed=cfg.seed, shuffle=cfg.shuffle, cache_device=device
+    )
+    val, val_labels = st.val_batches(device)
+    total = st.total_steps(data.steps_per_epoch)
+    log.info(
+        "pctr %s: %d lines (train %s val %s), %d steps of %d on %s",
+        cfg.model,
+        st.lines,
+        st.bounds["train"],
+        st.bounds["val"],
+        total,
+        cfg.batch_size,
+        device,
+    )
+    step, t0, seen_n, loss_sum, loss_n = 0, time.perf_counter(), 0, torch.zeros((), device=device), 0
+    epoch = 0
+    history = []
+    while step < total:
+        it = Prefetcher(data.batches(epoch), cfg.prefetch) if epoch == 0 else data.batches(epoch)
+        for batch in it:
+            if step >= total:
+                break
+            batch = batch.to(device)
+            loss_sum += train_step(model, client, batch, step, device, dense_opt)
+            loss_n += 1
+            seen_n += len(batch)
+            step += 1
+            if step % cfg.log_every == 0 or step == total:
+                dt = time.perf_counter() - t0
+                rec = {
+                    "step": step,
+                    "epoch": epoch,
+                    "loss": float(loss_sum) / max(1, loss_n),
+                    "samples_per_s": seen_n / dt,
+                }
+                run.log_metrics(rec)
+                loss_sum.zero_()
+                loss_n = 0
+        if isinstance(it, Prefetcher):
+            it.close()
+        m = auc_logloss(val_labels, predict_batches(model, val, client, device))
+        history.append({"epoch": epoch, "val_auc": m["auc"], "val_logloss": m["logloss"]})
+        log.info("epoch %d: val AUC %.4f logloss %.4f", epoch, m["auc"], m["logloss"])
+        _counter(
+            run,
+            0,
+            {
+                "step": step,
+                "epoch": epoch,
+                "val_auc": m["auc"],
+                "val_logloss": m["logloss"],
+                "samples_per_s": seen_n / (time.perf_counter() - t0),
+                "attempt": 0,
+            },
+        )
+        epoch += 1
+    wall = time.perf_counter() - t0
+    final = {
+        "val_auc": history[-1]["val_auc"],
+        "val_logloss": history[-1]["val_logloss"],
+        "steps": step,
+        "samples": seen_n,
+        "samples_per_s": seen_n / wall,
+        "wall_s": wall,
+        "epochs": history,
+        "skipped_lines": data.stats.skipped,
+        "skipped_examples": {str(k): v for k, v in list(data.stats.errors.items())[:10]},
+        "mode": "single-process",
+        "device": str(device),
+    }
+    export(
+        run, st, model, model.table.weight.data, shard.seen[TABLE], {"metrics": {"val_auc": final["val_auc"]}}
+    )
+    run.write_final(final)
+    return final
+
+
+# --------------------------------------------------------------------------- parameter-server processes
+def run_ps_process(cfg: PctrConfig) -> int:
+    """Body of one torchrun process of a parameter-server job (role from RANK)."""
+    from mariana.platform.ps.runtime import role_from_env, rpc_session
+
+    role = role_from_env(cfg.servers, cfg.workers)
+    run = RunDir(cfg.out)
+    setup_logging(run, rank=role.rank)
+    torch.set_num_threads(1)
+    if role.kind == "server":
+        return _serve(cfg, role, run, rpc_session)
+    return _work(cfg, role, run, rpc_session)
+
+
+def _serve(cfg, role, run, rpc_session) -> int:
+    from mariana.platform.ps.dense import DenseStore, flatten
+    from mariana.platform.ps.faults import Fault
+    from mariana.platform.ps.server import ParamServer, install
+    from mariana.platform.ps.shard import EmbeddingShard
+
+    st = Setup(cfg)
+    shard = EmbeddingShard([st.spec], role.index, role.num_servers, row_config(cfg), cfg.seed)
+    dense = None
+    if role.index == 0:
+        torch.manual_seed(cfg.seed)
+        m = build_model(cfg, st.schema)  # the same dense initialisation as in-process training
+        dense = DenseStore(flatten(m.dense_parameters()), cfg.optimizer, cfg.lr)
+        del m
+    server = ParamServer(
+        role.index, role.num_servers, role.num_workers, shard, dense, cfg.staleness, run.ckpt_dir
+    )
+    restored = server.restore_latest()
+    if restored is not None:
+        log.info(
+            "server %d: restored shard from checkpoint step %d (attempt %d)",
+            role.index,
+            restored,
+            role.attempt,
+        )
+    fault = Fault("server", role.index, "push")
+    if fault.at:
+        orig = server.push
+
+        def push(*a, **k):
+            fault.maybe_fire(server.counters["pushes"] + 1)
+            return orig(*a, **k)
+
+        server.push = push
+    install(server)
+    with rpc_session(role, cfg.timeout):
+        server.serve()
+    (run.path / "counters").mkdir(exist_ok=True)
+    (run.path / "counters" / f"server-{role.index}.json").write_text(
+        json.dumps({**server.counters, "restored_from": restored, "attempt": role.attempt}) + "\n"
+    )
+    return 0
+
+
+def _work(cfg, role, run, rpc_session) -> int:
+    from mariana.platform.ps.faults import Fault
+    from mariana.platform.ps.worker import PSClient
+
+    st = Setup(cfg)
+    torch.manual_seed(cfg.seed)
+    cpu = torch.device("cpu")
+    # The worker's own table is never used (rows come from the servers): build the model with 1 row per field.
+    model = build_model(cfg, type(st.schema)(st.schema.format, st.schema.num_fields, 1, st.schema.num_dense))
+    a, b = st.bounds["train"]
+    data = WorkerData(
+        cfg.data, st.encoder, a, b, cfg.batch_size, role.index, role.num_workers, cfg.seed, cfg.shuffle
+    )
+    total = st.total_steps(data.steps_per_epoch)
+    val, val_labels = st.val_batches(cpu)
+    fault = Fault("worker", role.index, "step")
+    with rpc_session(role, cfg.timeout):
+        client = PSClient(role.num_servers, role.index, cfg.staleness, cfg.timeout)
+        step = client.resume_step()
+        if step > 0:
+            log.info("worker %d: resuming at step %d (attempt %d)", role.index, step, role.attempt)
+        t0, n0, loss_sum, loss_n = time.perf_counter(), 0, 0.0, 0
+        spe = data.steps_per_epoch
+        while step < total:
+            epoch, skip = divmod(step, spe)
+            gen = data.batches(epoch, skip)
+            it = Prefetcher(gen, cfg.prefetch) if epoch == 0 else gen
+            for batch in it:
+                if step >= total:
+                    break
+                fault.maybe_fire(step)
+                loss_sum += float(train_step(model, client, batch, step, cpu, remote_dense=True))
+                loss_n += 1
+                n0 += len(batch)
+                step += 1
+                if role.index == 0 and cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < total:
+                    client.checkpoint(step)
+                if step % cfg.log_every == 0:
+                    dt = time.perf_counter() - t0
+                    _counter(
+                        run,
+                        role.index,
+                        {
+                            "step": step,
+                            "epoch": epoch,
+                            "loss": loss_sum / max(1, loss_n),
+                            "samples_per_s": n0 / dt,
+                            "pull_s": client.pull_s,
+                            "push_wait_s": client.push_wait_s,
+                            "attempt": role.attempt,
+                        },
+                    )
+                    loss_sum, loss_n = 0.0, 0
+            if isinstance(it, Prefetcher):
+                it.close()
+            if step % spe == 0 or step >= total:
+                client.wait()
+                _, dense_flat = client.pull({TABLE: torch.zeros(0, dtype=torch.int64)}, -1, True)
+                from mariana.platform.ps.dense import unflatten_into
+
+                unflatten_into(dense_flat, model.dense_parameters())
+                m = auc_logloss(val_labels, predict_batches(model, val, client, cpu))
+                _counter(
+                    run,
+                    role.index,
+                    {
+                        "step": step,
+                        "epoch": epoch,
+                        "val_auc": m["auc"],
+                        "val_logloss": m["logloss"],
+                        "samples_per_s": n0 / (time.perf_counter() - t0),
+                        "attempt": role.attempt,
+                    },
+                )
+        client.done()
+        if role.index == 0:
+            client.wait_all_done()
+            client.checkpoint(total)
+            tables, dense_flat = client.dump({TABLE: st.spec.num_rows})
+            from mariana.platform.ps.dense import unflatten_into
+
+            unflatten_into(dense_flat, model.dense_parameters())
+            weight, seen = tables[TABLE]
+            full = build_model(cfg, st.schema)
+            full.load_state_dict(
+                {
+                    **{k: v for k, v in model.state_dict().items() if k != "table.weight"},
+                    "table.weight": weight,
+                }
+            )
+            m = auc_logloss(val_labels, predict_batches(full, val, _TableClient(weight), cpu))
+            wall = time.perf_counter() - t0
+            final = {
+                "val_auc": m["auc"],
+                "val_logloss": m["logloss"],
+                "steps": total,
+                "mode": "parameter-server",
+                "servers": role.num_servers,
+                "workers": role.num_workers,
+                "staleness": cfg.staleness,
+                "worker0_samples_per_s": n0 / wall,
+                "skipped_lines": data.stats.skipped,
+                "server_counters": client.server_counters,
+            }
+            export(run, st, full, weight, seen, {"metrics": {"val_auc": m["auc"]}})
+            run.write_final(final)
+            client.finish_servers()
+    return 0
+
+
+class _TableClient:
+    """Pull from a full in-memory table (used to score the assembled model)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def pull(self, reqs, step=-1, want_dense=False):
+        return {n: self.weight.index_select(0, r) for n, r in reqs.items()}, None

@@ -1,0 +1,86 @@
+"""Row-wise optimiser rules for sharded embedding tables (the update a parameter server applies to a push).
+
+A push is ``(rows: LongTensor [U] unique local row indices, grad: FloatTensor [U, K])``; only those rows of
+the weight ``[N, K]`` and of the optimiser state change. All rules are in place and touch O(U x K) memory.
+
+- ``sgd``:      w -= lr * g
+- ``adagrad``:  a += g^2;  w -= lr * g / (sqrt(a) + eps)            (Duchi et al. 2011, per coordinate)
+- ``ftrl``:     FTRL-Proximal (McMahan et al. 2013) with z, n state; l1 > 0 gives exact zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+RULES = ("sgd", "adagrad", "ftrl")
+
+
+@dataclass
+class RowOptConfig:
+    rule: str = "adagrad"
+    lr: float = 0.05
+    eps: float = 1e-8
+    initial_accumulator: float = 0.0
+    ftrl_beta: float = 1.0
+    ftrl_l1: float = 0.0
+    ftrl_l2: float = 0.0
+
+
+def init_state(rule: str, weight: torch.Tensor, cfg: RowOptConfig) -> dict[str, torch.Tensor]:
+    """Optimiser state tensors for a ``[N, K]`` weight (same device/dtype)."""
+    if rule == "sgd":
+        return {}
+    if rule == "adagrad":
+        return {"acc": torch.full_like(weight, cfg.initial_accumulator)}
+    if rule == "ftrl":
+        return {"z": torch.zeros_like(weight), "n": torch.zeros_like(weight)}
+    raise ValueError(f"unknown row optimiser {rule!r}; choose from {', '.join(RULES)}")
+
+
+@torch.no_grad()
+def apply_rows(
+    weight: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    rows: torch.Tensor,
+    grad: torch.Tensor,
+    cfg: RowOptConfig,
+    scale: float = 1.0,
+) -> None:
+    """Apply one sparse update in place. ``rows`` must be unique (callers coalesce first)."""
+    if rows.numel() == 0:
+        return
+    g = grad.to(weight.dtype)
+    if scale != 1.0:
+        g = g * scale
+    if cfg.rule == "sgd":
+        weight.index_add_(0, rows, g, alpha=-cfg.lr)
+    elif cfg.rule == "adagrad":
+        acc = state["acc"]
+        a = acc.index_select(0, rows).addcmul_(g, g)
+        acc.index_copy_(0, rows, a)
+        weight.index_add_(0, rows, g / a.sqrt_().add_(cfg.eps), alpha=-cfg.lr)
+    elif cfg.rule == "ftrl":
+        z_all, n_all = state["z"], state["n"]
+        w = weight.index_select(0, rows)
+        n = n_all.index_select(0, rows)
+        n_new = n + g * g
+        sigma = (n_new.sqrt() - n.sqrt()) / cfg.lr
+        z = z_all.index_select(0, rows) + g - sigma * w
+        denom = (cfg.ftrl_beta + n_new.sqrt()) / cfg.lr + cfg.ftrl_l2
+        w_new = -(z - torch.sign(z) * cfg.ftrl_l1) / denom
+        w_new = torch.where(z.abs() <= cfg.ftrl_l1, torch.zeros_like(w_new), w_new)
+        z_all.index_copy_(0, rows, z)
+        n_all.index_copy_(0, rows, n_new)
+        weight.index_copy_(0, rows, w_new)
+    else:
+        raise ValueError(f"unknown row optimiser {cfg.rule!r}")
+
+
+def coalesce(rows: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the gradients of repeated rows: ``(unique rows [U], summed grad [U, K])``."""
+    uniq, inv = torch.unique(rows, return_inverse=True)
+    out = torch.zeros(uniq.numel(), grad.shape[1], dtype=grad.dtype, device=grad.device)
+    out.index_add_(0, inv, grad)
+    return uniq, out

@@ -1,0 +1,150 @@
+"""Worker side of the parameter server: pull the rows a batch needs, push their gradients.
+
+`PSClient` talks to the servers over RPC (one request per server per step, all tables bundled);
+`LocalClient` is the same interface over an in-process shard (single-process training, and the GPU path).
+
+Both take *global unique* row ids ``[U]`` and return ``[U, K]`` rows; pushes carry the gradient of exactly
+those rows (the "sparse gradient" of the batch: U is the number of distinct ids, not B x fields).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .server import (
+    _checkpoint,
+    _clock,
+    _dump,
+    _finish,
+    _pull,
+    _push,
+    _resume_step,
+    _wait_all_done,
+    _wait_clock,
+    _worker_done,
+    server_name,
+)
+from .shard import EmbeddingShard, split_by_shard
+
+
+class LocalClient:
+    """In-process table(s) with the same pull/push API; no dense store (the caller steps a torch optimiser)."""
+
+    def __init__(self, shard: EmbeddingShard):
+        self.shard = shard
+
+    def pull(self, reqs: dict[str, torch.Tensor], step: int = -1, want_dense: bool = False):
+        return {n: self.shard.pull(n, r) for n, r in reqs.items()}, None
+
+    def push(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]], dense_grad=None, step: int = -1):
+        for n, (r, g) in grads.items():
+            self.shard.push(n, r, g)
+
+    def wait(self) -> None:
+        pass
+
+
+class PSClient:
+    """RPC client of worker ``worker`` of ``num_workers`` against ``num_servers`` servers ``ps0..``."""
+
+    def __init__(self, num_servers: int, worker: int, staleness: int = -1, timeout_s: float = 300.0):
+        self.S, self.worker, self.staleness, self.timeout = num_servers, worker, staleness, timeout_s
+        self.pending: list = []
+        self.pull_s = self.push_wait_s = 0.0
+
+    def _rpc(self):
+        from torch.distributed import rpc
+
+        return rpc
+
+    def resume_step(self) -> int:
+        """First step this worker has to run (0 on a fresh job; after a restore, the earliest step any
+        shard has not applied from it)."""
+        rpc = self._rpc()
+        futs = [rpc.rpc_async(server_name(s), _resume_step, args=(self.worker,)) for s in range(self.S)]
+        return min(f.wait() for f in futs) + 1
+
+    def pull(self, reqs: dict[str, torch.Tensor], step: int = -1, want_dense: bool = False):
+        """``reqs``: table -> global unique rows [U]. Returns (table -> rows [U, K], dense flat [P] or None)."""
+        rpc = self._rpc()
+        t0 = time.perf_counter()
+        if self.staleness > 0 and step >= 0:
+            rpc.rpc_sync(server_name(0), _wait_clock, args=(step, self.staleness))
+        parts = {n: split_by_shard(r, self.S) for n, r in reqs.items()}
+        futs = []
+        for s in range(self.S):
+            sreq = [(n, parts[n][s][1]) for n in reqs]
+            futs.append(rpc.rpc_async(server_name(s), _pull, args=(sreq, want_dense and s == 0, step)))
+        out, dense = {}, None
+        results = [f.wait() for f in futs]
+        for n, r in reqs.items():
+            dim = None
+            for s in range(self.S):
+                rows_s = results[s][0][list(reqs).index(n)]
+                if dim is None:
+                    dim = rows_s.shape[1]
+                    out[n] = torch.empty(r.numel(), dim, dtype=rows_s.dtype)
+                out[n].index_copy_(0, parts[n][s][0], rows_s)
+        dense = results[0][1]
+        self.pull_s += time.perf_counter() - t0
+        return out, dense
+
+    def push(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]], dense_grad=None, step: int = -1):
+        """Send the sparse gradients (table -> (global unique rows [U], grad [U, K])) and the dense one.
+        Asynchronous: returns at once; `wait` blocks until the servers accepted this push."""
+        rpc = self._rpc()
+        self.wait()  # at most one push in flight: bounded memory, and the clock below stays truthful
+        parts = {n: (r, g, split_by_shard(r, self.S)) for n, (r, g) in grads.items()}
+        for s in range(self.S):
+            sg = [(n, parts[n][2][s][1], parts[n][1].index_select(0, parts[n][2][s][0])) for n in grads]
+            dg = dense_grad if s == 0 else None
+            self.pending.append(rpc.rpc_async(server_name(s), _push, args=(sg, dg, self.worker, step)))
+        if self.staleness > 0:
+            self.wait()
+            rpc.rpc_sync(server_name(0), _clock, args=(self.worker, step))
+
+    def wait(self) -> None:
+        t0 = time.perf_counter()
+        for f in self.pending:
+            f.wait()
+        self.pending = []
+        self.push_wait_s += time.perf_counter() - t0
+
+    # ----------------------------------------------------------------- job control
+    def done(self) -> None:
+        self.wait()
+        self._rpc().rpc_sync(server_name(0), _worker_done, args=(self.worker,))
+
+    def wait_all_done(self) -> None:
+        self._rpc().rpc_sync(server_name(0), _wait_all_done, timeout=0)  # 0: no RPC timeout
+
+    def checkpoint(self, step: int) -> str:
+        self.wait()
+        return self._rpc().rpc_sync(server_name(0), _checkpoint, args=(step,))
+
+    def dump(
+        self, num_rows: dict[str, int]
+    ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """Assemble every table in global row order: table -> (weight [N, K], seen [N] bool); dense [P]."""
+        rpc = self._rpc()
+        futs = [rpc.rpc_async(server_name(s), _dump, timeout=0) for s in range(self.S)]
+        parts = [f.wait() for f in futs]
+        out = {}
+        for n, N in num_rows.items():
+            w0 = parts[0]["tables"][n][0]
+            w = torch.empty(N, w0.shape[1], dtype=w0.dtype)
+            seen = torch.zeros(N, dtype=torch.bool)
+            for s in range(self.S):
+                ws, ss = parts[s]["tables"][n]
+                w[s :: self.S] = ws
+                seen[s :: self.S] = ss
+            out[n] = (w, seen)
+        self.server_counters = [p["counters"] for p in parts]
+        return out, parts[0]["dense"]
+
+    def finish_servers(self) -> None:
+        rpc = self._rpc()
+        for f in [rpc.rpc_async(server_name(s), _finish) for s in range(self.S)]:
+            f.wait()

@@ -1,0 +1,118 @@
+"""``mariana serve`` (stdlib-only imports at module level, so ``mariana --help`` stays fast)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _serve(args, argv) -> int:
+    import os
+
+    from mariana.platform.core.errors import MarianaError
+
+    from .app import ServeConfig
+
+    if not (args.pctr or args.asr or args.vision):
+        raise MarianaError("nothing to serve: give at least one of --pctr RUN, --asr RUN, --vision RUN")
+    for flag, value in (
+        ("--workers", args.workers),
+        ("--max-batch", args.max_batch),
+        ("--max-instances", args.max_instances),
+        ("--max-body-bytes", args.max_body_bytes),
+        ("--max-upload-bytes", args.max_upload_bytes),
+    ):
+        if value < 1:
+            raise MarianaError(f"{flag} must be >= 1 (got {value})")
+    if args.max_wait_ms < 0 or args.threads < 0 or args.watch_interval <= 0:
+        raise MarianaError("--max-wait-ms and --threads must be >= 0, --watch-interval > 0")
+    if not 0 <= args.port <= 65535:
+        raise MarianaError(f"--port {args.port}: expected 0..65535")
+    cfg = ServeConfig(
+        pctr=args.pctr,
+        asr=args.asr,
+        vision=args.vision,
+        max_batch=args.max_batch,
+        max_wait_ms=args.max_wait_ms,
+        max_instances=args.max_instances,
+        max_body_bytes=args.max_body_bytes,
+        max_upload_bytes=args.max_upload_bytes,
+        threads=args.threads,
+        workers=args.workers,
+        watch=args.watch or args.workers > 1,  # with several processes, file watching keeps them in step
+        watch_interval_s=args.watch_interval,
+    )
+    import uvicorn
+
+    common = dict(
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,  # a log line per request costs more than a prediction
+        timeout_keep_alive=30,
+        lifespan="on",
+    )
+    if args.workers == 1:
+        from .app import create_app
+
+        app = create_app(cfg)  # loads the models now: a bad model fails here with a clear message
+        print(
+            f"serving {', '.join(a for a in ('pctr', 'asr', 'vision') if getattr(cfg, a))} on "
+            f"http://{args.host}:{args.port} (docs at /docs)",
+            flush=True,
+        )
+        uvicorn.Server(uvicorn.Config(app, **common)).run()
+    else:
+        from .models import load_model
+
+        for a in ("pctr", "asr", "vision"):  # fail fast, in this process, before forking workers
+            if getattr(cfg, a):
+                load_model(a, getattr(cfg, a))
+        os.environ["MARIANA_SERVE_CONFIG"] = cfg.to_json()
+        print(f"serving with {args.workers} worker processes on http://{args.host}:{args.port}", flush=True)
+        uvicorn.run("mariana.serving.app:app_from_env", factory=True, workers=args.workers, **common)
+    print("server stopped")
+    return 0
+
+
+def register(sub) -> None:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = sub.add_parser(
+        "serve",
+        help="serve trained models over REST (click prediction, transcription, image classification)",
+        description="Serve trained models with FastAPI + uvicorn. An app's endpoints exist only when its run "
+        "directory is given. Binds loopback unless --host says otherwise.",
+        formatter_class=fmt,
+    )
+    p.add_argument("--pctr", metavar="RUN", help="pCTR run directory -> POST /v1/pctr/predict")
+    p.add_argument("--asr", metavar="RUN", help="ASR run directory -> POST /v1/asr/transcribe")
+    p.add_argument("--vision", metavar="RUN", help="vision run directory -> POST /v1/vision/classify")
+    p.add_argument(
+        "--data", metavar="PATH", help="unused by serve (accepted for uniformity with other commands)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port)")
+    p.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (each loads the models)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = cores / workers)")
+    p.add_argument(
+        "--max-batch", type=int, default=2048, help="most instances per model call (micro-batching)"
+    )
+    p.add_argument(
+        "--max-wait-ms",
+        type=float,
+        default=1.0,
+        help="micro-batching: longest a request waits for requests already received to share its model call (ms)",
+    )
+    p.add_argument("--max-instances", type=int, default=10_000, help="most instances in one request")
+    p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="largest prediction request body")
+    p.add_argument("--max-upload-bytes", type=int, default=16 << 20, help="largest WAV/image upload")
+    p.add_argument(
+        "--watch", action="store_true", help="reload a model when its run dir's model files change"
+    )
+    p.add_argument("--watch-interval", type=float, default=2.0, help="seconds between --watch polls")
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn log level",
+    )
+    p.set_defaults(func=_serve)

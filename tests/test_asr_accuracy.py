@@ -1,0 +1,87 @@
+"""ASR accuracy regression, end to end through the CLI with real torchrun workers:
+prepare (4 FSDD speakers train, the fifth held out) -> train preset `small` with 2 data-parallel workers ->
+eval on the held-out speaker (WER <= 20%) -> transcribe, and the serving API on the exported run."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+from helpers import last_line, run_cli
+
+HELD_OUT = "jackson"
+
+
+@pytest.mark.slow
+def test_small_preset_heldout_speaker_wer(data_dir, tmp_path):
+    out, run = tmp_path / "data", tmp_path / "run"
+    t0 = time.perf_counter()
+    run_cli(
+        [
+            "asr",
+            "prepare",
+            "--data",
+            data_dir / "fsdd/recordings",
+            "--out",
+            out,
+            "--test-speakers",
+            HELD_OUT,
+            "--utterances",
+            "150",
+            "--max-digits",
+            "5",
+            "--seed",
+            "0",
+        ],
+        timeout=300,
+        check=True,
+    )
+    t1 = time.perf_counter()
+    r = run_cli(
+        [
+            "asr",
+            "train",
+            "--data",
+            out,
+            "--out",
+            run,
+            "--preset",
+            "small",
+            "--workers",
+            "2",
+            "--batch-size",
+            "8",
+            "--no-progress",
+        ],
+        timeout=600,
+        check=True,
+    )
+    t2 = time.perf_counter()
+    assert "launching 2 worker(s)" in r.stderr
+    assert re.fullmatch(r"train loss \d+\.\d{4}", last_line(r.stdout)), r.stdout
+    final = json.loads((run / "metrics.json").read_text())
+    assert final["world_size"] == 2
+    e = run_cli(["asr", "eval", "--model", run, "--data", out / "test"], timeout=300, check=True)
+    t3 = time.perf_counter()
+    m = re.fullmatch(r"WER (\d+\.\d\d)% SER (\d+\.\d\d)%", last_line(e.stdout))
+    assert m, e.stdout
+    result = json.loads((run / "eval.json").read_text())
+    assert result["utterances"] == 150 and abs(result["wer"] - float(m.group(1))) < 0.01
+    print(f"prepare {t1 - t0:.0f}s train {t2 - t1:.0f}s eval {t3 - t2:.0f}s: {last_line(e.stdout)}")
+    assert result["wer"] <= 20.0, f"held-out speaker {HELD_OUT}: {last_line(e.stdout)}"
+
+    # transcribe prints one transcript per file; the serving API gives the same words for the same file.
+    wav_path, *_ = (out / "test" / "wav.scp").read_text().split("\n")[0].split()[1:]
+    t = run_cli(["asr", "transcribe", "--model", run, wav_path], timeout=120, check=True)
+    words = t.stdout.splitlines()[0].split("\t")[1]
+    assert words and all(
+        w in {"zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"}
+        for w in words.split()
+    )
+    from mariana.apps.asr.predict import load_transcriber
+
+    tr = load_transcriber(run)
+    assert tr.transcribe_wav_bytes(open(wav_path, "rb").read()) == words
+    assert tr.version.startswith("asr-")

@@ -1,0 +1,231 @@
+"""ASR unit tests: features, splicing, CTC decoding, Kaldi data dirs, corrupt/missing input."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+import torchaudio
+from helpers import last_line, run_cli
+from mariana.apps.asr.data import read_kaldi_dir, read_wav
+from mariana.apps.asr.decode import beam_decode, edit_distance, error_rates, greedy_decode
+from mariana.apps.asr.features import FeatureCache, FeatureSettings, cached_features, fbank
+from mariana.apps.asr.model import AcousticDNN, splice
+from mariana.platform.core.errors import MarianaError
+
+
+def _fsdd_subset(src: Path, dst: Path, speakers=("george", "lucas"), takes=range(3)) -> Path:
+    """A tiny FSDD-layout folder (symlinks to the real recordings)."""
+    dst.mkdir(parents=True)
+    for spk in speakers:
+        for d in range(10):
+            for t in takes:
+                (dst / f"{d}_{spk}_{t}.wav").symlink_to(src / f"{d}_{spk}_{t}.wav")
+    return dst
+
+
+def test_fbank_equals_torchaudio(data_dir):
+    x, sr = read_wav(data_dir / "fsdd/recordings/3_jackson_7.wav")
+    s = FeatureSettings()
+    ours = fbank(torch.from_numpy(x), s)
+    ref = torchaudio.compliance.kaldi.fbank(
+        torch.from_numpy(x).unsqueeze(0) * 32768.0,
+        num_mel_bins=40,
+        sample_frequency=sr,
+        frame_length=25.0,
+        frame_shift=10.0,
+        dither=0.0,
+        energy_floor=0.0,
+    )
+    assert ours.shape == (1 + (len(x) - 200) // 80, 40)
+    torch.testing.assert_close(ours, ref)
+
+
+def test_splice_equals_naive_stacking():
+    torch.manual_seed(0)
+    b, t, f, c = 3, 9, 4, 2
+    feats = torch.randn(b, t, f)
+    lengths = torch.tensor([9, 5, 1])
+    feats[1, 5:] = 99.0  # padding must never leak into an utterance's windows
+    feats[2, 1:] = 99.0
+    out = splice(feats, c, lengths)
+    assert out.shape == (b, t, (2 * c + 1) * f)
+    for i in range(b):
+        n = int(lengths[i])
+        for j in range(n):
+            naive = torch.cat([feats[i, min(max(j + k, 0), n - 1)] for k in range(-c, c + 1)])
+            torch.testing.assert_close(out[i, j], naive)
+    # The model splices the same way: its first layer sees (2c+1)*F inputs.
+    m = AcousticDNN(num_bins=f, context=c, hidden=8, layers=1, output_units=5)
+    assert m(feats, lengths).shape == (b, t, 5)
+
+
+def _posteriors(path: list[int], v: int = 4, p: float = 0.9) -> torch.Tensor:
+    lp = torch.full((len(path), v), (1 - p) / (v - 1))
+    lp[torch.arange(len(path)), torch.tensor(path)] = p
+    return lp.log()
+
+
+def test_ctc_greedy_decoding():
+    # blank=0; "1 1 0 1 2 2 0 0 3" -> 1 1 2 3 (a blank separates the repeated 1s)
+    lp = _posteriors([1, 1, 0, 1, 2, 2, 0, 0, 3])
+    assert greedy_decode(lp) == [1, 1, 2, 3]
+    assert greedy_decode(lp, length=4) == [1, 1]
+    assert greedy_decode(_posteriors([0, 0, 0])) == []
+
+
+def test_ctc_beam_beats_greedy_on_summed_paths():
+    # Two frames. Best single path is "blank blank" (0.36) -> empty; but the label "1" summed over its
+    # paths (1 1, 1 blank, blank 1) has 0.4*0.4 + 0.4*0.6 + 0.6*0.4 = 0.64 -> the beam finds [1].
+    probs = torch.tensor([[0.6, 0.4, 0.0], [0.6, 0.4, 0.0]]).clamp_min(1e-9)
+    lp = probs.log()
+    assert greedy_decode(lp) == []
+    assert beam_decode(lp, beam=4) == [1]
+    # On peaky posteriors the beam agrees with greedy.
+    lp2 = _posteriors([1, 1, 0, 1, 2, 2, 0, 0, 3])
+    assert beam_decode(lp2, beam=4) == [1, 1, 2, 3]
+    # Beam probability of a sequence equals the brute-force sum over its alignments.
+    torch.manual_seed(1)
+    lp3 = torch.log_softmax(torch.randn(4, 3), -1)
+    best = beam_decode(lp3, beam=50, prune=-math.inf)
+    totals: dict[tuple, float] = {}
+    import itertools
+
+    for path in itertools.product(range(3), repeat=4):
+        seq = tuple(greedy_decode(_onehot(path, 3)))
+        totals[seq] = totals.get(seq, 0.0) + math.exp(sum(float(lp3[t, k]) for t, k in enumerate(path)))
+    assert tuple(best) == max(totals, key=totals.get)
+
+
+def _onehot(path, v):
+    lp = torch.full((len(path), v), -1e9)
+    lp[torch.arange(len(path)), torch.tensor(path)] = 0.0
+    return lp
+
+
+def test_error_rates():
+    assert edit_distance("a b c".split(), "a c".split()) == 1
+    r = error_rates([["one", "two"], ["three"]], [["one", "two"], ["four", "five"]])
+    assert r["wer"] == pytest.approx(200 / 3) and r["ser"] == 50.0 and r["utterances"] == 2
+
+
+def test_kaldi_dir_round_trip(data_dir, tmp_path):
+    src = _fsdd_subset(data_dir / "fsdd/recordings", tmp_path / "fsdd")
+    r = run_cli(
+        [
+            "asr",
+            "prepare",
+            "--data",
+            src,
+            "--out",
+            tmp_path / "a",
+            "--test-speakers",
+            "lucas",
+            "--utterances",
+            "6",
+            "--max-digits",
+            "3",
+            "--seed",
+            "3",
+        ],
+        timeout=120,
+        check=True,
+    )
+    assert last_line(r.stdout) == "prepared {}: train 6 dev 0 test 6 utterances, skipped 0".format(
+        tmp_path / "a"
+    )
+    a = read_kaldi_dir(tmp_path / "a" / "test")
+    assert {u.spk for u in a} == {"lucas"} and all(1 <= len(u.words) <= 3 for u in a)
+    assert {u.spk for u in read_kaldi_dir(tmp_path / "a" / "train")} == {"george"}
+    # Pauses are low-level noise, not digital silence.
+    x, sr = read_wav(a[0].path)
+    assert sr == 8000 and np.count_nonzero(x[:400]) > 0
+    # The test dir (a Kaldi data dir) read back as input gives the same utterances and audio.
+    run_cli(
+        [
+            "asr",
+            "prepare",
+            "--data",
+            tmp_path / "a" / "test",
+            "--out",
+            tmp_path / "b",
+            "--test-speakers",
+            "lucas",
+        ],
+        timeout=120,
+        check=True,
+    )
+    for name in ("text", "utt2spk", "spk2utt"):
+        assert (tmp_path / "a/test" / name).read_text() == (tmp_path / "b/test" / name).read_text()
+    b = read_kaldi_dir(tmp_path / "b" / "test")
+    assert [u.utt for u in a] == [u.utt for u in b]
+    for ua, ub in zip(a, b):
+        np.testing.assert_array_equal(read_wav(ua.path)[0], read_wav(ub.path)[0])
+    assert (tmp_path / "b/train/wav.scp").read_text() == ""  # a test-only input is allowed
+
+
+def test_piped_wav_scp_rejected(tmp_path):
+    d = tmp_path / "k"
+    d.mkdir()
+    (d / "wav.scp").write_text("u1 sox a.wav -t wav - |\n")
+    (d / "text").write_text("u1 one\n")
+    (d / "utt2spk").write_text("u1 s1\n")
+    with pytest.raises(MarianaError, match=r"wav.scp line 1: piped entry"):
+        read_kaldi_dir(d)
+
+
+def test_corrupt_wav_is_skipped_and_counted(data_dir, tmp_path):
+    src = _fsdd_subset(data_dir / "fsdd/recordings", tmp_path / "fsdd", takes=range(2))
+    bad = src / "5_george_9.wav"
+    bad.write_bytes(b"RIFF\x00\x00\x00\x00WAVEfmt garbage")
+    r = run_cli(
+        [
+            "asr",
+            "prepare",
+            "--data",
+            src,
+            "--out",
+            tmp_path / "o",
+            "--test-speakers",
+            "lucas",
+            "--utterances",
+            "4",
+        ],
+        timeout=120,
+        check=True,
+    )
+    assert "skipped 1 unreadable recording(s)" in r.stdout and str(bad) in r.stdout
+    assert last_line(r.stdout).endswith("skipped 1")
+    # The feature cache skips and records an unreadable file of a Kaldi dir too.
+    test = tmp_path / "o" / "test"
+    first = (test / "wav.scp").read_text().splitlines()[0].split()[1]
+    Path(first).write_bytes(b"not a wav at all")
+    cache = cached_features(test, FeatureSettings(), jobs=2)
+    assert len(cache) == 3 and [s["path"] for s in cache.skipped] == [first]
+    reopened = FeatureCache(cache.folder)
+    assert reopened.feats(0).dtype == torch.float32 and reopened.feats(0).shape[1] == 40
+    # Per-speaker CMVN: the speaker's frames have zero mean and unit variance per bin (up to fp16).
+    allf = torch.cat([reopened.feats(i) for i in range(len(reopened))])
+    torch.testing.assert_close(allf.mean(0), torch.zeros(40), atol=2e-3, rtol=0)
+    torch.testing.assert_close(allf.std(0, unbiased=False), torch.ones(40), atol=2e-3, rtol=0)
+
+
+def test_missing_directory_clear_error(tmp_path):
+    r = run_cli(["asr", "prepare", "--data", tmp_path / "nope", "--out", tmp_path / "o"], timeout=60)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("mariana: error:") and "nope" in lines[0]
+    r = run_cli(["asr", "eval", "--model", tmp_path / "norun", "--data", tmp_path], timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "norun" in r.stderr
+
+
+def test_wav_roundtrip_float(tmp_path):
+    x = (np.sin(np.arange(800) / 5) * 0.5).astype(np.float32)
+    sf.write(tmp_path / "a.wav", x, 8000, subtype="PCM_16")
+    y, sr = read_wav(tmp_path / "a.wav")
+    assert sr == 8000 and np.abs(x - y).max() < 1e-4
