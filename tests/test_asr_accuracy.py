@@ -85,3 +85,22 @@ def test_small_preset_heldout_speaker_wer(data_dir, tmp_path):
     tr = load_transcriber(run)
     assert tr.transcribe_wav_bytes(open(wav_path, "rb").read()) == words
     assert tr.version.startswith("asr-")
+
+    # ... and over HTTP from a real `mariana serve --asr` (uvicorn on a free loopback port).
+    from test_serving_helpers import Server
+
+    srv = Server(["--asr", run, "--threads", "1"], tmp_path)
+    try:
+        wav = open(wav_path, "rb").read()
+        resp = srv.client.post("/v1/asr/transcribe", files={"file": ("a.wav", wav, "audio/wav")})
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"transcript": words, "model_version": tr.version}
+        for junk, status, text in [
+            (b"not audio" * 50, 415, "not a WAV file"),  # rejected on its header
+            (b"RIFF\x24\x00\x00\x00WAVE" + b"junk" * 50, None, "uploaded audio"),  # fails in the decoder
+        ]:
+            bad = srv.client.post("/v1/asr/transcribe", files={"file": ("a.wav", junk, "audio/wav")})
+            assert 400 <= bad.status_code < 500 and (status is None or bad.status_code == status), bad.text
+            assert text in bad.json()["error"] and "BytesIO" not in bad.text, bad.text
+    finally:
+        srv.stop()

@@ -144,6 +144,22 @@ def test_train_eval_classify_commands(small_shard, tmp_path):
     clf = load_classifier(run)
     top = clf.classify_bytes(img.read_bytes(), k=3)
     assert len(top) == 3 and all(lbl in clf.classes for lbl, _ in top)
+
+    # The same labels over HTTP from a real `mariana serve --vision`; a corrupt upload is a 4xx.
+    from test_serving_helpers import Server
+
+    srv = Server(["--vision", run, "--threads", "1"], tmp_path)
+    try:
+        resp = srv.client.post(
+            "/v1/vision/classify?k=3", files={"file": ("a.jpg", img.read_bytes(), "image/jpeg")}
+        )
+        assert resp.status_code == 200, resp.text
+        assert [x["label"] for x in resp.json()["labels"]] == [lbl for lbl, _ in top]
+        broken = (folder / "test" / "cat" / "broken.jpg").read_bytes()
+        bad = srv.client.post("/v1/vision/classify", files={"file": ("b.jpg", broken, "image/jpeg")})
+        assert 400 <= bad.status_code < 500, bad.text
+    finally:
+        srv.stop()
     assert top[0][1] >= top[1][1] >= top[2][1] and sum(p for _, p in top) <= 1.0 + 1e-6
     for junk in (b"", b"hello world", CORRUPT, b"\x89PNG\r\n\x1a\n" + b"\x00" * 40):
         with pytest.raises((ValueError, MarianaError), match="image"):
