@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import httpx
+from mariana.serving.loadgen import run_process
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -113,17 +114,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def loadgen(url: str, body: Path, *args: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "mariana.serving.loadgen", "--url", url, "--body-file", str(body), *args],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if out.returncode != 0:
-        raise SystemExit(f"loadgen failed: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_process(url, body, *args, env=env())
 
 
 def sustainable(rows: list[dict], budget_ms: float) -> float:

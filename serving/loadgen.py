@@ -206,6 +206,29 @@ async def run_closed_loop(
     return out
 
 
+def run_process(url: str, body_file, *args: str, env: dict | None = None, timeout: float = 300) -> dict:
+    """Run this load generator in its own process (so it does not share the server's or the caller's
+    cores' event loop) against ``url`` with the request body in ``body_file``; extra ``args`` are its
+    flags (``--rate``, ``--concurrency``, ``--duration``). Returns its JSON summary; raises RuntimeError
+    with its stderr when it fails."""
+    import subprocess
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "mariana.serving.loadgen",
+        "--url",
+        url,
+        "--body-file",
+        str(body_file),
+        *args,
+    ]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"loadgen failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="open/closed-loop HTTP load against a loopback server")
     p.add_argument("--url", required=True, help="http://127.0.0.1:PORT/path (loopback only)")

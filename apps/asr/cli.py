@@ -38,18 +38,12 @@ def _prepare(args, argv):
 
 
 def _train(args, argv):
-    from mariana.platform.cli.common import check_data_path, run_training
+    from mariana.platform.cli.common import run_training
 
     from .configs import PRESETS, AsrConfig
     from .train import train
 
-    def go(cfg):
-        check_data_path(cfg.data)
-        return train(cfg)
-
-    if getattr(args, "data", None):
-        check_data_path(args.data)
-    return run_training(args, argv, AsrConfig, PRESETS, go, _headline)
+    return run_training(args, argv, AsrConfig, PRESETS, train, _headline)
 
 
 def _eval(args, argv):

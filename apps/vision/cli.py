@@ -12,20 +12,12 @@ def _headline(m: dict) -> str:
 
 
 def _train(args, argv):
-    from mariana.platform.cli.common import check_data_path, run_training
+    from mariana.platform.cli.common import run_training
 
     from .configs import PRESETS, VisionConfig
     from .train import train
 
-    def go(cfg):
-        check_data_path(cfg.data)
-        if cfg.eval_data:
-            check_data_path(cfg.eval_data, "--eval-data")
-        return train(cfg)
-
-    if getattr(args, "data", None):
-        check_data_path(args.data)
-    return run_training(args, argv, VisionConfig, PRESETS, go, _headline)
+    return run_training(args, argv, VisionConfig, PRESETS, train, _headline, optional_paths=("eval_data",))
 
 
 def _eval(args, argv):

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import export_model
-from mariana.platform.core.rundir import RunDir, setup_logging
+from mariana.platform.core.rundir import start_run
 from mariana.platform.dp.sampler import IndexBatchLoader, ShardedBatchSampler
 
 from .configs import VisionConfig
@@ -207,11 +207,7 @@ def train(cfg: VisionConfig) -> dict[str, Any]:
 
 
 def _train(cfg: VisionConfig, ctx) -> dict[str, Any]:
-    torch.manual_seed(cfg.seed)
-    run = RunDir(cfg.out)
-    setup_logging(run, ctx.rank)
-    if ctx.is_main:
-        run.save_config(cfg)
+    run, _ = start_run(cfg, ctx.rank, ctx.is_main)
     device = ctx.device
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True

@@ -40,12 +40,24 @@ def check_fresh_run_dir(cfg: Any) -> None:
 
 
 def run_training(
-    args, argv, cfg_cls: type, presets: dict, train_fn: Callable[[Any], dict], headline: Callable[[dict], str]
+    args,
+    argv,
+    cfg_cls: type,
+    presets: dict,
+    train_fn: Callable[[Any], dict],
+    headline: Callable[[dict], str],
+    optional_paths: tuple[str, ...] = (),
 ) -> int:
-    """The thin train entry point: resolve config, launch workers if needed, train, print the headline."""
+    """The thin train entry point: resolve config, check its data paths, launch workers if needed, train,
+    print the headline. ``cfg.data`` must exist; each field named in ``optional_paths`` (e.g. ``eval_data``)
+    must exist when set. Checked before any worker starts, so a typo fails in one clear line."""
     from ..dp.launch import in_worker, launch_if_needed
 
     cfg = resolve_config(cfg_cls, args, presets)
+    check_data_path(cfg.data)
+    for field in optional_paths:
+        if getattr(cfg, field):
+            check_data_path(getattr(cfg, field), "--" + field.replace("_", "-"))
     if not in_worker():
         check_fresh_run_dir(cfg)
     rc = launch_if_needed(cfg, argv)

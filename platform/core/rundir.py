@@ -74,3 +74,16 @@ def setup_logging(run: RunDir | None, rank: int = 0, verbose: bool = False) -> l
         sh.setFormatter(fmt)
         log.addHandler(sh)
     return log
+
+
+def start_run(cfg: Any, rank: int = 0, is_main: bool = True) -> tuple[RunDir, logging.Logger]:
+    """The prologue of every training job: open ``cfg.out`` as a run directory, set up this rank's
+    logging, save the resolved config (main rank only) and seed torch with ``cfg.seed``."""
+    import torch
+
+    run = RunDir(cfg.out)
+    log = setup_logging(run, rank)
+    if is_main:
+        run.save_config(cfg)
+    torch.manual_seed(cfg.seed)
+    return run, log

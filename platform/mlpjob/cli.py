@@ -6,22 +6,16 @@ import argparse
 
 
 def _train(args, argv):
-    from ..cli.common import check_data_path, run_training
+    from ..cli.common import run_training
     from .configs import PRESETS, MlpConfig
     from .train import train
 
-    def go(cfg):
-        check_data_path(cfg.data)
-        return train(cfg)
-
-    if getattr(args, "data", None):
-        check_data_path(args.data)
     return run_training(
         args,
         argv,
         MlpConfig,
         PRESETS,
-        go,
+        train,
         lambda m: (
             f"validation AUC {m.get('eval_auc', float('nan')):.4f} logloss {m.get('eval_logloss', float('nan')):.4f}"
         ),

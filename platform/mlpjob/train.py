@@ -8,7 +8,7 @@ import torch
 
 from ..core.export import export_model
 from ..core.loop import Trainer, unwrap
-from ..core.rundir import RunDir, setup_logging
+from ..core.rundir import start_run
 from ..dp.ddp import apply_data_parallel
 from ..dp.dist import init_distributed, teardown
 from ..dp.sampler import IndexBatchLoader, ShardedBatchSampler
@@ -27,11 +27,7 @@ def step_fn(model, batch):
 def train(cfg: MlpConfig) -> dict:
     ctx = init_distributed(cfg.device, cfg.timeout)
     try:
-        run = RunDir(cfg.out)
-        log = setup_logging(run, ctx.rank)
-        if ctx.is_main:
-            run.save_config(cfg)
-        torch.manual_seed(cfg.seed)
+        run, log = start_run(cfg, ctx.rank, ctx.is_main)
         labels, ids, _ = read_libfm(cfg.data, cfg.limit)
         train_rows, val_rows = split(labels, ids, cfg.val_fraction, cfg.buckets)
         log.info(
