@@ -40,14 +40,17 @@ class CTRModel(nn.Module):
         cross_layers: int = 3,
         dropout: float = 0.0,
         init_std: float = 0.01,
+        table: torch.Tensor | None = None,
     ):
+        """``table``: an existing ``[num_rows, 1 + dim]`` weight to adopt (no copy, no initialisation).
+
+        The dense layers are created (and draw from the global RNG) before the table, so their initial
+        values do not depend on the table's size or on whether a table was given."""
         super().__init__()
         if kind not in MODELS:
             raise ValueError(f"unknown model {kind!r}; choose from {', '.join(MODELS)}")
         self.kind, self.num_fields, self.num_dense = kind, num_fields, num_dense
         self.dim = 0 if kind == "lr" else dim
-        self.table = nn.Embedding(num_rows, 1 + self.dim, sparse=True)
-        nn.init.normal_(self.table.weight, std=init_std)
         self.bias = nn.Parameter(torch.zeros(1))
         self.dense_linear = nn.Linear(num_dense, 1, bias=False) if num_dense else None
         flat = num_fields * self.dim + num_dense
@@ -61,6 +64,11 @@ class CTRModel(nn.Module):
         ):  # DCN-v2 (Wang et al. 2021): x_{l+1} = x0 * (W_l x_l + b_l) + x_l, parallel deep net
             self.cross = nn.ModuleList(nn.Linear(flat, flat) for _ in range(cross_layers))
             self.head = nn.Linear(flat + deep_out, 1)
+        if table is not None and tuple(table.shape) != (num_rows, 1 + self.dim):
+            raise ValueError(f"table shape {tuple(table.shape)} != {(num_rows, 1 + self.dim)}")
+        self.table = nn.Embedding(num_rows, 1 + self.dim, sparse=True, _weight=table)
+        if table is None:
+            nn.init.normal_(self.table.weight, std=init_std)
 
     def dense_parameters(self) -> list[nn.Parameter]:
         return [p for n, p in self.named_parameters() if not n.startswith("table.")]
@@ -70,13 +78,24 @@ class CTRModel(nn.Module):
 
     def forward_rows(self, rows: torch.Tensor, vals: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         """rows [B, F, 1 + dim] -> logits [B]."""
-        w = rows[..., 0]
-        logit = (w * vals).sum(1) + self.bias
+        return self.forward_parts(rows[..., 0], rows[..., 1:], vals, dense)
+
+    def forward_parts(
+        self, w: torch.Tensor, e: torch.Tensor, vals: torch.Tensor, dense: torch.Tensor
+    ) -> torch.Tensor:
+        """The looked-up rows as two tensors: linear weights w [B, F] and embeddings e [B, F, dim];
+        ``vals`` [B, F] or None when all values are 1.
+
+        The trainers pass two gradient leaves here rather than one ``[B, F, 1 + dim]`` tensor: slicing a
+        leaf makes autograd allocate and fill a zero tensor of the whole leaf per slice in backward."""
+        if vals is not None:  # None: every value is 1 (categorical data), skip two [B, F(, dim)] products
+            w = w * vals
+        logit = w.sum(1) + self.bias
         if self.dense_linear is not None:
             logit = logit + self.dense_linear(dense).squeeze(1)
         if self.kind == "lr":
             return logit
-        emb = rows[..., 1:] * vals.unsqueeze(-1)  # [B, F, dim]
+        emb = e * vals.unsqueeze(-1) if vals is not None else e  # [B, F, dim]
         if self.kind in ("fm", "deepfm"):
             s = emb.sum(1)
             logit = logit + 0.5 * (s * s - (emb * emb).sum(1)).sum(1)
@@ -95,7 +114,7 @@ class CTRModel(nn.Module):
         return out + (logit if self.kind == "deepfm" else self.bias)
 
 
-def build_model(cfg, schema) -> CTRModel:
+def build_model(cfg, schema, table: torch.Tensor | None = None) -> CTRModel:
     hidden = tuple(int(h) for h in str(cfg.hidden).split(",") if h.strip())
     return CTRModel(
         cfg.model,
@@ -107,4 +126,5 @@ def build_model(cfg, schema) -> CTRModel:
         cfg.cross_layers,
         cfg.dropout,
         cfg.init_std,
+        table,
     )

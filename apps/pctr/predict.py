@@ -34,6 +34,8 @@ class Predictor:
         if meta.get("app") != "pctr":
             raise MarianaError(f"the exported model is not a pctr model (app={meta.get('app')!r})")
         self.meta = meta
+        if "table.weight" not in state or "seen" not in state:
+            raise MarianaError("the exported pctr model lacks its embedding table ('table.weight', 'seen')")
         self.schema = Schema.from_dict(meta["schema"])
         self.format: str = self.schema.format
         self.version: str = str(meta.get("version", "unknown"))
@@ -50,9 +52,12 @@ class Predictor:
             hidden,
             m["cross_layers"],
             0.0,
+            table=state.pop("table.weight"),  # adopted as is: no second full-size table
         )
         self.seen = state.pop("seen").bool().to(self.device)
-        self.model.load_state_dict(state)
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if missing != ["table.weight"] or unexpected:
+            raise MarianaError(f"the exported model does not match its metadata: {missing=} {unexpected=}")
         self.model.to(self.device).eval()
         self.R = self.schema.rows_per_field
 

@@ -6,21 +6,21 @@ write, even if the process is killed mid-write.
 
 from __future__ import annotations
 
-import io
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically; returns the path."""
+def atomic_write_with(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:
+    """Call ``write(f)`` on a temporary file next to ``path``, fsync, rename over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -28,6 +28,28 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def atomic_write_path(path: str | os.PathLike, write: Callable[[str], object]) -> Path:
+    """Call ``write(tmp_path)`` for a library that writes by file name, fsync, rename over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically; returns the path."""
+    return atomic_write_with(path, lambda f: f.write(data))
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
@@ -39,6 +61,5 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
     ``torch.load(path, weights_only=True)`` can read it back without executing code."""
     import torch
 
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return atomic_write_bytes(path, buf.getvalue())
+    # Straight into the temporary file: no in-memory copy (checkpoints of embedding shards are GBs).
+    return atomic_write_with(path, lambda f: torch.save(obj, f))

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors.torch import save_file as st_save_file
 
-from .atomic import atomic_write_bytes, atomic_write_text
+from .atomic import atomic_write_path, atomic_write_text
 from .errors import MarianaError
 
 WEIGHTS = "model.safetensors"
@@ -24,11 +24,24 @@ META = "model.json"
 def export_model(run_dir: str | Path, state_dict: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
     """Write ``RUN/model.safetensors`` and ``RUN/model.json`` atomically; returns the weights path.
 
-    Tensors are copied to CPU and de-aliased (safetensors refuses shared storage)."""
+    Tensors are moved to CPU and de-aliased (safetensors refuses shared storage); a tensor that already
+    owns its storage is written as is and streamed to the file (a multi-GB embedding table is not copied)."""
     run_dir = Path(run_dir)
-    tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in state_dict.items()}
+    tensors, owners = {}, {}
+    for k, v in state_dict.items():
+        v = v.detach().to("cpu")
+        st = v.untyped_storage()
+        key = (st.data_ptr(), st.nbytes())
+        whole = v.is_contiguous() and v.storage_offset() == 0 and v.nbytes == st.nbytes()
+        if key in owners or not whole:
+            v = v.clone().contiguous()
+        else:
+            owners[key] = k
+        tensors[k] = v
     meta_text = json.dumps(meta, sort_keys=True, default=str)
-    path = atomic_write_bytes(run_dir / WEIGHTS, st_save(tensors, metadata={"mariana": meta_text}))
+    path = atomic_write_path(
+        run_dir / WEIGHTS, lambda tmp: st_save_file(tensors, tmp, metadata={"mariana": meta_text})
+    )
     atomic_write_text(run_dir / META, json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
     return path
 

@@ -142,17 +142,19 @@ class ParamServer:
         return s
 
     # ----------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict:
-        sd = {"shard": self.shard.state_dict(), "applied": self.applied}
+    def state_dict(self, copy: bool = True) -> dict:
+        sd = {"shard": self.shard.state_dict(copy), "applied": self.applied}
         if self.dense is not None:
             sd["dense"] = self.dense.state_dict()
         return sd
 
     def save_shard(self, folder: str) -> str:
+        """Write this shard's file; pushes wait meanwhile, so the file is one consistent state."""
         from ..core.atomic import atomic_torch_save
 
         path = Path(folder) / f"shard-{self.index}.pt"
-        atomic_torch_save(self.state_dict(), path)
+        with self.shard.frozen():
+            atomic_torch_save(self.state_dict(copy=False), path)
         return str(path)
 
     def restore_latest(self) -> int | None:
@@ -198,8 +200,8 @@ class ParamServer:
             return name
 
     def dump(self) -> dict:
-        sd = self.shard.state_dict()
-        out = {n: (t["weight"], t["seen"]) for n, t in sd["tables"].items()}
+        """The shard's weights (not its optimiser state), uncopied: called once every worker is done."""
+        out = {n: (self.shard.weight[n].cpu(), self.shard.seen[n].cpu()) for n in self.shard.specs}
         dense = self.dense.pull() if self.dense is not None else None
         return {"tables": out, "dense": dense, "counters": dict(self.counters)}
 

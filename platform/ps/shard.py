@@ -9,11 +9,13 @@ whose push it applied (so that a push replayed after a restore is applied exactl
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
 import torch
 
+from .memory import table_empty
 from .rowopt import RowOptConfig, apply_rows, init_state
 
 
@@ -31,16 +33,19 @@ def init_rows(spec: TableSpec, seed: int, shard: int = 0, num_shards: int = 1, c
     """Initial weights of the rows ``shard::num_shards`` of a table, identical whatever the sharding:
     N(0, init_std) drawn in global row order from per-chunk generators (column 0, the linear weight,
     starts at 0 as in plain logistic regression)."""
-    parts = []
+    out = table_empty((local_rows(spec.num_rows, shard, num_shards), spec.dim))
+    off = 0
     for c0 in range(0, spec.num_rows, chunk):
         n = min(chunk, spec.num_rows - c0)
         gen = torch.Generator().manual_seed(seed * 7919 + c0 // chunk)
         w = torch.randn(n, spec.dim, generator=gen) * spec.init_std
         first = (shard - c0) % num_shards
-        parts.append(w[first::num_shards])
-    w = torch.cat(parts) if parts else torch.zeros(0, spec.dim)
-    w[:, 0] = 0.0
-    return w
+        part = w[first::num_shards]
+        out[off : off + len(part)] = part
+        off += len(part)
+    assert off == out.shape[0], (off, out.shape)
+    out[:, 0] = 0.0
+    return out
 
 
 def shard_of(rows: torch.Tensor, num_shards: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,18 +130,30 @@ class EmbeddingShard:
         """Last step of ``worker`` applied on every table of this shard (-1: none)."""
         return min((self.last_step.get((n, worker), -1) for n in self.specs), default=-1)
 
-    def state_dict(self) -> dict:
-        """Tensors + numbers only (loadable with ``weights_only=True``); copied under the locks."""
+    def state_dict(self, copy: bool = True) -> dict:
+        """Tensors + numbers only (loadable with ``weights_only=True``).
+
+        ``copy=True``: copied under the locks. ``copy=False``: the live tensors, for a caller that holds
+        `frozen()` until it has written them (no second copy of a multi-GB shard in memory)."""
         out: dict = {"shard": self.shard, "num_shards": self.num_shards, "tables": {}}
         for name in self.specs:
-            with self.locks[name]:
+            with self.locks[name] if copy else contextlib.nullcontext():
+                c = (lambda t: t.cpu().clone()) if copy else (lambda t: t.cpu())
                 out["tables"][name] = {
-                    "weight": self.weight[name].cpu().clone(),
-                    "seen": self.seen[name].cpu().clone(),
-                    "state": {k: v.cpu().clone() for k, v in self.state[name].items()},
+                    "weight": c(self.weight[name]),
+                    "seen": c(self.seen[name]),
+                    "state": {k: c(v) for k, v in self.state[name].items()},
                     "last_step": {str(w): s for (n, w), s in self.last_step.items() if n == name},
                 }
         return out
+
+    @contextlib.contextmanager
+    def frozen(self):
+        """Hold every table's lock: pushes wait until the block ends (pulls are not locked)."""
+        with contextlib.ExitStack() as stack:
+            for name in sorted(self.locks):
+                stack.enter_context(self.locks[name])
+            yield self
 
     def load_state_dict(self, sd: dict) -> None:
         if sd["shard"] != self.shard or sd["num_shards"] != self.num_shards:

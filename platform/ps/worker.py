@@ -133,6 +133,9 @@ class PSClient:
         parts = [f.wait() for f in futs]
         out = {}
         for n, N in num_rows.items():
+            if self.S == 1:  # already in global order: no second full-size copy
+                out[n] = parts[0]["tables"][n]
+                continue
             w0 = parts[0]["tables"][n][0]
             w = torch.empty(N, w0.shape[1], dtype=w0.dtype)
             seen = torch.zeros(N, dtype=torch.bool)
@@ -140,6 +143,7 @@ class PSClient:
                 ws, ss = parts[s]["tables"][n]
                 w[s :: self.S] = ws
                 seen[s :: self.S] = ss
+                parts[s]["tables"][n] = None  # free each part once copied
             out[n] = (w, seen)
         self.server_counters = [p["counters"] for p in parts]
         return out, parts[0]["dense"]
