@@ -81,6 +81,20 @@ def test_export_roundtrip_without_pickle(tmp_path):
         load_exported(tmp_path)
 
 
+def test_export_shared_and_strided_tensors_and_huge_page_tables(tmp_path):
+    """Tensors that own their storage are written as is; views and aliases are de-aliased copies."""
+    from mariana.platform.ps.memory import table_empty
+
+    table = table_empty((1 << 21, 17))  # 136 MB: large enough to be advised onto huge pages
+    table.copy_(torch.arange(table.numel(), dtype=torch.float32).view_as(table))
+    sd = {"table": table, "alias": table, "col": table[:5, 3], "rows": table[10:12]}
+    export_model(tmp_path, sd, {"arch": "t"})
+    state, _ = load_exported(tmp_path)
+    for k, v in sd.items():
+        assert torch.equal(state[k], v), k
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.json", "model.safetensors"]
+
+
 def test_sharded_sampler_matches_one_process_batches():
     one = ShardedBatchSampler(103, 8, 0, 1, seed=4)
     two = [ShardedBatchSampler(103, 4, r, 2, seed=4) for r in range(2)]
