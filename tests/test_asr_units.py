@@ -13,8 +13,8 @@ import torchaudio
 from helpers import last_line, run_cli
 from mariana.apps.asr.data import read_kaldi_dir, read_wav
 from mariana.apps.asr.decode import beam_decode, edit_distance, error_rates, greedy_decode
-from mariana.apps.asr.features import FeatureCache, FeatureSettings, cached_features, fbank
-from mariana.apps.asr.model import AcousticDNN, splice
+from mariana.apps.asr.features import FeatureCache, FeatureSettings, cached_features, fbank, perturbations
+from mariana.apps.asr.model import AcousticDNN, build_model, splice
 from mariana.platform.core.errors import MarianaError
 
 
@@ -229,3 +229,37 @@ def test_wav_roundtrip_float(tmp_path):
     sf.write(tmp_path / "a.wav", x, 8000, subtype="PCM_16")
     y, sr = read_wav(tmp_path / "a.wav")
     assert sr == 8000 and np.abs(x - y).max() < 1e-4
+
+
+def test_mfcc_and_vtln_warped_copies_equal_torchaudio(data_dir, tmp_path):
+    x, sr = read_wav(data_dir / "fsdd/recordings/3_jackson_7.wav")
+    wav = torch.from_numpy(x).unsqueeze(0) * 32768.0
+    kw = dict(sample_frequency=sr, frame_length=25.0, frame_shift=10.0, dither=0.0, energy_floor=0.0)
+    s = FeatureSettings(num_mel_bins=23, kind="mfcc", num_ceps=13)
+    ref = torchaudio.compliance.kaldi.mfcc(wav, num_mel_bins=23, num_ceps=13, vtln_warp=0.9, **kw)
+    torch.testing.assert_close(fbank(torch.from_numpy(x), s, warp=0.9), ref)
+    warped = fbank(torch.from_numpy(x), FeatureSettings(), warp=1.1)
+    torch.testing.assert_close(
+        warped, torchaudio.compliance.kaldi.fbank(wav, num_mel_bins=40, vtln_warp=1.1, **kw)
+    )
+    assert not torch.allclose(warped, fbank(torch.from_numpy(x), FeatureSettings()))
+
+    # Copies: every speed unwarped, then every warp at speed 1, each its own CMVN "speaker".
+    assert perturbations((0.9, 1.0), (1.0, 1.1)) == [(0.9, 1.0), (1.0, 1.0), (1.0, 1.1)]
+    d = tmp_path / "k"
+    d.mkdir()
+    p = data_dir / "fsdd/recordings/3_jackson_7.wav"
+    (d / "wav.scp").write_text(f"u1 {p}\n")
+    (d / "text").write_text("u1 three\n")
+    (d / "utt2spk").write_text("u1 jackson\n")
+    cache = cached_features(d, s, jobs=1, speeds=(0.9, 1.0), warps=(1.1,))
+    assert [(u["utt"], u["spk"]) for u in cache.utts] == [
+        ("sp0.9-u1", "sp0.9-jackson"),
+        ("u1", "jackson"),
+        ("vtln1.1-u1", "vtln1.1-jackson"),
+    ]
+    assert cache.feats(0).shape[1] == 13 and cache.feats(0).shape[0] > cache.feats(1).shape[0]
+    # The model's input width follows the feature kind.
+    cfg = {"num_mel_bins": 23, "features": "mfcc", "num_ceps": 13, "context": 2, "hidden": 8, "layers": 1}
+    cfg |= {"activation": "relu", "dropout": 0.0, "norm": "none"}
+    assert build_model(cfg, 11).body[0].in_features == 13 * 5

@@ -12,6 +12,10 @@ from mariana.platform.core.errors import MarianaError
 class AsrConfig(TrainConfig):
     # features
     num_mel_bins: int = opt(40, "mel filterbank bins (torchaudio Kaldi-compatible fbank)")
+    features: str = opt(
+        "fbank", "frame features: log mel filterbank or MFCC (Kaldi-compatible)", ["fbank", "mfcc"]
+    )
+    num_ceps: int = opt(13, "MFCC coefficients per frame (--features mfcc)")
     sample_rate: int = opt(8000, "audio sample rate in Hz (other rates are resampled)")
     cmvn: str = opt("speaker", "mean/variance normalisation statistics", ["speaker", "utterance", "none"])
     feature_jobs: int = opt(2, "parallel processes computing features into the cache")
@@ -26,6 +30,9 @@ class AsrConfig(TrainConfig):
     norm: str = opt("none", "normalisation after each hidden linear layer", ["none", "layer"])
     # augmentation
     speed_perturb: list[float] = opt([1.0], "speed factors of the training copies, e.g. 0.9,1.0,1.1")
+    vtln_perturb: list[float] = opt(
+        [1.0], "VTLN warp factors of extra training copies (frequency axis only), e.g. 0.9,1.1"
+    )
     spec_augment: bool = opt(False, "SpecAugment-style frequency and time masking (torchaudio)")
     freq_mask: int = opt(8, "SpecAugment: widest frequency mask (bins)")
     time_mask: int = opt(10, "SpecAugment: widest time mask (frames)")
@@ -43,6 +50,10 @@ class AsrConfig(TrainConfig):
             raise MarianaError(f"--dropout must be in [0, 1), got {self.dropout}")
         if not self.speed_perturb or any(not 0.5 <= s <= 2.0 for s in self.speed_perturb):
             raise MarianaError(f"--speed-perturb factors must be in [0.5, 2], got {self.speed_perturb}")
+        if not self.vtln_perturb or any(not 0.7 <= w <= 1.3 for w in self.vtln_perturb):
+            raise MarianaError(f"--vtln-perturb factors must be in [0.7, 1.3], got {self.vtln_perturb}")
+        if self.features == "mfcc" and not 1 <= self.num_ceps <= self.num_mel_bins:
+            raise MarianaError(f"--num-ceps must be in [1, --num-mel-bins], got {self.num_ceps}")
         if self.feature_jobs < 1:
             raise MarianaError(f"--feature-jobs must be >= 1, got {self.feature_jobs}")
 

@@ -37,27 +37,35 @@ class FeatureSettings:
     frame_length_ms: float = 25.0
     frame_shift_ms: float = 10.0
     cmvn: str = "speaker"  # speaker | utterance | none
+    kind: str = "fbank"  # fbank | mfcc
+    num_ceps: int = 13  # MFCC only: cepstral coefficients kept
 
     def key(self, extra: str = "") -> str:
         return hashlib.sha1((json.dumps(asdict(self), sort_keys=True) + extra).encode()).hexdigest()[:12]
 
 
-def fbank(samples: torch.Tensor, s: FeatureSettings) -> torch.Tensor:
-    """Kaldi fbank of mono float samples [N] at ``s.sample_rate`` -> log mel energies [frames, bins].
+def fbank(samples: torch.Tensor, s: FeatureSettings, warp: float = 1.0) -> torch.Tensor:
+    """Kaldi features of mono float samples [N] at ``s.sample_rate`` -> [frames, dim]: log mel energies
+    (``s.kind == "fbank"``, dim = bins) or MFCCs (``"mfcc"``, dim = ``num_ceps``).
 
-    Samples are scaled to the 16-bit integer range first, as Kaldi reads WAVs."""
+    ``warp`` != 1 warps the mel filters' frequency axis (Kaldi VTLN, piecewise linear between 100 Hz and
+    Nyquist - 500 Hz): a vocal tract length change without a tempo change. Samples are scaled to the 16-bit
+    integer range first, as Kaldi reads WAVs."""
     import torchaudio
 
     wav = samples.reshape(1, -1).float() * 32768.0
-    return torchaudio.compliance.kaldi.fbank(
-        wav,
+    common = dict(
         num_mel_bins=s.num_mel_bins,
         sample_frequency=float(s.sample_rate),
         frame_length=s.frame_length_ms,
         frame_shift=s.frame_shift_ms,
         dither=0.0,
         energy_floor=0.0,
+        vtln_warp=warp,
     )
+    if s.kind == "mfcc":
+        return torchaudio.compliance.kaldi.mfcc(wav, num_ceps=s.num_ceps, **common)
+    return torchaudio.compliance.kaldi.fbank(wav, **common)
 
 
 def load_audio(path_or_file, s: FeatureSettings, speed: float = 1.0) -> torch.Tensor:
@@ -76,13 +84,13 @@ def load_audio(path_or_file, s: FeatureSettings, speed: float = 1.0) -> torch.Te
 
 
 def _chunk_worker(args) -> tuple[list[tuple[int, np.ndarray]], list[tuple[int, str]]]:
-    """Compute raw fbank for ``[(index, path, speed)]`` in a worker thread."""
+    """Compute raw features for ``[(index, path, speed, warp)]`` in a worker thread."""
     items, settings, _threads = args
     s = FeatureSettings(**settings)
     done, failed = [], []
-    for i, path, speed in items:
+    for i, path, speed, warp in items:
         try:
-            feats = fbank(load_audio(path, s, speed), s)
+            feats = fbank(load_audio(path, s, speed), s, warp)
             if feats.shape[0] == 0:
                 raise MarianaError(f"{path}: shorter than one frame")
             done.append((i, feats.numpy().astype(np.float32)))
@@ -94,10 +102,11 @@ def _chunk_worker(args) -> tuple[list[tuple[int, np.ndarray]], list[tuple[int, s
 
 
 def compute_raw(
-    jobs_in: list[tuple[str, float]], s: FeatureSettings, jobs: int = 2
+    jobs_in: list[tuple[str, float, float]], s: FeatureSettings, jobs: int = 2
 ) -> tuple[dict[int, np.ndarray], dict[int, str]]:
-    """Raw fbank for each ``(path, speed)`` in parallel -> ({index: [frames, bins]}, {index: reason})."""
-    items = [(i, p, sp) for i, (p, sp) in enumerate(jobs_in)]
+    """Raw features for each ``(path, speed, warp)`` in parallel -> ({index: [frames, dim]},
+    {index: reason})."""
+    items = [(i, *w) for i, w in enumerate(jobs_in)]
     jobs = max(1, min(jobs, len(items)))
     chunks = [items[k::jobs] for k in range(jobs)]
     args = [(c, asdict(s), 1) for c in chunks]
@@ -131,23 +140,35 @@ def apply_cmvn(feats: list[np.ndarray], groups: list[str]) -> list[np.ndarray]:
     return [(f - norm[g][0]) / norm[g][1] for f, g in zip(feats, groups)]
 
 
+def perturbations(
+    speeds: tuple[float, ...] = (1.0,), warps: tuple[float, ...] = (1.0,)
+) -> list[tuple[float, float]]:
+    """The (speed, VTLN warp) copies made of each utterance: every speed unwarped, then every warp at the
+    original speed (a sum, not a product, so the copies grow linearly with the factors)."""
+    out = [(sp, 1.0) for sp in speeds]
+    out += [(1.0, w) for w in warps if (1.0, w) not in out]
+    return out
+
+
 def extract(
-    utts: list[Utterance], s: FeatureSettings, jobs: int = 2, speeds: tuple[float, ...] = (1.0,)
+    utts: list[Utterance],
+    s: FeatureSettings,
+    jobs: int = 2,
+    speeds: tuple[float, ...] = (1.0,),
+    warps: tuple[float, ...] = (1.0,),
 ) -> tuple[list[Utterance], list[np.ndarray], list[tuple[str, str]]]:
-    """Features of ``utts`` (x each speed factor), CMVN applied -> (kept utterances, [frames, bins] float32
-    arrays, skipped [(path, reason)]). Perturbed copies get ids ``sp{factor}-{utt}`` and speakers
-    ``sp{factor}-{spk}`` (separate CMVN statistics, as in Kaldi recipes)."""
+    """Features of ``utts`` (x each copy of `perturbations`), CMVN applied -> (kept utterances, [frames, dim]
+    float32 arrays, skipped [(path, reason)]). Perturbed copies get ids ``sp{factor}-{utt}`` /
+    ``vtln{warp}-{utt}`` and speakers named the same way (separate CMVN statistics, as in Kaldi recipes)."""
     work, meta = [], []
-    for sp in speeds:
+    for sp, w in perturbations(speeds, warps):
+        tag = "" if (sp, w) == (1.0, 1.0) else (f"sp{sp}-" if w == 1.0 else f"vtln{w}-")
         for u in utts:
-            work.append((u.path, sp))
-            if sp == 1.0:
-                meta.append(u)
-            else:
-                meta.append(Utterance(f"sp{sp}-{u.utt}", f"sp{sp}-{u.spk}", u.words, u.path))
+            work.append((u.path, sp, w))
+            meta.append(Utterance(f"{tag}{u.utt}", f"{tag}{u.spk}", u.words, u.path) if tag else u)
     raw, failed = compute_raw(work, s, jobs)
     kept = [i for i in range(len(work)) if i in raw]
-    skipped = [(work[i][0], failed[i]) for i in sorted(failed) if work[i][1] == 1.0]
+    skipped = [(work[i][0], failed[i]) for i in sorted(failed) if work[i][1:] == (1.0, 1.0)]
     out_utts = [meta[i] for i in kept]
     feats = [raw[i] for i in kept]
     if s.cmvn != "none":
@@ -232,6 +253,7 @@ def cached_features(
     jobs: int = 2,
     speeds: tuple[float, ...] = (1.0,),
     cache_root: str | Path | None = None,
+    warps: tuple[float, ...] = (1.0,),
 ) -> FeatureCache:
     """The feature cache of a Kaldi data dir, built if missing or stale (settings or wav.scp changed).
 
@@ -241,7 +263,9 @@ def cached_features(
     if not scp.is_file():
         raise MarianaError(f"{data_dir}: no wav.scp (run `mariana asr prepare` first)")
     stamp = hashlib.sha1(
-        scp.read_bytes() + (data_dir / "text").read_bytes() + repr(tuple(speeds)).encode()
+        scp.read_bytes()
+        + (data_dir / "text").read_bytes()
+        + repr(perturbations(tuple(speeds), tuple(warps))).encode()
     ).hexdigest()
     key = s.key(stamp)
     folder = Path(cache_root or data_dir / "feats") / key
@@ -249,6 +273,6 @@ def cached_features(
         cache = FeatureCache(folder)
         if cache.key == key:
             return cache
-    utts, feats, skipped = extract(read_kaldi_dir(data_dir), s, jobs, speeds)
+    utts, feats, skipped = extract(read_kaldi_dir(data_dir), s, jobs, speeds, warps)
     write_cache(folder, key, utts, feats, skipped)
     return FeatureCache(folder)

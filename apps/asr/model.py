@@ -73,8 +73,9 @@ class AcousticDNN(nn.Module):
 
 def build_model(cfg: dict, output_units: int) -> AcousticDNN:
     """The model described by a config dict (an `AsrConfig` as a dict, e.g. from model.json)."""
+    mfcc = cfg.get("features", "fbank") == "mfcc"
     return AcousticDNN(
-        num_bins=cfg["num_mel_bins"],
+        num_bins=cfg.get("num_ceps", 13) if mfcc else cfg["num_mel_bins"],
         context=cfg["context"],
         hidden=cfg["hidden"],
         layers=cfg["layers"],

