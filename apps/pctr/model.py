@@ -70,6 +70,14 @@ class CTRModel(nn.Module):
         if table is None:
             nn.init.normal_(self.table.weight, std=init_std)
 
+    def load_dense_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load every parameter except the table (adopted at construction, see ``table``); ``state`` may
+        hold ``table.weight`` too, which is ignored. Raises ValueError naming keys that do not match."""
+        state = {k: v for k, v in state.items() if k != "table.weight"}
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        if missing != ["table.weight"] or unexpected:
+            raise ValueError(f"parameters do not match the model: {missing=} {unexpected=}")
+
     def dense_parameters(self) -> list[nn.Parameter]:
         return [p for n, p in self.named_parameters() if not n.startswith("table.")]
 

@@ -55,9 +55,10 @@ class Predictor:
             table=state.pop("table.weight"),  # adopted as is: no second full-size table
         )
         self.seen = state.pop("seen").bool().to(self.device)
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        if missing != ["table.weight"] or unexpected:
-            raise MarianaError(f"the exported model does not match its metadata: {missing=} {unexpected=}")
+        try:
+            self.model.load_dense_state_dict(state)
+        except ValueError as e:
+            raise MarianaError(f"the exported model does not match its metadata: {e}") from None
         self.model.to(self.device).eval()
         self.R = self.schema.rows_per_field
 

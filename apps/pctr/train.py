@@ -169,6 +169,12 @@ def gather_rows(client, ids: torch.Tensor, step: int, device, want_dense: bool =
     return uniq, inv, rows, dense
 
 
+def build_dense_only(cfg: PctrConfig, schema) -> CTRModel:
+    """The model with a 1-row-per-field table stub, for processes whose rows live on parameter servers.
+    Its dense layers start as in-process training's: they are created before the table (see CTRModel)."""
+    return build_model(cfg, type(schema)(schema.format, schema.num_fields, 1, schema.num_dense))
+
+
 def train_step(
     model: CTRModel,
     client,
@@ -445,8 +451,7 @@ def _serve(cfg, role, run, rpc_session) -> int:
     dense = None
     if role.index == 0:
         torch.manual_seed(cfg.seed)
-        # The same dense initialisation as in-process training (the table, made last, is a stub here).
-        m = build_model(cfg, type(st.schema)(st.schema.format, st.schema.num_fields, 1, st.schema.num_dense))
+        m = build_dense_only(cfg, st.schema)  # the same dense initialisation as in-process training
         dense = DenseStore(flatten(m.dense_parameters()), cfg.optimizer, cfg.lr)
         del m
     server = ParamServer(
@@ -487,8 +492,7 @@ def _work(cfg, role, run, rpc_session) -> int:
     torch.manual_seed(cfg.seed)
     cpu = torch.device("cpu")
     amp = functools.partial(autocast_for, cfg, cpu)
-    # The worker's own table is never used (rows come from the servers): build the model with 1 row per field.
-    model = build_model(cfg, type(st.schema)(st.schema.format, st.schema.num_fields, 1, st.schema.num_dense))
+    model = build_dense_only(cfg, st.schema)  # rows come from the servers
     a, b = st.bounds["train"]
     data = WorkerData(
         cfg.data, st.encoder, a, b, cfg.batch_size, role.index, role.num_workers, cfg.seed, cfg.shuffle
@@ -566,9 +570,7 @@ def _work(cfg, role, run, rpc_session) -> int:
             unflatten_into(dense_flat, model.dense_parameters())
             weight, seen = tables[TABLE]
             full = build_model(cfg, st.schema, table=weight)
-            dense_sd = {k: v for k, v in model.state_dict().items() if k != "table.weight"}
-            missing, unexpected = full.load_state_dict(dense_sd, strict=False)
-            assert missing == ["table.weight"] and not unexpected, (missing, unexpected)
+            full.load_dense_state_dict(model.state_dict())
             m = auc_logloss(val_labels, predict_batches(full, val, _TableClient(weight), cpu))
             wall = time.perf_counter() - t0
             final = {

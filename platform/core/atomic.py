@@ -6,44 +6,44 @@ write, even if the process is killed mid-write.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
 
-def atomic_write_with(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:
-    """Call ``write(f)`` on a temporary file next to ``path``, fsync, rename over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def atomic_write_path(path: str | os.PathLike, write: Callable[[str], object]) -> Path:
-    """Call ``write(tmp_path)`` for a library that writes by file name, fsync, rename over ``path``."""
-    path = Path(path)
+@contextlib.contextmanager
+def _temp_beside(path: Path) -> Iterator[str]:
+    """Yield a temporary file name next to ``path``; when the block ends, fsync it and rename it over
+    ``path`` (on an exception: delete it, leaving ``path`` as it was)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        write(tmp)
+        yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_with(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:
+    """Call ``write(f)`` on a temporary file next to ``path``, fsync, rename over ``path``."""
+    path = Path(path)
+    with _temp_beside(path) as tmp, open(tmp, "wb") as f:
+        write(f)
+    return path
+
+
+def atomic_write_path(path: str | os.PathLike, write: Callable[[str], object]) -> Path:
+    """Call ``write(tmp_path)`` for a library that writes by file name, fsync, rename over ``path``."""
+    path = Path(path)
+    with _temp_beside(path) as tmp:
+        write(tmp)
     return path
 
 

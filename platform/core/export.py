@@ -27,16 +27,16 @@ def export_model(run_dir: str | Path, state_dict: dict[str, torch.Tensor], meta:
     Tensors are moved to CPU and de-aliased (safetensors refuses shared storage); a tensor that already
     owns its storage is written as is and streamed to the file (a multi-GB embedding table is not copied)."""
     run_dir = Path(run_dir)
-    tensors, owners = {}, {}
+    tensors, owned = {}, set()
     for k, v in state_dict.items():
         v = v.detach().to("cpu")
         st = v.untyped_storage()
         key = (st.data_ptr(), st.nbytes())
         whole = v.is_contiguous() and v.storage_offset() == 0 and v.nbytes == st.nbytes()
-        if key in owners or not whole:
+        if key in owned or not whole:
             v = v.clone().contiguous()
         else:
-            owners[key] = k
+            owned.add(key)
         tensors[k] = v
     meta_text = json.dumps(meta, sort_keys=True, default=str)
     path = atomic_write_path(

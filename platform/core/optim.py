@@ -10,6 +10,11 @@ import torch
 from .config import TrainConfig
 
 
+def fused_supported(params: list[torch.Tensor]) -> bool:
+    """Whether PyTorch's fused optimizer kernels take ``params``: floating-point CPU or CUDA tensors."""
+    return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+
+
 def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizer named by ``cfg.optimizer`` (sgd | adam | adamw) over the trainable ``params``.
 
@@ -19,7 +24,7 @@ def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter]) -> t
     (`bench/asr_throughput.py --preset mariana --steps 12 --warmup 3`, its two plain rows)."""
     params = [p for p in params if p.requires_grad]
     kw = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    if params and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params):
+    if fused_supported(params):
         kw["fused"] = True
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, momentum=cfg.momentum, **kw)

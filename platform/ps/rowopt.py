@@ -57,7 +57,7 @@ def apply_rows(
     if scale != 1.0:
         g = g * scale
     # Read-modify-write with index_select/index_copy_ rather than index_add_: on CPU index_add_ into a
-    # large table costs ~10x more (a per-row loop); rows are unique, so the two are equivalent.
+    # large table is a slower per-row loop; rows are unique, so the two are equivalent.
     if cfg.rule == "sgd":
         weight.index_copy_(0, rows, weight.index_select(0, rows).sub_(g, alpha=cfg.lr))
     elif cfg.rule == "adagrad":

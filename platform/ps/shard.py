@@ -136,9 +136,9 @@ class EmbeddingShard:
         ``copy=True``: copied under the locks. ``copy=False``: the live tensors, for a caller that holds
         `frozen()` until it has written them (no second copy of a multi-GB shard in memory)."""
         out: dict = {"shard": self.shard, "num_shards": self.num_shards, "tables": {}}
+        c = (lambda t: t.cpu().clone()) if copy else (lambda t: t.cpu())
         for name in self.specs:
             with self.locks[name] if copy else contextlib.nullcontext():
-                c = (lambda t: t.cpu().clone()) if copy else (lambda t: t.cpu())
                 out["tables"][name] = {
                     "weight": c(self.weight[name]),
                     "seen": c(self.seen[name]),
