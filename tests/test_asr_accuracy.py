@@ -72,6 +72,33 @@ def test_small_preset_heldout_speaker_wer(data_dir, tmp_path):
     print(f"prepare {t1 - t0:.0f}s train {t2 - t1:.0f}s eval {t3 - t2:.0f}s: {last_line(e.stdout)}")
     assert result["wer"] <= 20.0, f"held-out speaker {HELD_OUT}: {last_line(e.stdout)}"
 
+    # --tempo 1.15 (speaking-rate normalisation) takes frames every 11.5 ms: 1/1.15 of the frames, cached
+    # separately from the 10 ms features; out-of-range factors are refused.
+    before = {p.parent for p in (run / "feats").glob("*/index.json")}
+    e = run_cli(["asr", "eval", "--model", run, "--data", out / "test", "--tempo", "1.15"], timeout=300)
+    assert e.returncode == 0 and re.fullmatch(r"WER \d+\.\d\d% SER \d+\.\d\d%", last_line(e.stdout))
+    assert json.loads((run / "eval.json").read_text())["tempo"] == 1.15
+    (new,) = {p.parent for p in (run / "feats").glob("*/index.json")} - before
+    frames = [
+        sum(u["frames"] for u in json.loads((f / "index.json").read_text())["utts"]) for f in (*before, new)
+    ]
+    assert abs(frames[1] / frames[0] - 1 / 1.15) < 0.01, frames
+    # --tempo auto picks the factor the model is most confident at (no transcripts) and then scores exactly
+    # what a fixed --tempo of that factor scores.
+    from mariana.apps.asr.evaluate import TEMPO_GRID
+
+    e = run_cli(["asr", "eval", "--model", run, "--data", out / "test", "--tempo", "auto"], timeout=300)
+    assert e.returncode == 0, e.stderr
+    auto = json.loads((run / "eval.json").read_text())
+    assert auto["tempo"] == "auto" and set(auto["speaker_tempo"]) == {HELD_OUT}
+    chosen = auto["speaker_tempo"][HELD_OUT]
+    assert chosen in TEMPO_GRID and f"({HELD_OUT}={chosen:g})" in e.stdout
+    e = run_cli(["asr", "eval", "--model", run, "--data", out / "test", "--tempo", str(chosen)], timeout=300)
+    assert e.returncode == 0 and json.loads((run / "eval.json").read_text())["wer"] == auto["wer"]
+    print(f"--tempo auto: {HELD_OUT} x{chosen}, WER {auto['wer']:.2f}%")
+    bad = run_cli(["asr", "eval", "--model", run, "--data", out / "test", "--tempo", "5"], timeout=120)
+    assert bad.returncode != 0 and "--tempo must be in [0.5, 2]" in bad.stderr, bad.stderr
+
     # transcribe prints one transcript per file; the serving API gives the same words for the same file.
     wav_path, *_ = (out / "test" / "wav.scp").read_text().split("\n")[0].split()[1:]
     t = run_cli(["asr", "transcribe", "--model", run, wav_path], timeout=120, check=True)

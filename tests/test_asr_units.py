@@ -263,3 +263,49 @@ def test_mfcc_and_vtln_warped_copies_equal_torchaudio(data_dir, tmp_path):
     cfg = {"num_mel_bins": 23, "features": "mfcc", "num_ceps": 13, "context": 2, "hidden": 8, "layers": 1}
     cfg |= {"activation": "relu", "dropout": 0.0, "norm": "none"}
     assert build_model(cfg, 11).body[0].in_features == 13 * 5
+
+
+def test_time_stretch_resamples_each_utterance_on_the_frame_axis():
+    from mariana.apps.asr.train import time_stretch
+
+    torch.manual_seed(0)
+    feats = torch.randn(3, 12, 4)
+    lengths = torch.tensor([12, 7, 1])
+    feats[1, 7:] = 99.0  # padding must never leak into a stretched utterance
+    feats[2, 1:] = 99.0
+    same, n = time_stretch(feats, lengths, 1.0, 1.0)
+    assert n.tolist() == [12, 7, 1]
+    for i in range(3):
+        torch.testing.assert_close(same[i, : n[i]], feats[i, : n[i]])
+    # Twice as slow: twice the frames; even output frames are the input frames, odd ones their midpoints.
+    slow, n = time_stretch(feats, lengths, 2.0, 2.0)
+    assert n.tolist() == [24, 14, 2]
+    for i, length in enumerate([12, 7, 1]):
+        x = feats[i, :length]
+        nxt = torch.cat([x[1:], x[-1:]])  # the last frame holds at the right edge
+        torch.testing.assert_close(slow[i, 0 : 2 * length : 2], x)
+        torch.testing.assert_close(slow[i, 1 : 2 * length : 2], (x + nxt) / 2)
+        assert (slow[i, 2 * length :] == 0).all()
+    # Twice as fast: every other frame.
+    fast, n = time_stretch(feats, lengths, 0.5, 0.5)
+    assert n.tolist() == [6, 3, 1]
+    torch.testing.assert_close(fast[0, :6], feats[0, 0:12:2])
+    torch.testing.assert_close(fast[1, :3], feats[1, 0:7:2][:3])
+    # Random per-segment factors: lengths within the factor range, frames interpolate the input (monotone
+    # positions: a ramp stays a non-decreasing ramp) and never reach into the padding.
+    ramp = torch.arange(40.0).reshape(1, 40, 1).repeat(2, 1, 1)
+    out, n = time_stretch(ramp, torch.tensor([40, 25]), 0.7, 1.4, segment=5)
+    for i, length in enumerate([40, 25]):
+        assert 0.7 * length - 1 <= n[i] <= 1.4 * length
+        v = out[i, : n[i], 0]
+        assert v[0] == 0 and (v.diff() >= 0).all() and v.max() <= length - 1
+
+
+def test_peak_posteriors_average_the_firing_frames_only():
+    from mariana.apps.asr.evaluate import peak_posteriors
+
+    # Frames 0 and 3 are blank-best and do not count; frames 1, 2 fire words with 0.9 and 0.6.
+    p = torch.tensor([[0.8, 0.1, 0.1], [0.05, 0.9, 0.05], [0.2, 0.2, 0.6], [0.7, 0.2, 0.1]])
+    total, n = peak_posteriors(p.log())
+    assert n == 2 and total == pytest.approx(1.5)
+    assert peak_posteriors(torch.tensor([[0.9, 0.1]]).log()) == (0.0, 0)

@@ -53,10 +53,11 @@ def _eval(args, argv):
 
     check_data_path(args.data)
     check_data_path(args.model, "--model")
-    r = evaluate_run(args.model, args.data, args.beam, args.jobs)
+    r = evaluate_run(args.model, args.data, args.beam, args.jobs, args.tempo)
     if r["skipped"]:
         print(f"skipped {r['skipped']} unreadable recording(s): {', '.join(r['skipped_paths'][:5])}")
-    print(f"utterances {r['utterances']} words {r['words']} beam {r['beam']}")
+    tempos = " ".join(f"{k}={v:g}" for k, v in sorted(r["speaker_tempo"].items()))
+    print(f"utterances {r['utterances']} words {r['words']} beam {r['beam']} tempo {r['tempo']} ({tempos})")
     print(f"WER {r['wer']:.2f}% SER {r['ser']:.2f}%")
     return 0
 
@@ -118,6 +119,13 @@ def register(sub) -> None:
         "--beam", type=int, default=None, help="prefix beam width (default: the run's --beam; 0 greedy)"
     )
     e.add_argument("--jobs", type=int, default=2, help="parallel feature processes")
+    e.add_argument(
+        "--tempo",
+        default="1.0",
+        help="speaking-rate normalisation: frames every 10 x TEMPO ms, so a speaker TEMPO times slower "
+        "than the training speakers is heard at their pace (pitch unchanged); 'auto' picks each "
+        "speaker's factor in 0.8..1.25 where the model is most confident (no transcripts used)",
+    )
     e.set_defaults(func=_eval)
 
     t = g.add_parser("transcribe", help="print the transcript of WAV files", formatter_class=fmt)

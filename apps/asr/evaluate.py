@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from mariana.platform.core.export import load_exported
 from .decode import error_rates
 from .features import FeatureCache, cached_features
 from .model import build_model
-from .train import UtteranceSet, decode_set, feature_settings
+from .train import UtteranceSet, decode_set, feature_settings, utterance_logps
 
 
 def load_model(run_dir: str | Path, device: str = "cpu"):
@@ -26,18 +27,79 @@ def load_model(run_dir: str | Path, device: str = "cpu"):
     return model.to(device).eval(), vocab, cfg
 
 
-def evaluate_run(run_dir: str, data: str, beam: int | None = None, jobs: int = 2) -> dict:
-    """Decode ``data`` (a Kaldi data dir) with the model in ``run_dir``; writes ``RUN/eval.json``."""
+# --tempo auto tries these factors (frame shifts 8 .. 12 ms) for each speaker: the range of the `small`
+# preset's speed perturbation, i.e. rates the model was trained on. (The confidence keeps rising past the
+# fastest speaker's best factor, so the range is also what keeps the choice from running off.)
+TEMPO_GRID = tuple(round(0.8 + 0.05 * k, 2) for k in range(9))
+
+
+def peak_posteriors(logp: torch.Tensor) -> tuple[float, int]:
+    """(sum, count) of the best unit's posterior over the frames of logp [T, V] whose best unit is a word
+    rather than the blank: how sure the model is where it fires."""
+    best = logp.max(-1)
+    fired = best.indices != 0
+    return float(best.values[fired].exp().sum()), int(fired.sum())
+
+
+def choose_tempo(model, vocab, caches: dict[float, FeatureCache]) -> dict[str, float]:
+    """Each speaker's tempo: the factor whose features give the highest mean peak posterior over the
+    speaker's utterances (no transcripts used). A speaker slower or faster than the training speakers is
+    heard most confidently once normalised to their pace, as a VTLN warp is chosen by likelihood."""
+    stats: dict[str, dict[float, list[float]]] = {}
+    for t, cache in caches.items():
+        for i, logp in utterance_logps(model, UtteranceSet(cache, vocab), vocab):
+            total, n = peak_posteriors(logp)
+            acc = stats.setdefault(cache.utts[i]["spk"], {}).setdefault(t, [0.0, 0])
+            acc[0], acc[1] = acc[0] + total, acc[1] + n
+    return {
+        spk: max(per, key=lambda t: (per[t][0] / max(per[t][1], 1), -abs(t - 1.0)))
+        for spk, per in stats.items()
+    }
+
+
+def evaluate_run(
+    run_dir: str, data: str, beam: int | None = None, jobs: int = 2, tempo: float | str = 1.0
+) -> dict:
+    """Decode ``data`` (a Kaldi data dir) with the model in ``run_dir``; writes ``RUN/eval.json``.
+
+    ``tempo`` scales the frame shift (10 ms x tempo, window unchanged): test-time speaking-rate
+    normalisation for a speaker ``tempo`` times slower than the training speakers; ``"auto"`` picks it per
+    speaker from `TEMPO_GRID` with `choose_tempo`."""
+    auto = tempo == "auto"
+    if not auto:
+        try:
+            tempo = float(tempo)
+        except ValueError:
+            raise MarianaError(f"--tempo must be a number or auto, got {tempo!r}") from None
+        if not 0.5 <= tempo <= 2.0:
+            raise MarianaError(f"--tempo must be in [0.5, 2], got {tempo}")
     model, vocab, cfg = load_model(run_dir)
     d = Path(data)
     if not (d / "wav.scp").is_file():
         raise MarianaError(f"--data {data}: no wav.scp (expected a Kaldi data dir such as OUT/test)")
-    cache: FeatureCache = cached_features(d, feature_settings(cfg), jobs, (1.0,), Path(run_dir) / "feats")
-    if len(cache) == 0:
+    s = feature_settings(cfg)
+    caches: dict[float, FeatureCache] = {
+        t: cached_features(
+            d,
+            dataclasses.replace(s, frame_shift_ms=s.frame_shift_ms * t),
+            jobs,
+            (1.0,),
+            Path(run_dir) / "feats",
+        )
+        for t in (TEMPO_GRID if auto else (tempo,))
+    }
+    base = caches[1.0 if auto else tempo]
+    if len(base) == 0:
         raise MarianaError(f"--data {data}: no readable utterances")
     beam = cfg.get("beam", 0) if beam is None else beam
     with torch.no_grad():
-        refs, hyps = decode_set(model, UtteranceSet(cache, vocab), vocab, beam)
+        chosen = choose_tempo(model, vocab, caches) if auto else {u["spk"]: tempo for u in base.utts}
+        refs, hyps = [], []
+        for t in sorted(set(chosen.values())):
+            cache = caches[t]
+            idx = [i for i, u in enumerate(cache.utts) if chosen.get(u["spk"]) == t]
+            r_, h_ = decode_set(model, UtteranceSet(cache, vocab), vocab, beam, idx)
+            refs, hyps = refs + r_, hyps + h_
     r = error_rates(refs, hyps)
     result = {
         "wer": r["wer"],
@@ -45,9 +107,11 @@ def evaluate_run(run_dir: str, data: str, beam: int | None = None, jobs: int = 2
         "utterances": r["utterances"],
         "words": r["words"],
         "beam": beam,
+        "tempo": tempo,
+        "speaker_tempo": chosen,
         "data": str(d),
-        "skipped": len(cache.skipped),
-        "skipped_paths": [x["path"] for x in cache.skipped],
+        "skipped": len(base.skipped),
+        "skipped_paths": [x["path"] for x in base.skipped],
     }
     (Path(run_dir) / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     return result

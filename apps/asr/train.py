@@ -8,6 +8,7 @@ drawn length-bucketed so padding stays small; SpecAugment masks are applied on t
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,16 +123,60 @@ def spec_augment(feats: torch.Tensor, cfg: AsrConfig) -> torch.Tensor:
     return x.squeeze(1).transpose(1, 2)
 
 
+def time_stretch(
+    feats: torch.Tensor,
+    lengths: torch.Tensor,
+    lo: float,
+    hi: float,
+    segment: int = 0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tempo change on the frame axis (pitch and spectra untouched), on the device.
+
+    feats [B, T, F] padded, lengths [B] -> (stretched feats [B, T', F], new lengths [B]). Every run of
+    ``segment`` input frames (the whole utterance when 0) is resampled by its own factor drawn
+    log-uniformly from [lo, hi] (> 1 = slower, more frames), by linear interpolation between frames.
+    Per-segment factors stop the model from telling words apart by how long one speaker holds them
+    (e.g. a slow speaker's "two" lasting as long as the others' "zero")."""
+    b, t, f = feats.shape
+    dev = feats.device
+    seg = segment if segment > 0 else t
+    nseg = -(-t // seg)
+    u = torch.rand(b, nseg, generator=generator).to(dev)
+    rate = torch.exp(math.log(lo) + u * (math.log(hi) - math.log(lo)))  # output frames per input frame
+    rate = rate.repeat_interleave(seg, dim=1)[:, :t]
+    valid = torch.arange(t, device=dev).unsqueeze(0) < lengths.to(dev).unsqueeze(1)
+    rate = rate * valid
+    start = torch.cumsum(rate, 1) - rate  # output time at which each input frame begins, non-decreasing
+    last = (lengths.to(dev) - 1).clamp_min(0)
+    new_len = start.gather(1, last.unsqueeze(1)).squeeze(1) + rate.gather(1, last.unsqueeze(1)).squeeze(1)
+    new_len = new_len.floor().long().clamp_min(1)
+    out_t = torch.arange(int(new_len.max()), device=dev, dtype=start.dtype).unsqueeze(0).expand(b, -1)
+    k = (torch.searchsorted(start.contiguous(), out_t.contiguous(), right=True) - 1).clamp(0, t - 1)
+    pos = k + ((out_t - start.gather(1, k)) / rate.gather(1, k).clamp_min(1e-6)).clamp(0, 1)
+    pos = torch.minimum(pos, last.unsqueeze(1).to(pos.dtype))
+    i0 = pos.floor().long()
+    i1 = torch.minimum(i0 + 1, last.unsqueeze(1))
+    w = (pos - i0).unsqueeze(-1).to(feats.dtype)
+    g0 = feats.gather(1, i0.unsqueeze(-1).expand(-1, -1, f))
+    g1 = feats.gather(1, i1.unsqueeze(-1).expand(-1, -1, f))
+    out = g0 + w * (g1 - g0)
+    mask = torch.arange(out.shape[1], device=dev).unsqueeze(0) < new_len.unsqueeze(1)
+    return out * mask.unsqueeze(-1), new_len.to(lengths.device)
+
+
 def make_step_fn(cfg: AsrConfig):
     def step_fn(model, batch):
-        feats = batch["feats"]
+        feats, lengths = batch["feats"], batch["lengths"]
+        if cfg.time_stretch != [1.0, 1.0]:
+            feats, lengths = time_stretch(feats, lengths, *cfg.time_stretch, cfg.stretch_segment)
         if cfg.spec_augment:
             feats = spec_augment(feats, cfg)
-        logp = model(feats, batch["lengths"])
+        logp = model(feats, lengths)
         loss = F.ctc_loss(
             logp.transpose(0, 1),
             batch["targets"],
-            batch["lengths"],
+            lengths,
             batch["target_lengths"],
             blank=0,
             reduction="mean",
@@ -143,23 +188,30 @@ def make_step_fn(cfg: AsrConfig):
 
 
 @torch.no_grad()
-def decode_set(model, dataset: UtteranceSet, vocab: list[str], beam: int = 0, batch: int = 64):
-    """Decode every utterance of ``dataset`` -> (refs, hyps) as word lists."""
-    from .decode import beam_decode
-
+def utterance_logps(model, dataset: UtteranceSet, vocab: list[str], indices=None, batch: int = 64):
+    """Yield ``(i, logp [frames_i, len(vocab)])`` for each utterance ``i`` of ``indices`` (default: all),
+    run through ``model`` in length-sorted batches."""
     device = next(model.parameters()).device
-    order = sorted(range(len(dataset)), key=lambda i: dataset.lengths[i])
-    refs, hyps = [None] * len(dataset), [None] * len(dataset)
+    order = sorted(range(len(dataset)) if indices is None else indices, key=lambda i: dataset.lengths[i])
     for s in range(0, len(order), batch):
         idx = order[s : s + batch]
         b = collate([dataset[i] for i in idx])
         logp = model(b["feats"].to(device), b["lengths"].to(device))[..., : len(vocab)].float().cpu()
         for j, i in enumerate(idx):
-            n = int(b["lengths"][j])
-            units = beam_decode(logp[j], beam, n) if beam > 0 else greedy_decode(logp[j], n)
-            hyps[i] = [vocab[k] for k in units]
-            refs[i] = dataset.cache.utts[i]["words"]
-    return refs, hyps
+            yield i, logp[j, : int(b["lengths"][j])]
+
+
+def decode_set(model, dataset: UtteranceSet, vocab: list[str], beam: int = 0, indices=None):
+    """Decode the utterances ``indices`` (default: all) of ``dataset`` -> (refs, hyps) as word lists, in
+    the order of ``indices``."""
+    from .decode import beam_decode
+
+    indices = list(range(len(dataset))) if indices is None else list(indices)
+    hyps = {}
+    for i, logp in utterance_logps(model, dataset, vocab, indices):
+        units = beam_decode(logp, beam) if beam > 0 else greedy_decode(logp)
+        hyps[i] = [vocab[k] for k in units]
+    return [dataset.cache.utts[i]["words"] for i in indices], [hyps[i] for i in indices]
 
 
 def flush_denormals_on_cpu(device) -> None:
