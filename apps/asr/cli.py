@@ -124,7 +124,7 @@ def register(sub) -> None:
         default="1.0",
         help="speaking-rate normalisation: frames every 10 x TEMPO ms, so a speaker TEMPO times slower "
         "than the training speakers is heard at their pace (pitch unchanged); 'auto' picks each "
-        "speaker's factor in 0.8..1.25 where the model is most confident (no transcripts used)",
+        "speaker's factor in 0.8..1.2 where the model is most confident (no transcripts used)",
     )
     e.set_defaults(func=_eval)
 

@@ -124,33 +124,27 @@ def spec_augment(feats: torch.Tensor, cfg: AsrConfig) -> torch.Tensor:
 
 
 def time_stretch(
-    feats: torch.Tensor,
-    lengths: torch.Tensor,
-    lo: float,
-    hi: float,
-    segment: int = 0,
-    generator: torch.Generator | None = None,
+    feats: torch.Tensor, lengths: torch.Tensor, lo: float, hi: float, segment: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random tempo change on the frame axis (pitch and spectra untouched), on the device.
 
     feats [B, T, F] padded, lengths [B] -> (stretched feats [B, T', F], new lengths [B]). Every run of
     ``segment`` input frames (the whole utterance when 0) is resampled by its own factor drawn
-    log-uniformly from [lo, hi] (> 1 = slower, more frames), by linear interpolation between frames.
-    Per-segment factors stop the model from telling words apart by how long one speaker holds them
-    (e.g. a slow speaker's "two" lasting as long as the others' "zero")."""
+    log-uniformly from [lo, hi] (> 1 = slower, more frames), by linear interpolation between frames, so
+    the model sees each word at more speaking rates than the training speakers have."""
     b, t, f = feats.shape
     dev = feats.device
     seg = segment if segment > 0 else t
     nseg = -(-t // seg)
-    u = torch.rand(b, nseg, generator=generator).to(dev)
+    u = torch.rand(b, nseg).to(dev)  # drawn on the CPU generator: the same factors on every device
     rate = torch.exp(math.log(lo) + u * (math.log(hi) - math.log(lo)))  # output frames per input frame
     rate = rate.repeat_interleave(seg, dim=1)[:, :t]
     valid = torch.arange(t, device=dev).unsqueeze(0) < lengths.to(dev).unsqueeze(1)
     rate = rate * valid
-    start = torch.cumsum(rate, 1) - rate  # output time at which each input frame begins, non-decreasing
+    end = torch.cumsum(rate, 1)  # output time at which each input frame ends
+    start = end - rate  # ... and begins (non-decreasing, as searchsorted needs)
     last = (lengths.to(dev) - 1).clamp_min(0)
-    new_len = start.gather(1, last.unsqueeze(1)).squeeze(1) + rate.gather(1, last.unsqueeze(1)).squeeze(1)
-    new_len = new_len.floor().long().clamp_min(1)
+    new_len = end.gather(1, last.unsqueeze(1)).squeeze(1).floor().long().clamp_min(1)
     out_t = torch.arange(int(new_len.max()), device=dev, dtype=start.dtype).unsqueeze(0).expand(b, -1)
     k = (torch.searchsorted(start.contiguous(), out_t.contiguous(), right=True) - 1).clamp(0, t - 1)
     pos = k + ((out_t - start.gather(1, k)) / rate.gather(1, k).clamp_min(1e-6)).clamp(0, 1)
