@@ -7,7 +7,7 @@ STAMP := $(VENV)/.mariana-installed
 DATA ?= ../shared/data
 RUNS ?= runs/demo
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test lint format bench clean browser
 
 $(STAMP): requirements.txt pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	DATA=$(DATA) RUNS=$(RUNS) PY=$(PY) bash scripts/demo.sh
 
-test: $(STAMP)
+# tests/test_jobs_ui.py drives the system Chromium (Debian package) through Playwright; install it if missing.
+browser:
+	@command -v chromium >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update && $$SUDO apt-get install -y chromium; }
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q --durations=15 tests
 
 lint: $(STAMP)

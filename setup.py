@@ -14,4 +14,11 @@ for prefix, folder in FOLDERS.items():
     packages.append(prefix)
     packages += [f"{prefix}.{sub}" for sub in find_packages(folder)]
 
-setup(packages=packages, package_dir=package_dir)
+# The job service's web pages (HTML/CSS/JS, no build step) ship inside the package.
+package_data = {
+    "mariana.platform.jobs": ["static/*"],
+    # `mariana tune` search spaces users start from.
+    **{f"mariana.apps.{app}": ["spaces/*.toml"] for app in ("pctr", "vision", "asr")},
+}
+
+setup(packages=packages, package_dir=package_dir, package_data=package_data)

@@ -10,22 +10,28 @@ if [ ! -d "$DATA" ]; then echo "demo: sample data not found at $DATA (set DATA=.
 rm -rf "$RUNS"; mkdir -p "$RUNS"
 step() { echo; echo "=== $*"; }
 
-step "platform: click MLP on Frappe, 2 data-parallel workers (torchrun, gloo)"
+step "platform: click MLP on Frappe, 2 data-parallel workers (torchrun, gloo); test AUC on the held-out last 10 %"
+# mlp train splits the file by row order: train | val (--val-fraction) | test (--test-fraction, never trained on).
 $M mlp train --data "$DATA/frappe/frappe.validation.libfm" --out "$RUNS/mlp" --workers 2 --epochs 2 \
   --batch-size 256 --lr 0.01 --no-progress
-$M mlp eval --model "$RUNS/mlp" --data "$DATA/frappe/frappe.validation.libfm"
+$M mlp eval --model "$RUNS/mlp" --data "$DATA/frappe/frappe.validation.libfm" --split test
 
-# --- vision (issue 4): ~1.5 min on 2 CPU cores -------------------------------------------------------------
+# --- vision (issue 4): data parallel, then model (pipeline) parallel ---------------------------------------------
 step "vision: cifar-fast on 16k CIFAR-10 JPEGs read from the tar, 2 data-parallel workers, eval + classify"
 $M vision train --data "$DATA/cifar10/train.tar" --eval-data "$DATA/cifar10/test-dev.tar" --out "$RUNS/vision" \
   --preset small --limit 16000 --workers 2 --no-progress
 $M vision eval --model "$RUNS/vision" --data "$DATA/cifar10/test-dev.tar"
 tar -xf "$DATA/cifar10/test-dev.tar" -C "$RUNS" test/cat/0000.jpg test/ship/0000.jpg
 $M vision classify --model "$RUNS/vision" "$RUNS/test/cat/0000.jpg" "$RUNS/test/ship/0000.jpg"
-step "vision: mariana-cnn-32 split into 2 pipeline stages (2 processes, 4 micro-batches per batch)"
-$M vision train --data "$DATA/cifar10/train.tar" --out "$RUNS/vision-pipeline" --model mariana-cnn-32 \
-  --workers 2 --model-parallel 2 --micro-batches 4 --batch-size 32 --limit 1024 --max-steps 12 --log-every 4 \
-  --no-progress
+# Model parallel: the same cifar-fast net cut into 2 pipeline stages at the block boundary that balances
+# their measured compute (--stage-balance time), one process per stage; each batch of 128 flows through
+# them as 4 micro-batches (GPipe), so both stages work at once. One epoch over 8192 training images (64
+# steps, the `small` recipe's LR schedule) is enough for the merged exported model to score far above the
+# 10 % chance level on the held-out test-dev.tar, scored by the same `vision eval` as any other run.
+step "vision: cifar-fast split into 2 pipeline stages (2 processes, 4 micro-batches per batch), eval on test-dev"
+$M vision train --data "$DATA/cifar10/train.tar" --out "$RUNS/vision-pipeline" --preset small --limit 8192 \
+  --workers 2 --model-parallel 2 --micro-batches 4 --stage-balance time --no-progress
+$M vision eval --model "$RUNS/vision-pipeline" --data "$DATA/cifar10/test-dev.tar"
 
 step "asr: connected digits from FSDD (jackson held out), acoustic DNN + CTC, 2 data-parallel workers"
 # The `small` recipe of tests/test_asr_accuracy.py (~2 min): shorter runs stay in CTC's all-blank phase.
@@ -40,12 +46,31 @@ $M pctr train --data "$DATA/frappe/frappe.validation.libfm" --format libfm --out
   --rows-per-field 8192 --dim 8 --hidden 64,32 --servers 2 --workers 2 --epochs 2 --ckpt-every 40 --no-progress
 $M pctr eval --model "$RUNS/pctr" --data "$DATA/frappe/frappe.validation.libfm" --format libfm --split test
 
+# --- job service (issue 15): ~1 min -----------------------------------------------------------------------------
+step "job service: \`mariana jobs serve\`, submit a pCTR job, watch it live, list it with its best AUC"
+# The service keeps a SQLite database of jobs and their counters under --home and serves the web UI; the job
+# runs as its own process group, so closing this terminal would not stop it.
+JOBS_HOME="$RUNS/jobs-home"
+$M jobs serve --home "$JOBS_HOME" --port 0 --slots 2 > "$RUNS/jobs-serve.log" 2>&1 &
+JOBS=$!
+trap 'kill $JOBS 2>/dev/null || true' EXIT
+for _ in $(seq 600); do grep -q "http://" "$RUNS/jobs-serve.log" && break; sleep 0.2; done
+export MARIANA_JOBS_URL=$(grep -o "http://[0-9.]*:[0-9]*" "$RUNS/jobs-serve.log" | head -1)
+[ -n "$MARIANA_JOBS_URL" ] || { cat "$RUNS/jobs-serve.log"; exit 1; }
+ID=$($M submit pctr train --data "$DATA/frappe/frappe.validation.libfm" --format libfm --preset frappe --epochs 3 \
+  --eval-every 30 --no-progress | tail -n 1)
+echo "job $ID queued; its live page (loss and validation AUC curves): $MARIANA_JOBS_URL/jobs/$ID"
+$M jobs wait "$ID"
+$M jobs list
+kill $JOBS; wait $JOBS 2>/dev/null || true
+unset MARIANA_JOBS_URL
+
 # --- serving (issue 6): ~10 s ---------------------------------------------------------------------------------
 step "serving: the pCTR model behind the REST server (uvicorn on 127.0.0.1), three click predictions"
 PORT=$($PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 $M serve --pctr "$RUNS/pctr" --port "$PORT" --log-level warning &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null || true' EXIT
+trap 'kill $SERVER 2>/dev/null || true' EXIT  # replaces the job service's trap
 $PY - "$PORT" "$DATA/frappe/frappe.validation.libfm" <<'PYEOF'
 import sys, time, httpx
 port, data = sys.argv[1], sys.argv[2]

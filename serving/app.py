@@ -515,8 +515,9 @@ def create_app(cfg: ServeConfig | None = None) -> FastAPI:
         except MarianaError as e:
             return _err(422, f"file: {e}")
         except Exception as e:  # noqa: BLE001  -- undecodable audio must not become a 500
+            # The detail goes to the server log; the client gets a plain message, not an internal one.
             log.warning("asr: upload rejected: %s: %s", type(e).__name__, e)
-            return _err(422, f"file: audio could not be decoded/transcribed ({type(e).__name__}: {e})")
+            return _err(422, "file: audio could not be decoded or transcribed (expected a WAV file)")
         return {"transcript": text, "model_version": loaded.version}
 
     @app.post(

@@ -43,39 +43,82 @@ def _serve(args, argv) -> int:
     )
     import uvicorn
 
+    sock = _bind(args.host, args.port)  # before loading models: a busy port fails at once
+    host, port = args.host, sock.getsockname()[1]  # --port 0: the port the kernel picked
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     common = dict(
-        host=args.host,
-        port=args.port,
+        host=host,
+        port=port,
         log_level=args.log_level,
         access_log=False,  # a log line per request costs more than a prediction
         timeout_keep_alive=30,
         lifespan="on",
     )
+    apps = ", ".join(a for a in ("pctr", "asr", "vision") if getattr(cfg, a))
     if args.workers == 1:
         from .app import create_app
 
         app = create_app(cfg)  # loads the models now: a bad model fails here with a clear message
-        print(
-            f"serving {', '.join(a for a in ('pctr', 'asr', 'vision') if getattr(cfg, a))} on "
-            f"http://{args.host}:{args.port} (docs at /docs)",
-            flush=True,
-        )
-        uvicorn.Server(uvicorn.Config(app, **common)).run()
+        server = uvicorn.Server(uvicorn.Config(app, **common))
+        # printed once the models are loaded and the port is bound; requests are answered a moment later
+        # (scripts poll GET /healthz)
+        print(f"serving {apps} on {url} (docs at /docs)", flush=True)
+        server.run(sockets=[sock])
+        if not server.started:
+            raise MarianaError(f"the server on {url} failed to start (see the log lines above)")
     else:
+        from uvicorn.supervisors import Multiprocess
+
         from .models import load_model
 
         for a in ("pctr", "asr", "vision"):  # fail fast, in this process, before forking workers
             if getattr(cfg, a):
                 load_model(a, getattr(cfg, a))
         os.environ["MARIANA_SERVE_CONFIG"] = cfg.to_json()
-        print(f"serving with {args.workers} worker processes on http://{args.host}:{args.port}", flush=True)
-        uvicorn.run("mariana.serving.app:app_from_env", factory=True, workers=args.workers, **common)
+        config = uvicorn.Config(
+            "mariana.serving.app:app_from_env", factory=True, workers=args.workers, **common
+        )
+        print(f"serving {apps} with {args.workers} worker processes on {url}", flush=True)
+        try:
+            Multiprocess(config, sockets=[sock]).run()  # the workers share the socket bound here
+        except KeyboardInterrupt:
+            pass
     print("server stopped")
     return 0
 
 
+def _bind(host: str, port: int):
+    """A TCP socket bound to ``host:port`` (port 0: any free port), shared with uvicorn's workers; a port in
+    use or an address that is not this machine's is a one-line error."""
+    import socket
+
+    from mariana.platform.core.errors import MarianaError
+
+    # proto IPPROTO_TCP, as asyncio's own listening sockets: asyncio sets TCP_NODELAY only on accepted
+    # sockets of that proto, and without it small responses wait for the client's delayed ACK (Nagle)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise MarianaError(f"--host {host} --port {port}: cannot bind ({e.strerror or e})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``(default: X)`` only where there is a default to show (not on the optional run directories)."""
+
+    def _get_help_string(self, action):
+        if action.required or action.default in (None, ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def register(sub) -> None:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = _HelpFormatter
     p = sub.add_parser(
         "serve",
         help="serve trained models over REST (click prediction, transcription, image classification)",
@@ -89,8 +132,12 @@ def register(sub) -> None:
     p.add_argument(
         "--data", metavar="PATH", help="unused by serve (accepted for uniformity with other commands)"
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)"
+    )
+    p.add_argument(
+        "--port", type=int, default=8000, help="TCP port (0 = any free port; the bound port is printed)"
+    )
     p.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (each loads the models)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = cores / workers)")
     p.add_argument(

@@ -64,3 +64,12 @@ def run_cli(
 def last_line(text: str) -> str:
     lines = [ln for ln in text.splitlines() if ln.strip()]
     return lines[-1] if lines else ""
+
+
+def assert_cli_error(proc: subprocess.CompletedProcess, *fragments: str, code: int = 2) -> None:
+    """A clean CLI failure: exit ``code``, every ``fragment`` in stderr, and no Python traceback anywhere."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == code, f"exit {proc.returncode}, expected {code}\n{out[-4000:]}"
+    assert "Traceback" not in out, out[-4000:]
+    for f in fragments:
+        assert f in proc.stderr, f"{f!r} not in stderr:\n{proc.stderr[-4000:]}"

@@ -1,6 +1,7 @@
 """ASR accuracy regression, end to end through the CLI with real torchrun workers:
 prepare (4 FSDD speakers train, the fifth held out) -> train preset `small` with 2 data-parallel workers ->
-eval on the held-out speaker (WER <= 20%) -> transcribe, and the serving API on the exported run."""
+eval on the held-out speaker (WER <= 20%; each file normalised alone, as `transcribe` does: <= 25%) ->
+transcribe, and the serving API on the exported run."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 
 import pytest
 from helpers import last_line, run_cli
+from mariana.platform.core.rundir import eval_result_path
 
 HELD_OUT = "jackson"
 
@@ -67,7 +69,9 @@ def test_small_preset_heldout_speaker_wer(data_dir, tmp_path):
     t3 = time.perf_counter()
     m = re.fullmatch(r"WER (\d+\.\d\d)% SER (\d+\.\d\d)%", last_line(e.stdout))
     assert m, e.stdout
-    result = json.loads((run / "eval.json").read_text())
+    result_path = eval_result_path(run, out / "test")
+    assert str(result_path) in e.stdout
+    result = json.loads(result_path.read_text())
     assert result["utterances"] == 150 and abs(result["wer"] - float(m.group(1))) < 0.01
     print(f"prepare {t1 - t0:.0f}s train {t2 - t1:.0f}s eval {t3 - t2:.0f}s: {last_line(e.stdout)}")
     assert result["wer"] <= 20.0, f"held-out speaker {HELD_OUT}: {last_line(e.stdout)}"
@@ -77,7 +81,7 @@ def test_small_preset_heldout_speaker_wer(data_dir, tmp_path):
     before = {p.parent for p in (run / "feats").glob("*/index.json")}
     e = run_cli(["asr", "eval", "--model", run, "--data", out / "test", "--tempo", "1.15"], timeout=300)
     assert e.returncode == 0 and re.fullmatch(r"WER \d+\.\d\d% SER \d+\.\d\d%", last_line(e.stdout))
-    assert json.loads((run / "eval.json").read_text())["tempo"] == 1.15
+    assert json.loads(result_path.read_text())["tempo"] == 1.15
     (new,) = {p.parent for p in (run / "feats").glob("*/index.json")} - before
     frames = [
         sum(u["frames"] for u in json.loads((f / "index.json").read_text())["utts"]) for f in (*before, new)
@@ -89,20 +93,31 @@ def test_small_preset_heldout_speaker_wer(data_dir, tmp_path):
 
     e = run_cli(["asr", "eval", "--model", run, "--data", out / "test", "--tempo", "auto"], timeout=300)
     assert e.returncode == 0, e.stderr
-    auto = json.loads((run / "eval.json").read_text())
+    auto = json.loads(result_path.read_text())
     assert auto["tempo"] == "auto" and set(auto["speaker_tempo"]) == {HELD_OUT}
     chosen = auto["speaker_tempo"][HELD_OUT]
     assert chosen in TEMPO_GRID and f"({HELD_OUT}={chosen:g})" in e.stdout
     e = run_cli(["asr", "eval", "--model", run, "--data", out / "test", "--tempo", str(chosen)], timeout=300)
-    assert e.returncode == 0 and json.loads((run / "eval.json").read_text())["wer"] == auto["wer"]
+    assert e.returncode == 0 and json.loads(result_path.read_text())["wer"] == auto["wer"]
     print(f"--tempo auto: {HELD_OUT} x{chosen}, WER {auto['wer']:.2f}%")
     bad = run_cli(["asr", "eval", "--model", run, "--data", out / "test", "--tempo", "5"], timeout=120)
     assert bad.returncode != 0 and "--tempo must be in [0.5, 2]" in bad.stderr, bad.stderr
 
+    # One file at a time (transcribe, the server) has no speaker statistics: `eval --cmvn file` scores
+    # exactly what `transcribe` says, each file normalised alone with the training speakers' prior.
+    e = run_cli(["asr", "eval", "--model", run, "--data", out / "test", "--cmvn", "file"], timeout=300)
+    assert e.returncode == 0, e.stderr
+    per_file = json.loads(result_path.read_text())
+    print(f"--cmvn file: WER {per_file['wer']:.2f}%")
+    assert per_file["cmvn"] == "file" and per_file["wer"] <= 25.0, last_line(e.stdout)
+
     # transcribe prints one transcript per file; the serving API gives the same words for the same file.
-    wav_path, *_ = (out / "test" / "wav.scp").read_text().split("\n")[0].split()[1:]
-    t = run_cli(["asr", "transcribe", "--model", run, wav_path], timeout=120, check=True)
-    words = t.stdout.splitlines()[0].split("\t")[1]
+    wavs = dict(ln.split() for ln in (out / "test" / "wav.scp").read_text().splitlines()[:10])
+    t = run_cli(["asr", "transcribe", "--model", run, *wavs.values()], timeout=120, check=True)
+    said = dict(ln.split("\t") for ln in t.stdout.splitlines()[:-1])
+    assert {u: said[p] for u, p in wavs.items()} == {u: per_file["hypotheses"][u] for u in wavs}
+    wav_path = next(iter(wavs.values()))
+    words = said[wav_path]
     assert words and all(
         w in {"zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"}
         for w in words.split()

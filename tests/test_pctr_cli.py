@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from helpers import last_line, run_cli
 from mariana.apps.pctr.predict import load_predictor
+from mariana.platform.core.rundir import eval_result_path
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +29,12 @@ def test_train_eval_predict_roundtrip(data_dir, tmp_path):
     data = tmp_path / "test.libfm"
     data.write_text("\n".join(lines) + "\n")
     e = run_cli(["pctr", "eval", "--model", run, "--data", data, "--format", "libfm"], check=True)
-    m = re.fullmatch(r"AUC (0\.\d{4}) logloss (\d\.\d{4})", last_line(e.stdout))
-    assert m, e.stdout
-    r = json.loads((run / "eval.json").read_text())
+    m = re.fullmatch(
+        r"AUC (0\.\d{4}) logloss (\d\.\d{4}) on (\S+) \(all split, 1998 rows\)", last_line(e.stdout)
+    )
+    assert m and m.group(3) == str(data), e.stdout
+    assert "mariana: warning: skipped 2 malformed lines in" in e.stderr and "(first: line 11:" in e.stderr
+    r = json.loads(eval_result_path(run, data).read_text())
     assert (r["rows"], r["skipped"]) == (1998, 2) and sorted(r["skipped_examples"]) == ["11", "501"]
     assert f"{r['auc']:.4f}" == m.group(1) and r["auc"] > 0.7
     # the serving API scores the same lines identically, OOV ids included, and reports bad lines
@@ -54,3 +58,63 @@ def test_bad_input_fails_fast_with_a_clear_error(data_dir, tmp_path):
     args[3] = data_dir / "frappe" / "frappe.validation.libfm"
     p = run_cli([*args, "--split", "0.5,0.6,0.1"], timeout=60)
     assert p.returncode == 2 and "--split" in p.stderr
+
+
+def test_training_warns_about_skipped_lines_and_eval_files_per_split(data_dir, tmp_path):
+    lines = (data_dir / "frappe" / "frappe.validation.libfm").read_text().splitlines()[:1000]
+    lines[16], lines[400], lines[850] = "1 broken", "x 1:1", "0 2:"
+    data = tmp_path / "bad.libfm"
+    data.write_text("\n".join(lines) + "\n")
+    run = tmp_path / "run"
+    p = run_cli(
+        ["pctr", "train", "--data", data, "--out", run, "--preset", "debug", "--max-steps", "3",
+         "--batch-size", "64", "--no-progress"],
+        check=True,
+    )  # fmt: skip
+    # two bad lines in the training split (lines 1-800), one in the validation split (801-900)
+    assert f"mariana: warning: skipped 3 malformed lines in {data} (first: line 17: " in p.stderr
+    assert json.loads((run / "metrics.json").read_text())["skipped_lines"] == 3
+    for split in ("val", "test"):
+        e = run_cli(["pctr", "eval", "--model", run, "--data", data, "--split", split], check=True)
+        rows = 99 if split == "val" else 100
+        assert last_line(e.stdout).endswith(f"on {data} ({split} split, {rows} rows)"), e.stdout
+        assert json.loads(eval_result_path(run, data, split).read_text())["rows"] == rows
+
+
+def test_progress_bar_on_a_terminal_only(data_dir, tmp_path):
+    """With stderr on a terminal (a pseudo-terminal here) training draws a tqdm bar; piped, it does not."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    from helpers import ROOT, cli_env
+
+    lines = (data_dir / "frappe" / "frappe.validation.libfm").read_text().splitlines(keepends=True)
+    data = tmp_path / "small.libfm"
+    data.write_text("".join(lines[:1000]))
+    argv = ["pctr", "train", "--data", str(data), "--preset", "debug", "--max-steps", "3"]
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mariana.platform.cli", *argv, "--out", str(tmp_path / "tty")],
+        cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=slave, text=True,
+    )  # fmt: skip
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    assert proc.wait(timeout=300) == 0
+    os.close(master)
+    assert "train: 100%" in seen.decode(errors="replace") and "3/3" in seen.decode(errors="replace")
+    piped = run_cli([*argv, "--out", tmp_path / "piped"], check=True)
+    assert "train:" not in piped.stderr

@@ -109,3 +109,36 @@ def test_train_step_equals_autograd_through_the_table(kind, unit_vals):
     for (n, p), q in zip(ref.named_parameters(), ours.parameters()):
         if n != "table.weight":
             torch.testing.assert_close(q.grad, p.grad, msg=n)
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1e6])
+def test_clip_grad_bounds_the_joint_norm_of_dense_and_row_gradients(clip):
+    """``--clip-grad``: with SGD everywhere the step moves the dense parameters and the batch's rows by
+    ``lr * g`` with ``g`` the gradient scaled to norm ``<= clip``; a large bound changes nothing."""
+    from mariana.apps.pctr.data import Batch
+    from mariana.apps.pctr.train import TABLE, train_step
+    from mariana.platform.ps.shard import EmbeddingShard, TableSpec
+    from mariana.platform.ps.worker import LocalClient
+
+    def step(model, clip_grad):
+        spec = TableSpec(TABLE, 40, model.table.weight.shape[1], 0.01)
+        rows = RowOptConfig(rule="sgd", lr=0.5)
+        shard = EmbeddingShard([spec], 0, 1, rows, weights={TABLE: model.table.weight.data})
+        opt = torch.optim.SGD(model.dense_parameters(), lr=0.5)
+        ids, vals, dense = batch(B=16, seed=5)
+        y = (torch.arange(16) % 2 == 0).float()
+        before = [p.detach().clone() for p in model.parameters()]
+        train_step(model, LocalClient(shard), Batch(ids, vals, dense, y), 0, "cpu", opt, clip_grad=clip_grad)
+        return torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(model.parameters(), before)])
+
+    torch.manual_seed(0)
+    a = CTRModel("deepfm", 40, 4, 2, dim=3, hidden=(8,))
+    b = CTRModel("deepfm", 40, 4, 2, dim=3, hidden=(8,))
+    b.load_state_dict(a.state_dict())
+    free, clipped = step(a, 0.0), step(b, clip)
+    if clip > 1:
+        torch.testing.assert_close(clipped, free, rtol=0, atol=0)
+    else:
+        assert float(free.norm()) > 0.5 * clip * 10  # the unclipped step is far larger than the bound
+        torch.testing.assert_close(clipped.norm(), torch.tensor(0.5 * clip), rtol=1e-3, atol=0)
+        torch.testing.assert_close(clipped / clipped.norm(), free / free.norm(), rtol=0, atol=1e-4)

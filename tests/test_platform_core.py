@@ -16,6 +16,7 @@ from mariana.platform.core.config import (
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import export_model, load_exported
 from mariana.platform.core.optim import lr_factor
+from mariana.platform.core.rundir import check_resume_config, resume_differences
 from mariana.platform.dp.dist import ParallelDims
 from mariana.platform.dp.sampler import ShardedBatchSampler
 
@@ -56,6 +57,65 @@ def test_validate_rejects_bad_values():
         parse(["--batch-size", "0"])
     with pytest.raises(MarianaError, match="rdzv-endpoint"):
         parse(["--nnodes", "2"])
+
+
+@pytest.mark.parametrize(
+    "text,field,allowed",
+    [
+        ('optimizer = "rmsprop"\n', "optimizer", "sgd, adam, adamw"),
+        ('amp = "fp8"\n', "amp", "auto, bf16, off"),
+        ('schedule = "foo"\n', "schedule", "constant, cosine, linear"),
+        ('grad_comm = "int8"\n', "grad_comm", "fp32, bf16, fp16"),
+    ],
+)
+def test_toml_choices_are_enforced(tmp_path, text, field, allowed):
+    toml = tmp_path / "job.toml"
+    toml.write_text(text)
+    bad = text.split('"')[1]
+    with pytest.raises(MarianaError) as e:
+        parse(["--config", str(toml)])
+    assert str(e.value) == f"{toml}: field '{field}': expected one of {allowed}, got '{bad}'"
+
+
+def test_preset_choices_and_numbers_are_validated():
+    with pytest.raises(MarianaError, match="preset 'p': field 'optimizer': expected one of"):
+        parse(["--preset", "p"], {"p": TrainConfig(optimizer="lion")})
+    for flag, value in [("--lr", "-1"), ("--lr", "nan"), ("--weight-decay", "-0.1"), ("--clip-grad", "inf")]:
+        with pytest.raises(MarianaError, match=f"{flag} must be a finite number >= 0"):
+            parse([flag, value])
+    assert parse(["--lr", "0"]).lr == 0.0  # lr 0 is allowed (a run that only measures)
+
+
+def test_config_file_that_is_a_folder_or_binary(tmp_path):
+    with pytest.raises(MarianaError, match="is a directory, expected a TOML file"):
+        parse(["--config", str(tmp_path)])
+    (tmp_path / "x.bin").write_bytes(b"\xff\xfe\x00\x81" * 64)
+    with pytest.raises(MarianaError, match=r"x\.bin: not a UTF-8 TOML file"):
+        parse(["--config", str(tmp_path / "x.bin")])
+
+
+def test_path_fields_become_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = parse(["--data", "d/train.txt", "--out", "runs/a"])
+    assert (cfg.data, cfg.out, cfg.config) == (str(tmp_path / "d/train.txt"), str(tmp_path / "runs/a"), "")
+
+
+def test_resume_differences_use_the_allow_list(tmp_path):
+    saved = TrainConfig(data=str(tmp_path / "d"), out=str(tmp_path / "r"), batch_size=32)
+    save_config(saved, tmp_path / "config.toml")
+    ok = dataclasses.replace(saved, epochs=5, max_steps=9, log_every=1, resume=True, progress=False)
+    check_resume_config(ok, tmp_path)  # only fields that may change on resume
+    bad = dataclasses.replace(ok, batch_size=64, seed=3, lr=0.1)
+    assert [d[0] for d in resume_differences(bad, saved.__dict__)] == ["batch_size", "lr", "seed"]
+    with pytest.raises(MarianaError, match=r"batch_size: 32 -> 64, lr: 0\.001 -> 0\.1, seed: 0 -> 3"):
+        check_resume_config(bad, tmp_path)
+
+    @dataclasses.dataclass
+    class Wider(TrainConfig):
+        RESUME_MAY_CHANGE = TrainConfig.RESUME_MAY_CHANGE | {"seed"}
+
+    wider = Wider(**{f.name: getattr(bad, f.name) for f in dataclasses.fields(TrainConfig)})
+    assert [d[0] for d in resume_differences(wider, saved.__dict__)] == ["batch_size", "lr"]
 
 
 def test_atomic_write_leaves_no_temp(tmp_path):

@@ -11,6 +11,7 @@ from helpers import run_cli
 from mariana.apps.pctr.data import ReadStats, iter_chunks
 from mariana.apps.pctr.predict import load_predictor
 from mariana.apps.pctr.train import auc_logloss
+from mariana.platform.core.rundir import eval_result_path
 from test_serving_helpers import (
     CRITEO,
     FRAPPE,
@@ -43,7 +44,7 @@ def _offline(run, data) -> tuple[np.ndarray, np.ndarray, dict]:
     `mariana pctr eval` result (the real command, whose AUC/logloss come from those probabilities)."""
     proc = run_cli(["pctr", "eval", "--model", run, "--data", data], timeout=300, check=True)
     assert proc.stdout.strip().splitlines()[-1].startswith("AUC "), proc.stdout
-    result = json.loads((run / "eval.json").read_text())
+    result = json.loads(eval_result_path(run, data).read_text())
     pred = load_predictor(run)
     stats = ReadStats()
     labels, probs = [], []

@@ -54,7 +54,9 @@ def test_small_cnn_reaches_60_percent_on_cifar10(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = last_line(proc.stdout)
     assert line.startswith("top-1 ")
-    result = json.loads((run / "eval.json").read_text())
+    from mariana.platform.core.rundir import eval_result_path
+
+    result = json.loads(eval_result_path(run, cifar / "test-dev.tar").read_text())
     assert result["images"] == 5000
     assert abs(float(line.split()[1].rstrip("%")) - result["top1"]) < 0.01
     assert result["top1"] >= 60.0, result

@@ -46,47 +46,82 @@ def _train(args, argv):
     return run_training(args, argv, AsrConfig, PRESETS, train, _headline)
 
 
+def _check_decode_flags(args) -> None:
+    """Flag values checked before torch is imported, so a typo fails at once."""
+    from mariana.platform.core.errors import MarianaError
+
+    if args.beam is not None and args.beam < 0:
+        raise MarianaError(f"--beam must be >= 0 (0 = greedy), got {args.beam}")
+    if getattr(args, "jobs", 1) < 1:
+        raise MarianaError(f"--jobs must be >= 1, got {args.jobs}")
+
+
 def _eval(args, argv):
     from mariana.platform.cli.common import check_data_path
 
-    from .evaluate import evaluate_run
-
     check_data_path(args.data)
     check_data_path(args.model, "--model")
-    r = evaluate_run(args.model, args.data, args.beam, args.jobs, args.tempo)
+    _check_decode_flags(args)
+
+    from .evaluate import evaluate_run
+
+    r = evaluate_run(args.model, args.data, args.beam, args.jobs, args.tempo, args.cmvn)
     if r["skipped"]:
         print(f"skipped {r['skipped']} unreadable recording(s): {', '.join(r['skipped_paths'][:5])}")
     tempos = " ".join(f"{k}={v:g}" for k, v in sorted(r["speaker_tempo"].items()))
-    print(f"utterances {r['utterances']} words {r['words']} beam {r['beam']} tempo {r['tempo']} ({tempos})")
+    print(
+        f"utterances {r['utterances']} words {r['words']} beam {r['beam']} tempo {r['tempo']} ({tempos}) "
+        f"cmvn {r['cmvn']} -> {r['path']}"
+    )
     print(f"WER {r['wer']:.2f}% SER {r['ser']:.2f}%")
     return 0
 
 
 def _transcribe(args, argv):
+    import sys
+
     from mariana.platform.cli.common import check_data_path
     from mariana.platform.core.errors import MarianaError
 
+    check_data_path(args.model, "--model")
+    _check_decode_flags(args)
+
     from .predict import Transcriber
 
-    check_data_path(args.model, "--model")
     t = Transcriber(args.model, beam=args.beam)
     failed = 0
-    for path in args.wavs:
+    for path in args.wavs:  # a bad file is reported and skipped; the others are still transcribed
         try:
-            print(f"{path}\t{t.transcribe_file(path)}")
+            print(f"{path}\t{t.transcribe_file(path)}", flush=True)
         except MarianaError as e:
-            print(f"{path}\terror: {e}")
+            print(f"mariana: error: {e} (skipped)", file=sys.stderr, flush=True)
             failed += 1
-    print(f"transcribed {len(args.wavs) - failed} of {len(args.wavs)} file(s)")
-    return 2 if failed == len(args.wavs) else 0
+        except Exception as e:  # a decoder failing on strange input must not lose the other files
+            print(f"mariana: error: {path}: {type(e).__name__}: {e} (skipped)", file=sys.stderr, flush=True)
+            failed += 1
+    done = f"transcribed {len(args.wavs) - failed} of {len(args.wavs)} file(s)"
+    if failed:
+        raise MarianaError(f"{done}: {failed} failed")
+    print(done)
+    return 0
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` only where there is a default to show: not on required flags, nor on
+    defaults of None/"" whose help already says what happens."""
+
+    def _get_help_string(self, action):
+        if action.required or action.default in (None, "") or action.nargs in ("+", "*"):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def register(sub) -> None:
     from mariana.platform.cli.common import add_train_parser
 
-    from .configs import AsrConfig
+    from .configs import PRESETS, AsrConfig
 
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = _HelpFormatter
     grp = sub.add_parser(
         "asr", help="speech recognition: connected-digit acoustic DNN with CTC (data parallel)"
     )
@@ -109,16 +144,20 @@ def register(sub) -> None:
     p.set_defaults(func=_prepare)
 
     add_train_parser(
-        g, "train", AsrConfig, "train the acoustic DNN with CTC (--workers N data parallel)", _train
+        g, "train", AsrConfig, "train the acoustic DNN with CTC (--workers N data parallel)", _train, PRESETS
     )
 
-    e = g.add_parser("eval", help="WER/SER of a trained run on a Kaldi data dir", formatter_class=fmt)
+    e = g.add_parser(
+        "eval",
+        help="WER/SER of a trained run on a Kaldi data dir; writes RUN/eval/<data name>.json",
+        formatter_class=fmt,
+    )
     e.add_argument("--model", required=True, help="run directory of `mariana asr train`")
     e.add_argument("--data", required=True, help="Kaldi data dir to score, e.g. OUT/test")
     e.add_argument(
-        "--beam", type=int, default=None, help="prefix beam width (default: the run's --beam; 0 greedy)"
+        "--beam", type=int, default=None, help="prefix beam width >= 0 (default: the run's --beam; 0 greedy)"
     )
-    e.add_argument("--jobs", type=int, default=2, help="parallel feature processes")
+    e.add_argument("--jobs", type=int, default=2, help="parallel feature threads (>= 1)")
     e.add_argument(
         "--tempo",
         default="1.0",
@@ -126,11 +165,27 @@ def register(sub) -> None:
         "than the training speakers is heard at their pace (pitch unchanged); 'auto' picks each "
         "speaker's factor in 0.8..1.2 where the model is most confident (no transcripts used)",
     )
+    e.add_argument(
+        "--cmvn",
+        default="speaker",
+        choices=["speaker", "file"],
+        help="feature normalisation: 'speaker' = each speaker's statistics over --data (as in training); "
+        "'file' = each file alone with the training speakers' prior, exactly as `transcribe` and the "
+        "server do (their transcripts are this mode's hypotheses)",
+    )
     e.set_defaults(func=_eval)
 
-    t = g.add_parser("transcribe", help="print the transcript of WAV files", formatter_class=fmt)
+    t = g.add_parser(
+        "transcribe",
+        help="print the transcript of WAV files (each normalised alone, as `eval --cmvn file`)",
+        formatter_class=fmt,
+    )
     t.add_argument("--model", required=True, help="run directory of `mariana asr train`")
     t.add_argument("--data", default="", help="unused; WAV files are given as arguments")
-    t.add_argument("--beam", type=int, default=None, help="prefix beam width (default: the run's --beam)")
-    t.add_argument("wavs", nargs="+", help="WAV files")
+    t.add_argument(
+        "--beam", type=int, default=None, help="prefix beam width >= 0 (default: the run's --beam; 0 greedy)"
+    )
+    t.add_argument(
+        "wavs", nargs="+", help="WAV files; a bad one is reported and skipped, and the exit status is 2"
+    )
     t.set_defaults(func=_transcribe)

@@ -17,9 +17,14 @@ class AsrConfig(TrainConfig):
     )
     num_ceps: int = opt(13, "MFCC coefficients per frame (--features mfcc)")
     sample_rate: int = opt(8000, "audio sample rate in Hz (other rates are resampled)")
-    cmvn: str = opt("speaker", "mean/variance normalisation statistics", ["speaker", "utterance", "none"])
-    feature_jobs: int = opt(2, "parallel processes computing features into the cache")
-    cache: str = opt("", "feature cache folder (default: DATA/<split>/feats/)")
+    cmvn: str = opt(
+        "speaker",
+        "mean/variance normalisation statistics: per speaker, per utterance, or per file with the "
+        "training speakers' statistics as prior (what `transcribe` does with a speaker model)",
+        ["speaker", "utterance", "file", "none"],
+    )
+    feature_jobs: int = opt(2, "parallel threads computing features into the cache")
+    cache: str = opt("", "feature cache folder (default: DATA/<split>/feats/)", path=True)
     # model
     context: int = opt(5, "frames spliced on each side of the centre frame (input = (2c+1) x bins)")
     hidden: int = opt(512, "hidden layer width")
@@ -66,6 +71,16 @@ class AsrConfig(TrainConfig):
             )
         if self.stretch_segment < 0:
             raise MarianaError(f"--stretch-segment must be >= 0, got {self.stretch_segment}")
+        if self.sample_rate < 1000:
+            raise MarianaError(f"--sample-rate must be at least 1000 Hz, got {self.sample_rate}")
+        if self.beam < 0:
+            raise MarianaError(f"--beam must be >= 0 (0 = greedy), got {self.beam}")
+        if self.output_units < 0:
+            raise MarianaError(
+                f"--output-units must be >= 0 (0 = vocabulary + blank), got {self.output_units}"
+            )
+        if min(self.freq_mask, self.time_mask, self.num_masks) < 0:
+            raise MarianaError("--freq-mask, --time-mask and --num-masks must be >= 0")
         if self.feature_jobs < 1:
             raise MarianaError(f"--feature-jobs must be >= 1, got {self.feature_jobs}")
 

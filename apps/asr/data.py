@@ -40,16 +40,64 @@ class PrepareReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
 
 
+def audio_name(path: str | Path | io.IOBase) -> str:
+    """How messages name an audio source: its path, or "uploaded audio" for an in-memory upload."""
+    return "uploaded audio" if isinstance(path, io.IOBase) else str(path)
+
+
+def _riff_data_shortfall(f) -> tuple[int, int] | None:
+    """For a RIFF/WAVE stream whose ``data`` chunk is cut short: (bytes its header declares, bytes present);
+    None for a complete file, a streamed one (size 0 or 0xFFFFFFFF: unknown when it was written) or
+    another format (left to the decoder)."""
+    f.seek(0, io.SEEK_END)
+    total = f.tell()
+    f.seek(0)
+    head = f.read(12)
+    if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        return None
+    off = 12
+    while off + 8 <= total:
+        f.seek(off)
+        chunk = f.read(8)
+        size = int.from_bytes(chunk[4:8], "little")
+        if chunk[:4] == b"data":
+            present = total - off - 8
+            if size not in (0, 0xFFFFFFFF) and present < size:
+                return size, present
+            return None
+        off += 8 + size + (size & 1)
+    return None
+
+
 def read_wav(path: str | Path | io.BytesIO) -> tuple[np.ndarray, int]:
     """Read a WAV file as mono float32 samples in [-1, 1] -> (samples [N], sample rate Hz).
 
-    Raises MarianaError naming the file when it cannot be decoded or holds no samples."""
+    Raises MarianaError naming the file when it is missing, cannot be decoded, is a WAV whose audio is cut
+    short of what its header declares (a truncated copy: never used as data), or holds no samples."""
     # An in-memory upload (serving) is named as such rather than by its object repr.
-    name = "uploaded audio" if isinstance(path, io.IOBase) else str(path)
+    name = audio_name(path)
+    if not isinstance(path, io.IOBase) and not Path(path).is_file():
+        what = "is a directory" if Path(path).is_dir() else "no such file"
+        raise MarianaError(f"{name}: {what} (expected a WAV file)")
+    try:
+        if isinstance(path, io.IOBase):
+            short = _riff_data_shortfall(path)
+            path.seek(0)
+        else:
+            with open(path, "rb") as f:
+                short = _riff_data_shortfall(f)
+    except OSError as e:
+        raise MarianaError(f"{name}: cannot read ({e.strerror or e})") from None
+    if short:
+        raise MarianaError(
+            f"{name}: truncated WAV file: its header declares {short[0]} bytes of audio, the file holds "
+            f"{short[1]}"
+        )
     try:
         data, sr = sf.read(path, dtype="float32", always_2d=True)
     except Exception as e:  # soundfile raises LibsndfileError / RuntimeError / TypeError on bad input
-        reason = str(e).replace(repr(path), "").strip(": ") or type(e).__name__
+        reason = str(e).replace(repr(path), "").strip(": ")
+        reason = reason.removeprefix("Error opening").strip(": ") or type(e).__name__
         raise MarianaError(f"{name}: unreadable audio, expected a WAV/FLAC/OGG file ({reason})") from None
     if data.shape[0] == 0:
         raise MarianaError(f"{name}: audio has no samples")
@@ -163,7 +211,11 @@ def build_connected(
     return out
 
 
-def _split_speakers(speakers: list[str], test: list[str], dev: list[str]) -> dict[str, str]:
+def _split_speakers(
+    speakers: list[str], test: list[str], dev: list[str], need_train: bool = True
+) -> dict[str, str]:
+    """``{speaker: split}``. ``need_train``: at least one speaker must be left for the training set (an
+    FSDD corpus is prepared to train on; a Kaldi data dir may be converted into a test-only set)."""
     unknown = [s for s in test + dev if s not in speakers]
     if unknown:
         raise MarianaError(
@@ -172,7 +224,26 @@ def _split_speakers(speakers: list[str], test: list[str], dev: list[str]) -> dic
     both = set(test) & set(dev)
     if both:
         raise MarianaError(f"speaker(s) {', '.join(sorted(both))} given as both test and dev speakers")
-    return {s: "test" if s in test else "dev" if s in dev else "train" for s in speakers}
+    split_of = {s: "test" if s in test else "dev" if s in dev else "train" for s in speakers}
+    if need_train and "train" not in split_of.values():
+        raise MarianaError(
+            f"--test-speakers/--dev-speakers name every speaker in the data ({', '.join(speakers)}): "
+            "no speaker is left for the training set; hold out fewer speakers"
+        )
+    return split_of
+
+
+def check_out_dir(out: Path) -> None:
+    """``--out`` must be a folder that can be created and written: one clear line otherwise."""
+    if out.exists() and not out.is_dir():
+        raise MarianaError(f"--out {out}: exists and is not a folder (expected an output folder)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".mariana-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise MarianaError(f"--out {out}: cannot write there ({e.strerror or e})") from None
 
 
 def prepare(
@@ -187,7 +258,8 @@ def prepare(
     """Build ``out/{train,dev,test}`` Kaldi data dirs from an FSDD folder or a Kaldi data dir.
 
     ``utterances``: connected-digit utterances per speaker (FSDD input only). Speakers in
-    ``test_speakers`` go to test only and ``dev_speakers`` to dev only; the rest to train. Without test
+    ``test_speakers`` go to test only and ``dev_speakers`` to dev only; the rest to train (for FSDD input at
+    least one speaker must be left to train on; a Kaldi data dir may become a test-only set). Without test
     speakers the last speaker (sorted) is held out for test. Unreadable recordings are skipped and counted."""
     data, out = Path(data), Path(out)
     if not data.exists():
@@ -195,7 +267,12 @@ def prepare(
     if not data.is_dir():
         raise DataError(f"--data {data}: expected a folder of FSDD WAVs or a Kaldi data dir")
     if max_digits < 1 or utterances < 1:
-        raise MarianaError("--max-digits and --utterances must be >= 1")
+        raise MarianaError(f"--max-digits and --utterances must be >= 1, got {max_digits} and {utterances}")
+    if seed < 0:
+        raise MarianaError(f"--seed must be >= 0, got {seed}")
+    if out.resolve() == data.resolve():
+        raise MarianaError(f"--out {out}: is the --data folder; choose a separate output folder")
+    check_out_dir(out)
     test_speakers, dev_speakers = list(test_speakers or []), list(dev_speakers or [])
     report = PrepareReport()
     rng = np.random.default_rng(seed)
@@ -209,7 +286,7 @@ def prepare(
         speakers = sorted({u.spk for u in utts})
         if not test_speakers:
             test_speakers = speakers[-1:]
-        split_of = _split_speakers(speakers, test_speakers, dev_speakers)
+        split_of = _split_speakers(speakers, test_speakers, dev_speakers, need_train=False)
         for u in utts:
             try:
                 read_wav(u.path)

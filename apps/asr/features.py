@@ -23,9 +23,12 @@ import torch
 from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import MarianaError
 
-from .data import Utterance, read_kaldi_dir, read_wav
+from .cmvn import FilePrior, apply_cmvn, stats
+from .data import Utterance, audio_name, read_kaldi_dir, read_wav
 
 INDEX = "index.json"
+# Bumped when index.json gains fields (2: speaker_stats), so older caches are rebuilt rather than misread.
+CACHE_FORMAT = b"format-2"
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class FeatureSettings:
     sample_rate: int = 8000
     frame_length_ms: float = 25.0
     frame_shift_ms: float = 10.0
-    cmvn: str = "speaker"  # speaker | utterance | none
+    cmvn: str = "speaker"  # speaker | utterance | file (per file with a FilePrior) | none
     kind: str = "fbank"  # fbank | mfcc
     num_ceps: int = 13  # MFCC only: cepstral coefficients kept
 
@@ -74,6 +77,12 @@ def load_audio(path_or_file, s: FeatureSettings, speed: float = 1.0) -> torch.Te
     import torchaudio.functional as AF
 
     x, sr = read_wav(path_or_file)
+    need = min_samples(s)
+    if len(x) * s.sample_rate < need * sr:  # checked before resampling: not one analysis window of audio
+        raise MarianaError(
+            f"{audio_name(path_or_file)}: audio too short ({len(x)} samples at {sr} Hz = "
+            f"{1000 * len(x) / sr:.1f} ms; at least one {s.frame_length_ms:g} ms frame is needed)"
+        )
     wav = torch.from_numpy(x)
     if sr != s.sample_rate:
         wav = AF.resample(wav, sr, s.sample_rate)
@@ -81,6 +90,11 @@ def load_audio(path_or_file, s: FeatureSettings, speed: float = 1.0) -> torch.Te
         # Playing s.sample_rate*speed samples per second: resample from sr*speed down to sr.
         wav = AF.resample(wav, int(round(s.sample_rate * speed)), s.sample_rate)
     return wav
+
+
+def min_samples(s: FeatureSettings) -> int:
+    """Samples of one analysis window at ``s.sample_rate``: shorter audio yields no feature frame."""
+    return int(s.sample_rate * s.frame_length_ms / 1000)
 
 
 def _chunk_worker(args) -> tuple[list[tuple[int, np.ndarray]], list[tuple[int, str]]]:
@@ -125,21 +139,6 @@ def compute_raw(
     return feats, failed
 
 
-def apply_cmvn(feats: list[np.ndarray], groups: list[str]) -> list[np.ndarray]:
-    """Mean/variance normalisation per group (speaker or utterance): each bin to zero mean, unit variance
-    over all frames of the group."""
-    stats: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
-    for f, g in zip(feats, groups):
-        s1, s2, n = stats.get(g, (0.0, 0.0, 0))
-        stats[g] = (s1 + f.sum(0, dtype=np.float64), s2 + (f.astype(np.float64) ** 2).sum(0), n + len(f))
-    norm = {}
-    for g, (s1, s2, n) in stats.items():
-        mean = s1 / n
-        std = np.sqrt(np.maximum(s2 / n - mean**2, 1e-8))
-        norm[g] = (mean.astype(np.float32), std.astype(np.float32))
-    return [(f - norm[g][0]) / norm[g][1] for f, g in zip(feats, groups)]
-
-
 def perturbations(
     speeds: tuple[float, ...] = (1.0,), warps: tuple[float, ...] = (1.0,)
 ) -> list[tuple[float, float]]:
@@ -156,10 +155,14 @@ def extract(
     jobs: int = 2,
     speeds: tuple[float, ...] = (1.0,),
     warps: tuple[float, ...] = (1.0,),
-) -> tuple[list[Utterance], list[np.ndarray], list[tuple[str, str]]]:
+    prior: FilePrior | None = None,
+) -> tuple[list[Utterance], list[np.ndarray], list[tuple[str, str]], dict[str, dict]]:
     """Features of ``utts`` (x each copy of `perturbations`), CMVN applied -> (kept utterances, [frames, dim]
-    float32 arrays, skipped [(path, reason)]). Perturbed copies get ids ``sp{factor}-{utt}`` /
-    ``vtln{warp}-{utt}`` and speakers named the same way (separate CMVN statistics, as in Kaldi recipes)."""
+    float32 arrays, skipped [(path, reason)], raw-feature statistics of each speaker's unperturbed audio
+    ``{spk: {"sum", "sumsq", "frames"}}``). Perturbed copies get ids ``sp{factor}-{utt}`` /
+    ``vtln{warp}-{utt}`` and speakers named the same way (separate CMVN statistics, as in Kaldi recipes).
+    ``s.cmvn == "file"`` normalises each utterance alone with ``prior`` (as `predict.Transcriber` does;
+    default: the prior of these utterances' own speakers, as for a training set)."""
     work, meta = [], []
     for sp, w in perturbations(speeds, warps):
         tag = "" if (sp, w) == (1.0, 1.0) else (f"sp{sp}-" if w == 1.0 else f"vtln{w}-")
@@ -171,15 +174,32 @@ def extract(
     skipped = [(work[i][0], failed[i]) for i in sorted(failed) if work[i][1:] == (1.0, 1.0)]
     out_utts = [meta[i] for i in kept]
     feats = [raw[i] for i in kept]
-    if s.cmvn != "none":
+    spk_stats: dict[str, dict] = {}
+    for i in kept:
+        if work[i][1:] == (1.0, 1.0):
+            s1, s2, n = stats(raw[i])
+            acc = spk_stats.setdefault(meta[i].spk, {"sum": 0.0, "sumsq": 0.0, "frames": 0})
+            acc["sum"], acc["sumsq"], acc["frames"] = acc["sum"] + s1, acc["sumsq"] + s2, acc["frames"] + n
+    spk_stats = {
+        k: {"sum": v["sum"].tolist(), "sumsq": v["sumsq"].tolist(), "frames": v["frames"]}
+        for k, v in spk_stats.items()
+    }
+    if s.cmvn == "file":
+        if prior is None:
+            if not spk_stats:
+                raise MarianaError("no readable utterances to compute the CMVN prior from")
+            prior = FilePrior.from_speaker_stats(spk_stats)
+        feats = [prior.apply(f) for f in feats]
+    elif s.cmvn != "none":
         groups = [u.spk if s.cmvn == "speaker" else u.utt for u in out_utts]
         feats = apply_cmvn(feats, groups)
-    return out_utts, feats, skipped
+    return out_utts, feats, skipped, spk_stats
 
 
 class FeatureCache:
     """Read side of the sharded fp16 cache: ``len``, ``feats(i) -> float32 tensor [frames, dim]``,
-    ``utts`` (id, spk, words, frames), ``skipped``."""
+    ``utts`` (id, spk, words, frames), ``skipped``, ``speaker_stats`` (raw-feature statistics per speaker,
+    see `extract`)."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -190,6 +210,7 @@ class FeatureCache:
             index["utts"],
             index["skipped"],
         )
+        self.speaker_stats: dict[str, dict] = index.get("speaker_stats", {})
         self._shards: dict[int, np.ndarray] = {}
         self.lengths = [u["frames"] for u in self.utts]
 
@@ -215,6 +236,7 @@ def write_cache(
     feats: list[np.ndarray],
     skipped: list[tuple[str, str]],
     shard_frames: int = 1 << 20,
+    speaker_stats: dict[str, dict] | None = None,
 ) -> None:
     """Write shards (about ``shard_frames`` frames each) and then the index (written last, atomically:
     a cache without index.json is incomplete and is rebuilt)."""
@@ -243,6 +265,7 @@ def write_cache(
         "dim": dim,
         "utts": entries,
         "skipped": [{"path": p, "reason": r} for p, r in skipped],
+        "speaker_stats": speaker_stats or {},
     }
     atomic_write_text(folder / INDEX, json.dumps(index) + "\n")
 
@@ -254,10 +277,12 @@ def cached_features(
     speeds: tuple[float, ...] = (1.0,),
     cache_root: str | Path | None = None,
     warps: tuple[float, ...] = (1.0,),
+    prior: FilePrior | None = None,
 ) -> FeatureCache:
     """The feature cache of a Kaldi data dir, built if missing or stale (settings or wav.scp changed).
 
-    The cache lives in ``cache_root/<key>`` (default ``DATA_DIR/feats/<key>``)."""
+    The cache lives in ``cache_root/<key>`` (default ``DATA_DIR/feats/<key>``). ``prior``: the per-file
+    CMVN prior of ``s.cmvn == "file"`` (part of the key)."""
     data_dir = Path(data_dir)
     scp = data_dir / "wav.scp"
     if not scp.is_file():
@@ -266,6 +291,8 @@ def cached_features(
         scp.read_bytes()
         + (data_dir / "text").read_bytes()
         + repr(perturbations(tuple(speeds), tuple(warps))).encode()
+        + (prior.digest().encode() if s.cmvn == "file" and prior else b"")
+        + CACHE_FORMAT
     ).hexdigest()
     key = s.key(stamp)
     folder = Path(cache_root or data_dir / "feats") / key
@@ -273,6 +300,6 @@ def cached_features(
         cache = FeatureCache(folder)
         if cache.key == key:
             return cache
-    utts, feats, skipped = extract(read_kaldi_dir(data_dir), s, jobs, speeds, warps)
-    write_cache(folder, key, utts, feats, skipped)
+    utts, feats, skipped, spk_stats = extract(read_kaldi_dir(data_dir), s, jobs, speeds, warps, prior)
+    write_cache(folder, key, utts, feats, skipped, speaker_stats=spk_stats)
     return FeatureCache(folder)

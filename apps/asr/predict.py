@@ -1,19 +1,22 @@
-"""Inference API used by serving and ``mariana asr transcribe``: WAV bytes -> transcript.
+"""Inference API used by serving and ``mariana asr transcribe``: WAV bytes or file -> transcript.
 
-A single request has no speaker statistics, so features are normalised per utterance."""
+A single request has no speaker statistics. A model trained with per-speaker CMVN normalises each file by
+its own statistics counted together with the training speakers' (`cmvn.FilePrior`, stored in the exported
+model), exactly as ``mariana asr eval --cmvn file`` does, so both give the same words for the same file.
+Models exported before the prior was stored fall back to per-utterance CMVN."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 from pathlib import Path
 
+import numpy as np
 import torch
 from mariana.platform.core.export import WEIGHTS
 
 from .decode import beam_decode, greedy_decode
-from .evaluate import load_model
+from .evaluate import file_settings, load_model
 from .features import apply_cmvn, fbank, load_audio
 from .train import feature_settings
 
@@ -22,29 +25,36 @@ class Transcriber:
     """``transcribe_wav_bytes(data) -> str`` (space-separated words); ``version`` names the weights."""
 
     def __init__(self, run_dir: str | Path, device: str = "cpu", beam: int | None = None):
-        self.model, self.vocab, cfg = load_model(run_dir, device)
+        self.model, self.vocab, cfg, meta = load_model(run_dir, device, with_meta=True)
         self.device = device
         self.beam = cfg.get("beam", 0) if beam is None else beam
-        s = feature_settings(cfg)
-        self.settings = dataclasses.replace(s, cmvn="none" if s.cmvn == "none" else "utterance")
+        self.settings, self.prior = file_settings(feature_settings(cfg), meta)
         digest = hashlib.sha256((Path(run_dir) / WEIGHTS).read_bytes()).hexdigest()[:12]
         self.version = f"asr-{digest}"
 
+    def features(self, samples: torch.Tensor) -> torch.Tensor:
+        """Mono samples [N] -> normalised features [frames, dim], rounded through float16 as the feature
+        cache stores them (so `eval --cmvn file` sees the same values)."""
+        feats = fbank(samples, self.settings).numpy()
+        if self.settings.cmvn == "file":
+            feats = self.prior.apply(feats)
+        elif self.settings.cmvn != "none":
+            feats = apply_cmvn([feats], ["utt"])[0]
+        return torch.from_numpy(feats.astype(np.float16).astype(np.float32))
+
     @torch.no_grad()
     def transcribe_samples(self, samples: torch.Tensor) -> str:
-        feats = fbank(samples, self.settings).numpy()
-        if self.settings.cmvn != "none":
-            feats = apply_cmvn([feats], ["utt"])[0]
-        x = torch.from_numpy(feats).float().unsqueeze(0).to(self.device)
+        x = self.features(samples).unsqueeze(0).to(self.device)
         logp = self.model(x)[0, :, : len(self.vocab)].float().cpu()
         units = beam_decode(logp, self.beam) if self.beam > 0 else greedy_decode(logp)
         return " ".join(self.vocab[k] for k in units)
 
     def transcribe_wav_bytes(self, data: bytes) -> str:
-        """WAV file contents -> transcript. Raises MarianaError on undecodable audio."""
+        """WAV file contents -> transcript. Raises MarianaError on undecodable or too short audio."""
         return self.transcribe_samples(load_audio(io.BytesIO(data), self.settings))
 
     def transcribe_file(self, path: str | Path) -> str:
+        """WAV file -> transcript. Raises MarianaError naming the file on undecodable or too short audio."""
         return self.transcribe_samples(load_audio(str(path), self.settings))
 
 

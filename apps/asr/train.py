@@ -22,6 +22,7 @@ from mariana.platform.dp.ddp import apply_data_parallel
 from mariana.platform.dp.dist import init_distributed, teardown
 from mariana.platform.dp.sampler import IndexBatchLoader
 
+from .cmvn import FilePrior
 from .configs import AsrConfig
 from .decode import error_rates, greedy_decode
 from .features import FeatureCache, FeatureSettings, cached_features
@@ -208,6 +209,11 @@ def decode_set(model, dataset: UtteranceSet, vocab: list[str], beam: int = 0, in
     return [dataset.cache.utts[i]["words"] for i in indices], [hyps[i] for i in indices]
 
 
+def _prior(train_cache: FeatureCache, s: FeatureSettings) -> FilePrior | None:
+    """``--cmvn file``: the training speakers' statistics, the prior every other set is normalised with."""
+    return FilePrior.from_speaker_stats(train_cache.speaker_stats) if s.cmvn == "file" else None
+
+
 def flush_denormals_on_cpu(device) -> None:
     """Treat denormal floats as zero on the CPU. The CTC gradient of a wide output layer (12000 units of
     which 11 are ever targets) is mostly softmax probabilities of ~1e-40, and x86 matmuls on denormals
@@ -235,7 +241,7 @@ def train(cfg: AsrConfig) -> dict:
         if ctx.is_main:  # one process computes the caches; the others wait and read them
             cache = cached_features(train_dir, s, cfg.feature_jobs, speeds, root("train"), warps)
             if has_dev:
-                cached_features(dev_dir, s, cfg.feature_jobs, (1.0,), root("dev"))
+                cached_features(dev_dir, s, cfg.feature_jobs, (1.0,), root("dev"), prior=_prior(cache, s))
         ctx.barrier()
         cache = cached_features(train_dir, s, 1, speeds, root("train"), warps)
         if cache.skipped and ctx.is_main:
@@ -247,7 +253,9 @@ def train(cfg: AsrConfig) -> dict:
         vocab = [BLANK] + sorted({w for u in cache.utts for w in u["words"]})
         train_set = UtteranceSet(cache, vocab)
         dev_set = (
-            UtteranceSet(cached_features(dev_dir, s, 1, (1.0,), root("dev")), vocab) if has_dev else None
+            UtteranceSet(cached_features(dev_dir, s, 1, (1.0,), root("dev"), prior=_prior(cache, s)), vocab)
+            if has_dev
+            else None
         )
         frames = sum(cache.lengths)
         log.info(
@@ -283,11 +291,10 @@ def train(cfg: AsrConfig) -> dict:
         )
         final = trainer.fit()
         if ctx.is_main:
-            export_model(
-                run.path,
-                unwrap(model).state_dict(),
-                {"job": "asr", "config": cfg_dict, "vocab": vocab, "train_frames": frames},
-            )
+            meta = {"job": "asr", "config": cfg_dict, "vocab": vocab, "train_frames": frames}
+            if cache.speaker_stats:  # what single files are normalised with (`transcribe`, serving)
+                meta["cmvn_prior"] = FilePrior.from_speaker_stats(cache.speaker_stats).to_dict()
+            export_model(run.path, unwrap(model).state_dict(), meta)
         return final
     finally:
         teardown(ctx)

@@ -2,16 +2,38 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from mariana.platform.core.config import TrainConfig, opt
-from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.errors import DataError, MarianaError
 
-from .model import MODELS
+# Only the standard library here: `mariana pctr train` checks its flags before torch is imported.
+MODELS = ("lr", "fm", "dnn", "deepfm", "dcn")
+
+# TrainConfig fields pCTR has no use for, with why. They are hidden from `--help` (cli=False) and a
+# non-default value (possible only through --config TOML or a preset) is refused by `validate`.
+UNUSED = {
+    "grad_comm": "there is no gradient all-reduce (rows and dense gradients go to a local shard or servers)",
+    "grad_accum": "every batch is one pull/push of its rows",
+    "weight_decay": "the dense optimiser has no weight decay",
+    "momentum": "the dense sgd optimiser has no momentum",
+    "num_workers": "batches are parsed by one background thread (--prefetch)",
+}
+
+
+def _unused(help: str, default):
+    return opt(default, help, cli=False)
 
 
 @dataclass
 class PctrConfig(TrainConfig):
+    # `--resume` refuses any other difference from the checkpoint's RUN/config.toml (the model's shape, the
+    # data and its split, batch size, optimisers and their settings, the process layout).
+    RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = TrainConfig.RESUME_MAY_CHANGE | {"prefetch", "val_rows"}
+
     format: str = opt("libfm", "input format of --data", ["criteo", "libfm"])
     model: str = opt("deepfm", "model", list(MODELS))
     servers: int = opt(0, "parameter-server processes; 0 trains in this one process (CPU or CUDA)")
@@ -30,16 +52,38 @@ class PctrConfig(TrainConfig):
     init_std: float = opt(0.01, "std of the initial embeddings")
     optimizer: str = opt("adam", "optimizer of the dense parameters", ["sgd", "adam", "adagrad"])
     lr: float = opt(1e-3, "learning rate of the dense parameters")
+    schedule: str = opt(
+        "constant",
+        "learning-rate schedule after warm-up, of the dense and the table learning rates (one process only)",
+        ["constant", "cosine", "linear"],
+    )
+    warmup_steps: int = opt(0, "linear warm-up steps of both learning rates (one process only)")
+    clip_grad: float = opt(
+        0.0, "clip the norm of each step's gradient (dense parameters and the batch's rows); 0 disables"
+    )
+    eval_every: int = opt(
+        0, "steps between validation reports (one process only); 0: at the end of every epoch only"
+    )
+    ckpt_every: int = opt(
+        0, "steps between checkpoints; 0: one at the end (one process) / none before the end (servers)"
+    )
     sparse_optimizer: str = opt("adagrad", "row optimizer of the embedding table", ["sgd", "adagrad", "ftrl"])
     sparse_lr: float = opt(0.05, "learning rate of the embedding table")
     ftrl_l1: float = opt(0.0, "FTRL L1 strength")
     ftrl_l2: float = opt(0.0, "FTRL L2 strength")
     batch_size: int = opt(512, "samples per worker per step")
     shuffle: bool = opt(True, "shuffle the batch order of epochs >= 2 (served from the in-memory cache)")
-    prefetch: int = opt(2, "batches parsed ahead of the training step by a background thread")
+    prefetch: int = opt(2, "batches parsed ahead of the training step by a background thread (0: no thread)")
     val_rows: int = opt(0, "cap on validation rows scored for counters and early reports (0: all)")
+    progress: bool = opt(True, "show a progress bar when stderr is a terminal (one process only)")
+    grad_comm: str = _unused("not used by pctr", "fp32")
+    grad_accum: int = _unused("not used by pctr", 1)
+    weight_decay: float = _unused("not used by pctr", 0.0)
+    momentum: float = _unused("not used by pctr", 0.9)
+    num_workers: int = _unused("not used by pctr", 0)
 
     def validate(self) -> None:
+        self._check_unused()
         super().validate()
         if self.servers < 0:
             raise MarianaError(f"--servers must be >= 0, got {self.servers}")
@@ -49,6 +93,67 @@ class PctrConfig(TrainConfig):
             raise MarianaError(f"--rows-per-field must be >= 2, got {self.rows_per_field}")
         if self.staleness < -1:
             raise MarianaError(f"--staleness must be -1, 0 or positive, got {self.staleness}")
+        for name in ("dim",):
+            if getattr(self, name) < 1:
+                raise MarianaError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_fields", "cross_layers", "prefetch", "val_rows"):
+            if getattr(self, name) < 0:
+                raise MarianaError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.model == "dcn" and self.cross_layers < 1:
+            raise MarianaError(f"--cross-layers must be >= 1 for --model dcn, got {self.cross_layers}")
+        self.hidden_sizes()
+        for name in ("sparse_lr", "init_std", "ftrl_l1", "ftrl_l2"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise MarianaError(f"--{_flag(name)} must be a finite number >= 0, got {v}")
+        if not (0.0 <= self.dropout < 1.0):
+            raise MarianaError(f"--dropout must be in [0, 1), got {self.dropout}")
+        parse_split(self.split)
+        if self.servers > 0:
+            for name, default in (("schedule", "constant"), ("warmup_steps", 0), ("eval_every", 0)):
+                if getattr(self, name) != default:
+                    raise MarianaError(
+                        f"--{_flag(name)} is not supported with --servers >= 1 (the servers' optimisers run "
+                        "at a constant learning rate and workers validate once per epoch); use --servers 0"
+                    )
+
+    def hidden_sizes(self) -> tuple[int, ...]:
+        """``--hidden`` as layer widths (each >= 1); MarianaError naming the flag if it is not."""
+        parts = [h.strip() for h in str(self.hidden).split(",") if h.strip()]
+        try:
+            sizes = tuple(int(h) for h in parts)
+        except ValueError:
+            raise MarianaError(
+                f"--hidden must be comma-separated layer widths like 256,128, got {self.hidden!r}"
+            ) from None
+        if not sizes and self.model in ("dnn", "deepfm", "dcn"):
+            raise MarianaError(f"--hidden: --model {self.model} needs at least one layer width")
+        if any(s < 1 for s in sizes):
+            raise MarianaError(f"--hidden widths must be >= 1, got {self.hidden!r}")
+        return sizes
+
+    def _check_unused(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.name in UNUSED and getattr(self, f.name) != f.default:
+                raise MarianaError(
+                    f"field {f.name!r} = {getattr(self, f.name)!r}: {f.name} is not used by pctr "
+                    f"({UNUSED[f.name]}); remove it"
+                )
+
+
+def parse_split(text: str) -> tuple[float, float, float]:
+    """``"0.8,0.1,0.1"`` -> (train, val, test) fractions of the rows in file order; they must sum to 1."""
+    try:
+        parts = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        parts = ()
+    if len(parts) != 3 or any(not (p >= 0) for p in parts) or abs(sum(parts) - 1.0) > 1e-6:
+        raise DataError(f"--split must be three fractions train,val,test summing to 1, got {text!r}")
+    return parts  # type: ignore[return-value]
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
 
 
 PRESETS = {

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from mariana.platform.core.errors import DataError
 
+from .configs import parse_split  # noqa: F401  (defined beside the flags: checked before torch loads)
+
 FORMATS = ("criteo", "libfm")
 CRITEO_INTS, CRITEO_CATS = 13, 26
 
@@ -414,16 +416,6 @@ def split_bounds(total: int, fractions: tuple[float, float, float]) -> dict[str,
     a = int(round(total * tr))
     b = int(round(total * (tr + va)))
     return {"train": (0, a), "val": (a, b), "test": (b, total), "all": (0, total)}
-
-
-def parse_split(text: str) -> tuple[float, float, float]:
-    try:
-        parts = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        parts = ()
-    if len(parts) != 3 or any(p < 0 for p in parts) or abs(sum(parts) - 1.0) > 1e-6:
-        raise DataError(f"--split must be three fractions train,val,test summing to 1, got {text!r}")
-    return parts  # type: ignore[return-value]
 
 
 def load_split(path, encoder: Encoder, start: int, stop: int | None, stats: ReadStats | None = None) -> Batch:

@@ -1,7 +1,7 @@
 """`mariana pctr eval`: AUC and log-loss of an exported run on a data file (streamed in chunks).
 
 Scores with the same `Predictor` the serving module uses, so both give identical probabilities.
-Writes ``RUN/eval.json``: {auc, logloss, rows, skipped, split, data}."""
+Writes ``out`` (the CLI passes ``RUN/eval/<data>[-<split>].json``): {auc, logloss, rows, skipped, split, data}."""
 
 from __future__ import annotations
 
@@ -24,7 +24,12 @@ def evaluate_run(
     split: str = "all",
     fractions: str = "0.8,0.1,0.1",
     device: str = "cpu",
+    out: str | Path | None = None,
 ) -> dict:
+    """Score ``data`` (the ``split`` of it, by row order) with the run's exported model. Returns the
+    result dict and writes it to ``out`` (default: ``eval_result_path(run_dir, data, split)``)."""
+    from mariana.platform.core.rundir import eval_result_path
+
     pred = load_predictor(run_dir, device)
     if fmt and fmt != pred.format:
         raise MarianaError(f"--format {fmt} but the model in {run_dir} was trained on {pred.format} data")
@@ -48,5 +53,7 @@ def evaluate_run(
         "data": str(data),
         "model_version": pred.version,
     }
-    atomic_write_text(Path(run_dir) / "eval.json", json.dumps(result, indent=2) + "\n")
+    out = Path(out) if out is not None else eval_result_path(run_dir, data, split)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
     return result

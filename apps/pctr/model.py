@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-MODELS = ("lr", "fm", "dnn", "deepfm", "dcn")
+from .configs import MODELS
 
 
 def mlp(sizes: list[int], dropout: float = 0.0) -> nn.Sequential:

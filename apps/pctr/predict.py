@@ -32,7 +32,11 @@ from .model import CTRModel
 class Predictor:
     def __init__(self, state: dict[str, torch.Tensor], meta: dict, device: str | torch.device = "cpu"):
         if meta.get("app") != "pctr":
-            raise MarianaError(f"the exported model is not a pctr model (app={meta.get('app')!r})")
+            made_by = f"`mariana {meta['app']} train`" if meta.get("app") else "no known app"
+            raise MarianaError(
+                f"the exported model is not a pctr model (it was exported by {made_by}; "
+                "expected a `mariana pctr train` run)"
+            )
         self.meta = meta
         if "table.weight" not in state or "seen" not in state:
             raise MarianaError("the exported pctr model lacks its embedding table ('table.weight', 'seen')")

@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 import torch.nn.functional as F
-from mariana.platform.core.errors import DataError
+from mariana.platform.core.errors import DataError, MarianaError
 from mariana.platform.core.export import export_model
 from mariana.platform.core.loop import autocast_for
 from mariana.platform.core.rundir import RunDir, setup_logging
@@ -184,8 +185,12 @@ def train_step(
     dense_opt=None,
     remote_dense=False,
     autocast=None,
+    clip_grad: float = 0.0,
 ):
     """One pull -> forward/backward -> push. Returns the mean log-loss (float tensor).
+
+    ``clip_grad > 0`` scales the step's whole gradient (dense parameters and the batch's rows together)
+    so that its L2 norm is at most ``clip_grad``.
 
     The batch's looked-up rows enter autograd as two leaves, ``w [B, F]`` and ``e [B, F, dim]``; their
     gradients are summed per unique row with one ``index_add_`` into ``[U, 1 + dim]`` (cheaper on CPU than
@@ -214,6 +219,8 @@ def train_step(
         return rows.new_zeros(U, width).index_add_(0, flat_inv, g.reshape(flat_inv.numel(), width))
 
     row_grad = torch.cat([per_row(w.grad, 1), per_row(e.grad, rows.shape[1] - 1)], 1)
+    if clip_grad > 0:
+        clip_([row_grad, *(p.grad for p in params if p.grad is not None)], clip_grad)
     dense_grad = None
     if remote_dense:
         from mariana.platform.ps.dense import flatten
@@ -223,6 +230,16 @@ def train_step(
     if dense_opt is not None:
         dense_opt.step()
     return loss.detach()
+
+
+@torch.no_grad()
+def clip_(grads: list[torch.Tensor], max_norm: float) -> None:
+    """Scale ``grads`` in place so that their joint L2 norm is at most ``max_norm`` (as
+    ``torch.nn.utils.clip_grad_norm_`` does for parameters)."""
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
 
 
 @torch.no_grad()
@@ -262,12 +279,25 @@ class Setup:
         self.spec = TableSpec(
             TABLE, self.schema.num_rows, 1 + (0 if cfg.model == "lr" else cfg.dim), cfg.init_std
         )
+        self.val_stats = ReadStats()
+
+    def check_batch_size(self) -> None:
+        """Every worker gets at least one full batch per epoch from the training split, or MarianaError."""
+        a, b = self.bounds["train"]
+        need = self.cfg.batch_size * max(1, self.cfg.workers if self.cfg.servers else 1)
+        if b - a < need:
+            per = f" x {self.cfg.workers} workers" if self.cfg.servers and self.cfg.workers > 1 else ""
+            raise MarianaError(
+                f"--batch-size {self.cfg.batch_size}{per} is larger than the training split of {self.cfg.data}: "
+                f"{b - a} of its {self.lines} lines (--split {self.cfg.split}); use a smaller --batch-size"
+            )
 
     def val_batches(self, device) -> tuple[list[Batch], np.ndarray]:
         a, b = self.bounds["val"]
         if self.cfg.val_rows:
             b = min(b, a + self.cfg.val_rows)
-        val = load_split(self.cfg.data, self.encoder, a, b)
+        self.val_stats = ReadStats()
+        val = load_split(self.cfg.data, self.encoder, a, b, stats=self.val_stats)
         bs = 8192
         batches = [val.slice(i, i + bs).to(device) for i in range(0, len(val), bs)]
         return batches, val.labels.numpy()
@@ -311,12 +341,56 @@ def _counter(run: RunDir, worker: int, rec: dict) -> None:
 
 
 # --------------------------------------------------------------------------- single process
-def train_local(cfg: PctrConfig) -> dict:
-    """Train in this process (CUDA when available and --device allows). Returns the final metrics."""
+def _local_state(model, dense_opt, sched, shard, progress: dict) -> dict:
+    """A one-process checkpoint: the model (its ``table.weight`` is the table itself), the dense optimiser
+    and schedule, the table's row-optimiser state and ``seen`` flags, and ``progress`` (step, data position,
+    validation history, counters). Tensors, containers and numbers only (``weights_only`` loadable)."""
+    return {
+        "model": model.state_dict(),
+        "dense_opt": dense_opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "rows": {"state": dict(shard.state[TABLE]), "seen": shard.seen[TABLE]},
+        **progress,
+    }
+
+
+def _load_local_state(state: dict, model, dense_opt, sched, shard, where) -> None:
+    """Copy a `_local_state` checkpoint into the live objects (in place: the shard and the model share
+    the table tensor). MarianaError naming the checkpoint if it does not fit this model."""
+    try:
+        model.load_state_dict(state["model"])
+        dense_opt.load_state_dict(state["dense_opt"])
+        sched.load_state_dict(state["scheduler"])
+        live = shard.state[TABLE]
+        if sorted(live) != sorted(state["rows"]["state"]):
+            raise ValueError(f"row optimiser state {sorted(state['rows']['state'])}, expected {sorted(live)}")
+        for k, v in state["rows"]["state"].items():
+            live[k].copy_(v)
+        shard.seen[TABLE].copy_(state["rows"]["seen"])
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise MarianaError(
+            f"checkpoint in {where} does not fit this model: {str(e).splitlines()[0]}"
+        ) from None
+
+
+def train_local(cfg: PctrConfig, setup: Setup | None = None) -> dict:
+    """Train in this process (CUDA when available and --device allows). Returns the final metrics.
+
+    Checkpoints (every ``--ckpt-every`` steps and at the end) hold everything the next step depends on,
+    so ``--resume`` continues exactly as if the run had not stopped."""
+    from dataclasses import replace
+
+    from mariana.platform.core.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
+    from mariana.platform.core.faults import FaultInjector
+    from mariana.platform.core.optim import build_scheduler, lr_factor
     from mariana.platform.dp.dist import resolve_device
     from mariana.platform.ps.shard import EmbeddingShard
     from mariana.platform.ps.worker import LocalClient
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
+    st = setup or Setup(cfg)
+    st.check_batch_size()
     run = RunDir(cfg.out)
     run.save_config(cfg)
     setup_logging(run)
@@ -324,14 +398,12 @@ def train_local(cfg: PctrConfig) -> dict:
     device = resolve_device(cfg.device)
     keep_freed_memory()
     amp = functools.partial(autocast_for, cfg, device)  # --amp: bf16 autocast of the dense layers
-    st = Setup(cfg)
     from mariana.platform.ps.shard import init_rows
 
     model = build_model(cfg, st.schema, table=init_rows(st.spec, cfg.seed))
     model.to(device)
-    shard = EmbeddingShard(
-        [st.spec], 0, 1, row_config(cfg), cfg.seed, device, {TABLE: model.table.weight.data}
-    )
+    rows_opt = row_config(cfg)
+    shard = EmbeddingShard([st.spec], 0, 1, rows_opt, cfg.seed, device, {TABLE: model.table.weight.data})
     client = LocalClient(shard)
     dense_opt = build_dense(cfg, model.dense_parameters())
     a, b = st.bounds["train"]
@@ -339,7 +411,20 @@ def train_local(cfg: PctrConfig) -> dict:
         cfg.data, st.encoder, a, b, cfg.batch_size, seed=cfg.seed, shuffle=cfg.shuffle, cache_device=device
     )
     val, val_labels = st.val_batches(device)
-    total = st.total_steps(data.steps_per_epoch)
+    spe = data.steps_per_epoch
+    total = st.total_steps(spe)
+    sched = build_scheduler(cfg, dense_opt, total)
+    # where the next step's batch is: epoch, batch index in it (== spe: the epoch's batches are done but
+    # its validation report is not)
+    step, epoch, pos, history, seen_n, loss_acc = 0, 0, 0, [], 0, [0.0, 0]
+    if cfg.resume and run.has_checkpoint():
+        state, rng = load_checkpoint(run)
+        _load_local_state(state, model, dense_opt, sched, shard, run.ckpt_dir)
+        step, epoch, pos = state["step"], state["data"]["epoch"], state["data"]["batch"]
+        history, seen_n, loss_acc = list(state["history"]), state["samples"], list(state["loss"])
+        if rng is not None:
+            set_rng_state(rng)
+        log.info("resumed from step %d (epoch %d, batch %d)", step, epoch, pos)
     log.info(
         "pctr %s: %d lines (train %s val %s), %d steps of %d on %s",
         cfg.model,
@@ -350,71 +435,137 @@ def train_local(cfg: PctrConfig) -> dict:
         cfg.batch_size,
         device,
     )
-    step, t0, seen_n, loss_sum, loss_n = 0, time.perf_counter(), 0, torch.zeros((), device=device), 0
-    epoch = 0
-    history = []
-    while step < total:
-        it = Prefetcher(data.batches(epoch), cfg.prefetch) if epoch == 0 else data.batches(epoch)
-        te, ne = time.perf_counter(), 0  # this epoch's training time and samples (validation excluded)
-        for batch in it:
-            if step >= total:
-                break
-            batch = batch.to(device)
-            loss_sum += train_step(model, client, batch, step, device, dense_opt, autocast=amp)
-            loss_n += 1
-            seen_n += len(batch)
-            ne += len(batch)
-            step += 1
-            if step % cfg.log_every == 0 or step == total:
-                dt = time.perf_counter() - t0
-                rec = {
+
+    def save():
+        progress = {
+            "step": step,
+            "data": {"epoch": epoch, "batch": pos},
+            "history": history,
+            "samples": seen_n,
+            "loss": [float(loss_sum), loss_n],
+        }
+        state = _local_state(model, dense_opt, sched, shard, progress)
+        save_checkpoint(run, step, state, 0, lambda: None)
+        log.debug("checkpoint at step %d written to %s", step, run.ckpt_dir)
+
+    def validate() -> dict[str, float]:
+        return auc_logloss(val_labels, predict_batches(model, val, client, device))
+
+    faults = FaultInjector()  # MARIANA_FAULT=kill:rank=0:step=S (tests)
+    bar = tqdm(
+        total=total,
+        initial=step,
+        disable=not (cfg.progress and sys.stderr.isatty()),
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=1.0,
+        file=sys.stderr,
+    )
+    t0, start_seen = time.perf_counter(), seen_n
+    loss_sum, loss_n = torch.full((), loss_acc[0], device=device), int(loss_acc[1])
+    redirect = logging_redirect_tqdm([log]) if not bar.disable else contextlib.nullcontext()
+    # console log lines print above the bar, not through it
+    with redirect, bar:
+        while step < total:
+            gen = data.batches(epoch, pos)
+            it = Prefetcher(gen, cfg.prefetch) if epoch == 0 and cfg.prefetch > 0 else gen
+            te, ne = time.perf_counter(), 0  # this epoch's training time and samples (validation excluded)
+            try:
+                for batch in it:
+                    if step >= total:
+                        break
+                    faults.maybe_fire(step + 1)
+                    # the table's learning rate follows the same warm-up and schedule as the dense one
+                    shard.opt = replace(
+                        rows_opt, lr=cfg.sparse_lr * lr_factor(step, total, cfg.warmup_steps, cfg.schedule)
+                    )
+                    batch = batch.to(device)
+                    loss_sum += train_step(
+                        model, client, batch, step, device, dense_opt, autocast=amp, clip_grad=cfg.clip_grad
+                    )
+                    lrs = dense_opt.param_groups[0]["lr"], shard.opt.lr  # the rates this step used
+                    sched.step()
+                    loss_n += 1
+                    seen_n += len(batch)
+                    ne += len(batch)
+                    step += 1
+                    pos += 1
+                    bar.update(1)
+                    if step % cfg.log_every == 0 or step == total:
+                        loss = float(loss_sum) / max(1, loss_n)
+                        rec = {
+                            "step": step,
+                            "epoch": epoch,
+                            "loss": loss,
+                            "samples_per_s": (seen_n - start_seen) / (time.perf_counter() - t0),
+                            "lr": lrs[0],
+                            "sparse_lr": lrs[1],
+                        }
+                        run.log_metrics(rec)
+                        bar.set_postfix(loss=f"{loss:.4f}")
+                        loss_sum.zero_()
+                        loss_n = 0
+                    if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
+                        m = validate()
+                        run.log_metrics(
+                            {"step": step, "epoch": epoch, "eval_auc": m["auc"], "eval_logloss": m["logloss"]}
+                        )
+                        log.info("step %d: val AUC %.4f logloss %.4f", step, m["auc"], m["logloss"])
+                    if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < total:
+                        save()
+            finally:
+                if isinstance(it, Prefetcher):
+                    it.close()
+            rate = ne / max(1e-9, time.perf_counter() - te)
+            m = validate()
+            history.append(
+                {
+                    "epoch": epoch,
+                    "step": step,
+                    "val_auc": m["auc"],
+                    "val_logloss": m["logloss"],
+                    "train_samples_per_s": rate,
+                }
+            )
+            log.info(
+                "epoch %d: val AUC %.4f logloss %.4f (%.0f samples/s%s)",
+                epoch,
+                m["auc"],
+                m["logloss"],
+                rate,
+                ", parsing the text" if epoch == 0 else ", from the in-memory cache",
+            )
+            _counter(
+                run,
+                0,
+                {
                     "step": step,
                     "epoch": epoch,
-                    "loss": float(loss_sum) / max(1, loss_n),
-                    "samples_per_s": seen_n / dt,
-                }
-                run.log_metrics(rec)
-                loss_sum.zero_()
-                loss_n = 0
-        if isinstance(it, Prefetcher):
-            it.close()
-        rate = ne / (time.perf_counter() - te)
-        m = auc_logloss(val_labels, predict_batches(model, val, client, device))
-        history.append(
-            {"epoch": epoch, "val_auc": m["auc"], "val_logloss": m["logloss"], "train_samples_per_s": rate}
-        )
-        log.info(
-            "epoch %d: val AUC %.4f logloss %.4f (%.0f samples/s%s)",
-            epoch,
-            m["auc"],
-            m["logloss"],
-            rate,
-            ", parsing the text" if epoch == 0 else ", from the in-memory cache",
-        )
-        _counter(
-            run,
-            0,
-            {
-                "step": step,
-                "epoch": epoch,
-                "val_auc": m["auc"],
-                "val_logloss": m["logloss"],
-                "samples_per_s": seen_n / (time.perf_counter() - t0),
-                "attempt": 0,
-            },
-        )
-        epoch += 1
+                    "val_auc": m["auc"],
+                    "val_logloss": m["logloss"],
+                    "samples_per_s": (seen_n - start_seen) / max(1e-9, time.perf_counter() - t0),
+                    "attempt": 0,
+                },
+            )
+            if pos >= spe:
+                epoch, pos = epoch + 1, 0
     wall = time.perf_counter() - t0
+    if not history:  # resumed at or past --max-steps before any report
+        m = validate()
+        history.append({"epoch": epoch, "step": step, "val_auc": m["auc"], "val_logloss": m["logloss"]})
+    save()
+    skipped = {**st.val_stats.errors, **data.stats.errors}
     final = {
         "val_auc": history[-1]["val_auc"],
         "val_logloss": history[-1]["val_logloss"],
         "steps": step,
         "samples": seen_n,
-        "samples_per_s": seen_n / wall,
+        "samples_per_s": (seen_n - start_seen) / wall if wall > 0 else 0.0,
         "wall_s": wall,
         "epochs": history,
-        "skipped_lines": data.stats.skipped,
-        "skipped_examples": {str(k): v for k, v in list(data.stats.errors.items())[:10]},
+        "skipped_lines": data.stats.skipped + st.val_stats.skipped,
+        "skipped_examples": {str(k): v for k, v in sorted(skipped.items())[:10]},
         "mode": "single-process",
         "device": str(device),
     }
@@ -516,7 +667,16 @@ def _work(cfg, role, run, rpc_session) -> int:
                     break
                 fault.maybe_fire(step)
                 loss_sum += float(
-                    train_step(model, client, batch, step, cpu, remote_dense=True, autocast=amp)
+                    train_step(
+                        model,
+                        client,
+                        batch,
+                        step,
+                        cpu,
+                        remote_dense=True,
+                        autocast=amp,
+                        clip_grad=cfg.clip_grad,
+                    )
                 )
                 loss_n += 1
                 n0 += len(batch)
@@ -583,6 +743,7 @@ def _work(cfg, role, run, rpc_session) -> int:
                 "staleness": cfg.staleness,
                 "worker0_samples_per_s": n0 / wall,
                 "skipped_lines": data.stats.skipped,
+                "skipped_examples": {str(k): v for k, v in list(data.stats.errors.items())[:10]},
                 "server_counters": client.server_counters,
             }
             export(run, st, full, weight, seen, {"metrics": {"val_auc": m["auc"]}})

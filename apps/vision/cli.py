@@ -15,50 +15,85 @@ def _train(args, argv):
     from mariana.platform.cli.common import run_training
 
     from .configs import PRESETS, VisionConfig
-    from .train import train
+
+    def train(cfg):  # torch is imported only once the config and paths passed their checks
+        from .train import train as train_
+
+        return train_(cfg)
 
     return run_training(args, argv, VisionConfig, PRESETS, train, _headline, optional_paths=("eval_data",))
 
 
 def _eval(args, argv):
     from mariana.platform.cli.common import check_data_path
+    from mariana.platform.core.errors import MarianaError
+    from mariana.platform.core.rundir import eval_result_path
 
-    from .evaluate import evaluate_run
-
+    # flags first: a typo fails before torch is imported
+    if args.batch_size < 1:
+        raise MarianaError(f"--batch-size must be >= 1 image, got {args.batch_size}")
+    if args.num_workers < 0:
+        raise MarianaError(f"--num-workers must be >= 0 (0 = read in this process), got {args.num_workers}")
     check_data_path(args.data)
     check_data_path(args.model, "--model")
-    r = evaluate_run(args.model, args.data, args.batch_size, args.device, args.num_workers)
+    from .evaluate import evaluate_run
+
+    out = eval_result_path(args.model, args.data)
+    r = evaluate_run(args.model, args.data, args.batch_size, args.device, args.num_workers, out)
     if r["skipped"]:
         print(f"skipped {r['skipped']} corrupt image(s), e.g. {', '.join(r['skipped_paths'][:3])}")
-    print(f"images {r['images']}")
+    print(f"images {r['images']}; result written to {out}")
     print(f"top-1 {r['top1']:.2f}% top-5 {r['top5']:.2f}%")
     return 0
 
 
 def _classify(args, argv):
+    import sys
+
     from mariana.platform.cli.common import check_data_path
     from mariana.platform.core.errors import MarianaError
 
+    if args.k is not None and args.k < 1:
+        raise MarianaError(f"-k must be >= 1 label, got {args.k}")
+    check_data_path(args.model, "--model")
+    from mariana.platform.dp.dist import resolve_device
+
     from .predict import load_classifier
 
-    check_data_path(args.model, "--model")
-    clf = load_classifier(args.model, "cpu" if args.device == "auto" else args.device)
+    clf = load_classifier(args.model, "cpu" if args.device == "auto" else resolve_device(args.device))
+    n = len(clf.classes)
+    if args.k is not None and args.k > n:
+        raise MarianaError(f"-k {args.k}: the model knows only {n} classes (expected 1..{n})")
+    k = args.k if args.k is not None else min(5, n)
     failed = 0
-    for path in args.images:
+    for path in args.images:  # a bad file is reported and skipped; the others are still classified
         try:
-            top = clf.classify_file(path, args.k)
+            top = clf.classify_file(path, k)
         except MarianaError as e:
-            print(f"error: {e}")
+            print(f"mariana: error: {e} (skipped)", file=sys.stderr, flush=True)
             failed += 1
             continue
-        print(f"{path}: " + ", ".join(f"{label} {p:.3f}" for label, p in top))
-    return 2 if failed == len(args.images) else 0
+        print(f"{path}: " + ", ".join(f"{label} {p:.3f}" for label, p in top), flush=True)
+    if failed:  # a partial failure must not look like success to a script
+        raise MarianaError(
+            f"classified {len(args.images) - failed} of {len(args.images)} image(s): {failed} failed"
+        )
+    return 0
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``(default: X)`` only where there is a default to show: not on required flags or positionals."""
+
+    def _get_help_string(self, action):
+        if action.required or action.default in (None, "") or action.nargs in ("+", "*"):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def register(sub) -> None:
     from mariana.platform.cli.common import add_train_parser
 
-    from .configs import VisionConfig
+    from .configs import PRESETS, VisionConfig
 
     grp = sub.add_parser("vision", help="image classification (CNNs; data + pipeline model parallel)")
     g = grp.add_subparsers(dest="vision_command", required=True, metavar="COMMAND")
@@ -68,10 +103,13 @@ def register(sub) -> None:
         VisionConfig,
         "train an image classifier on an ImageFolder tar/folder (--workers N --model-parallel K)",
         _train,
+        PRESETS,
     )
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = _HelpFormatter
     e = g.add_parser(
-        "eval", help="top-1/top-5 accuracy of a trained run on held-out images", formatter_class=fmt
+        "eval",
+        help="top-1/top-5 accuracy of a trained run on held-out images (-> RUN/eval/<data name>.json)",
+        formatter_class=fmt,
     )
     e.add_argument("--model", required=True, help="run directory of a finished `mariana vision train`")
     e.add_argument(
@@ -81,10 +119,15 @@ def register(sub) -> None:
     e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="compute device")
     e.add_argument("--num-workers", type=int, default=0, help="data-loader worker processes (read + decode)")
     e.set_defaults(func=_eval)
-    c = g.add_parser("classify", help="print the top-5 labels of image files", formatter_class=fmt)
+    c = g.add_parser("classify", help="print the top-k labels of image files", formatter_class=fmt)
     c.add_argument("--model", required=True, help="run directory of a finished `mariana vision train`")
     c.add_argument("images", nargs="+", help="image files (JPEG/PNG)")
-    c.add_argument("-k", type=int, default=5, help="labels to print per image")
+    c.add_argument(
+        "-k",
+        type=int,
+        default=None,
+        help="labels to print per image, 1..classes (default: 5 or all classes if fewer)",
+    )
     c.add_argument(
         "--device", default="auto", choices=["auto", "cpu", "cuda"], help="compute device (auto = cpu)"
     )

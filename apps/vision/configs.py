@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from mariana.platform.core.config import TrainConfig, opt
 from mariana.platform.core.errors import MarianaError
@@ -22,8 +23,11 @@ class VisionConfig(TrainConfig):
     stage_balance: str = opt(
         "params", "how to cut the model into stages: params, time, or block indices '3,6'"
     )
+    # Held-out data may move between a run and its resume (only the scores depend on it).
+    RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = TrainConfig.RESUME_MAY_CHANGE | {"eval_data", "eval_limit"}
+
     eval_data: str = opt(
-        "", "held-out images (.tar or folder) evaluated at the end (and every --eval-every steps)"
+        "", "held-out images (.tar or folder) evaluated at the end (and every --eval-every steps)", path=True
     )
     limit: int = opt(0, "use a class-balanced random subset of N training images (0 = all)")
     eval_limit: int = opt(0, "evaluate on the first N held-out images of a fixed random order (0 = all)")
@@ -62,13 +66,48 @@ class VisionConfig(TrainConfig):
             raise MarianaError(f"--image-size must be >= 8 pixels, got {self.image_size}")
         if not 0 <= self.label_smoothing < 1 or not 0 <= self.dropout < 1:
             raise MarianaError("--label-smoothing and --dropout must be in [0, 1)")
+        for name in ("limit", "eval_limit"):
+            if getattr(self, name) < 0:
+                raise MarianaError(
+                    f"--{name.replace('_', '-')} must be >= 0 images (0 = all), got {getattr(self, name)}"
+                )
+        if self.cache_gb <= 0:
+            raise MarianaError(f"--cache-gb must be > 0, got {self.cache_gb}")
+        self._validate_model()
+
+    def _validate_model(self) -> None:
+        """``--model`` and ``--stage-balance`` checked in the launching process, before any worker starts
+        (otherwise every worker fails on its own). Cutting into stages needs the model's blocks, so with
+        --model-parallel > 1 the model is built here once (on the CPU, not trained)."""
+        from .model import MARIANA_MODELS, as_blocks, build_model
+
+        bounds: list[int] = []
         if self.stage_balance not in ("params", "time"):
             try:
-                [int(x) for x in self.stage_balance.split(",")]
+                bounds = [int(x) for x in self.stage_balance.split(",")]
             except ValueError:
                 raise MarianaError(
                     f"--stage-balance must be params, time or block indices like '3,6', got {self.stage_balance!r}"
                 ) from None
+        k = self.model_parallel
+        if k == 1:
+            if self.model not in MARIANA_MODELS:
+                build_model(self.model, 10, self.image_size, self.dropout)  # unknown name -> MarianaError
+            return
+        n = len(as_blocks(build_model(self.model, 10, self.image_size, self.dropout)))
+        if n < k:
+            raise MarianaError(
+                f"--model-parallel {k}: --model {self.model} has only {n} blocks to cut into stages"
+            )
+        if self.stage_balance in ("params", "time"):
+            return
+        if len(bounds) != k - 1 or len(set(bounds)) != len(bounds) or min(bounds) < 1 or max(bounds) >= n:
+            what = "1 block index" if k == 2 else f"{k - 1} distinct block indices"
+            where = "stage 2 starts" if k == 2 else f"stages 2..{k} start"
+            raise MarianaError(
+                f"--stage-balance {self.stage_balance!r}: --model-parallel {k} needs {what} in 1..{n - 1} "
+                f"(where {where}; --model {self.model} has {n} blocks)"
+            )
 
 
 PRESETS = {

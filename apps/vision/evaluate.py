@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
 from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.rundir import eval_result_path
 from mariana.platform.dp.dist import resolve_device
 
 from .data import StreamingImages, collate_stream, normalize, open_source
@@ -16,11 +18,19 @@ from .train import topk_correct
 
 
 def evaluate_run(
-    run_dir: str | Path, data: str | Path, batch_size: int = 256, device: str = "auto", num_workers: int = 0
+    run_dir: str | Path,
+    data: str | Path,
+    batch_size: int = 256,
+    device: str = "auto",
+    num_workers: int = 0,
+    out: str | Path | None = None,
 ) -> dict:
-    """Score ``RUN/model.safetensors`` on ``data`` (.tar or folder); writes and returns ``RUN/eval.json``
-    ``{"top1": %, "top5": %, "images": n, "skipped": n, "data": path}``. Images stream through a
+    """Score ``RUN/model.safetensors`` on ``data`` (.tar or folder); returns and writes to ``out`` (default
+    ``eval_result_path(run_dir, data)`` = ``RUN/eval/<data name>.json``, one file per evaluated data set)
+    ``{"top1": %, "top5": %, "images": n, "skipped": n, "data": absolute path}``. Images stream through a
     DataLoader (decode in workers), so the set may be larger than memory."""
+    if batch_size < 1 or num_workers < 0:
+        raise MarianaError(f"batch_size must be >= 1 and num_workers >= 0, got {batch_size}, {num_workers}")
     dev = resolve_device(device)
     clf = load_classifier(run_dir, dev)
     src = open_source(data, clf.classes)
@@ -50,7 +60,9 @@ def evaluate_run(
         "images": n,
         "skipped": len(skipped),
         "skipped_paths": skipped[:100],
-        "data": str(data),
+        "data": os.path.abspath(data),
     }
-    atomic_write_text(Path(run_dir) / "eval.json", json.dumps(result, indent=2) + "\n")
+    out = Path(out) if out is not None else eval_result_path(run_dir, data)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
     return result

@@ -80,7 +80,10 @@ def load_classifier(run_dir: str | Path, device: str | torch.device = "cpu") -> 
     weights = Path(run_dir) / "model.safetensors" if Path(run_dir).is_dir() else Path(run_dir)
     version = f"{meta.get('model', 'vision')}-{hashlib.sha256(weights.read_bytes()).hexdigest()[:12]}"
     if meta.get("app") != "vision":
-        raise MarianaError(f"{run_dir}: not a vision model (its metadata says app={meta.get('app')!r})")
+        made_by = f"`mariana {meta['app']} train`" if meta.get("app") else "no known app"
+        raise MarianaError(
+            f"{run_dir}: not a vision model (it was exported by {made_by}; expected a `mariana vision train` run)"
+        )
     model = build_model(
         meta["model"], len(meta["classes"]), int(meta["image_size"]), float(meta.get("dropout", 0.5))
     )

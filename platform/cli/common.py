@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,12 +12,33 @@ from ..core.config import add_config_args, resolve_config
 from ..core.errors import MarianaError
 
 
-def add_train_parser(group, name: str, cfg_cls: type, help: str, func: Callable) -> argparse.ArgumentParser:
-    """A ``train`` leaf parser whose flags are ``cfg_cls``'s fields."""
-    p = group.add_parser(
-        name, help=help, description=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``(default: X)`` after a flag's help, except for required flags and empty defaults (None, "",
+    [], False of a plain flag), where it would only mislead."""
+
+    def _get_help_string(self, action):
+        help_ = action.help or ""
+        if action.required or action.default in (None, "", [], argparse.SUPPRESS) or "%(default)" in help_:
+            return help_
+        if action.default is False and action.nargs == 0:
+            return help_
+        return super()._get_help_string(action)
+
+
+def add_train_parser(
+    group, name: str, cfg_cls: type, help: str, func: Callable, presets: dict | None = None
+) -> argparse.ArgumentParser:
+    """A ``train`` leaf parser whose flags are ``cfg_cls``'s fields. ``presets`` (the app's PRESETS dict,
+    optional): their names are listed in ``--preset``'s help (the value itself is checked by
+    `resolve_config`, so a preset named in a TOML file is checked the same way)."""
+    p = group.add_parser(name, help=help, description=help, formatter_class=DefaultsHelpFormatter)
     add_config_args(p, cfg_cls)
+    if presets:
+        for action in p._actions:
+            if action.dest == "preset":
+                names = ", ".join(sorted(presets))
+                action.metavar = "{" + ",".join(sorted(presets)) + "}"
+                action.help = f"named preset of defaults: {names} (see the app's configs.py)"
     p.set_defaults(func=func)
     return p
 
@@ -30,13 +52,41 @@ def check_data_path(path: str, what: str = "--data") -> Path:
     return p
 
 
+def check_out_dir(out: str) -> Path:
+    """``--out`` must be a directory this user can write: create it now (before any worker starts) and
+    fail in one line if that is impossible."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise MarianaError(f"--out {out}: is an existing file, expected a run directory")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MarianaError(f"--out {out}: cannot create the run directory ({e.strerror or e})") from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise MarianaError(f"--out {out}: the run directory is not writable")
+    return p
+
+
 def check_fresh_run_dir(cfg: Any) -> None:
-    """Refuse to train over an existing run's checkpoints unless --resume (nothing trained is lost)."""
-    latest = Path(cfg.out) / "checkpoints" / "latest"
+    """Checks of ``cfg.out`` before training starts (call it in the launching process, not in workers):
+    it is a writable directory (created here); without --resume it holds no trained run; with --resume it
+    holds a checkpoint and the settings that may not change on resume (see ``RESUME_MAY_CHANGE``) are
+    those of its ``RUN/config.toml``."""
+    from ..core.rundir import check_resume_config
+
+    out = check_out_dir(cfg.out)
+    latest = out / "checkpoints" / "latest"
     if latest.exists() and not cfg.resume:
         raise MarianaError(
             f"{cfg.out} already holds a trained run; pass --resume to continue it or choose another --out"
         )
+    if cfg.resume:
+        if not latest.is_file():
+            raise MarianaError(
+                f"--resume: no checkpoint in {out / 'checkpoints'} (nothing to resume; drop --resume to "
+                "start a new run there)"
+            )
+        check_resume_config(cfg, out)
 
 
 def run_training(

@@ -19,7 +19,22 @@ COMMAND_MODULES = [
     "mariana.apps.vision.cli",
     "mariana.apps.pctr.cli",
     "mariana.serving.cli",
+    "mariana.platform.jobs.cli",
+    "mariana.platform.tune.cli",
 ]
+
+
+def version_text() -> str:
+    """``mariana X.Y.Z (torch A.B.C)``, from the installed distributions' metadata (torch not imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"mariana {v('mariana')} (torch {v('torch')})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mariana",
         description="Mariana: data-parallel, model-parallel and parameter-server training for speech, "
         "vision and click prediction. Every command writes a run directory and prints its headline metric last.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=version_text(), help="print the versions of mariana and torch"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
@@ -37,20 +55,47 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         module.register(sub)
+    _fix_help_formatters(parser)
     return parser
 
 
+def _fix_help_formatters(parser: argparse.ArgumentParser) -> None:
+    """Every (sub)parser that shows defaults uses `DefaultsHelpFormatter`, which leaves out
+    ``(default: None)`` on required flags and empty defaults."""
+    from .common import DefaultsHelpFormatter
+
+    if parser.formatter_class is argparse.ArgumentDefaultsHelpFormatter:
+        parser.formatter_class = DefaultsHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in set(action.choices.values()):
+                _fix_help_formatters(sub)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit code. In a worker started by our launcher, output goes to the
+    rank's log file and a failure is recorded for the launcher's one-line summary (`dp.workerio`)."""
+    from ..dp.workerio import WorkerIO
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    worker = WorkerIO.install()
     args = build_parser().parse_args(argv)
     try:
         rc = args.func(args, argv)
     except MarianaError as e:
-        print(f"mariana: error: {e}", file=sys.stderr)
+        if worker is None:
+            print(f"mariana: error: {e}", file=sys.stderr)
+        else:  # the launcher prints it once for all ranks
+            worker.record_error(e, user=True)
         rc = e.exit_code
     except KeyboardInterrupt:
-        print("mariana: interrupted", file=sys.stderr)
+        print("mariana: interrupted", file=sys.stderr if worker is None else worker.log)
         rc = 130
+    except Exception as e:
+        if worker is None:
+            raise
+        worker.record_error(e, user=False)
+        rc = 1
     sys.stdout.flush()
     return int(rc or 0)
 

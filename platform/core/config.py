@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import tomllib
 import types
 import typing
@@ -27,9 +28,19 @@ from .errors import MarianaError
 C = TypeVar("C")
 
 
-def opt(default: Any, help: str, choices: typing.Sequence[Any] | None = None, cli: bool = True):
-    """A config field with a help string (shown by ``--help``) and optional allowed values."""
-    meta = {"help": help, "choices": tuple(choices) if choices else None, "cli": cli}
+def opt(
+    default: Any,
+    help: str,
+    choices: typing.Sequence[Any] | None = None,
+    cli: bool = True,
+    path: bool = False,
+):
+    """A config field with a help string (shown by ``--help``) and optional allowed values.
+
+    ``choices``: the allowed values, enforced for flags, TOML files and presets alike (`check_choices`).
+    ``path=True``: a file-system path; `resolve_config` makes a non-empty value absolute, so
+    ``RUN/config.toml`` names the same files whatever directory a later command runs in."""
+    meta = {"help": help, "choices": tuple(choices) if choices else None, "cli": cli, "path": path}
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -37,11 +48,30 @@ def opt(default: Any, help: str, choices: typing.Sequence[Any] | None = None, cl
 
 @dataclass
 class TrainConfig:
-    """Fields every training job shares. Apps subclass this and add their own (flat) fields."""
+    """Fields every training job shares. Apps subclass this and add their own (flat) fields.
 
-    data: str = opt("", "training data path (file or folder; see the app's docs for the layout)")
-    out: str = opt("runs/run", "run directory to create (config.toml, checkpoints/, metrics.jsonl, ...)")
-    config: str = opt("", "TOML file with config values (flags given on the command line override it)")
+    ``RESUME_MAY_CHANGE``: the fields a ``--resume`` may give other values than the checkpoint's
+    ``RUN/config.toml`` (they change neither the model, nor the data order, nor optimizer state that the
+    checkpoint restores); any other difference is refused. A subclass extends it:
+    ``RESUME_MAY_CHANGE = TrainConfig.RESUME_MAY_CHANGE | {"eval_data"}``."""
+
+    RESUME_MAY_CHANGE: typing.ClassVar[frozenset[str]] = frozenset(
+        {
+            "out", "config", "preset", "resume",  # where the run is and how the values were given
+            "epochs", "max_steps",  # how long to train (the LR schedule follows the new length)
+            "log_every", "eval_every", "ckpt_every", "progress",  # reporting
+            "timeout", "max_restarts", "rdzv_endpoint", "rdzv_id",  # fault handling and rendezvous
+            "device", "amp", "grad_comm", "num_workers",  # where and how fast, not what
+        }
+    )  # fmt: skip
+
+    data: str = opt("", "training data path (file or folder; see the app's docs for the layout)", path=True)
+    out: str = opt(
+        "runs/run", "run directory to create (config.toml, checkpoints/, metrics.jsonl, ...)", path=True
+    )
+    config: str = opt(
+        "", "TOML file with config values (flags given on the command line override it)", path=True
+    )
     preset: str = opt("", "named preset of defaults (e.g. debug, small); see the app's configs.py")
     device: str = opt("auto", "compute device: auto picks cuda when available", ["auto", "cpu", "cuda"])
     workers: int = opt(1, "data-parallel worker processes on this node (launched through torchrun)")
@@ -85,7 +115,11 @@ class TrainConfig:
         for name in ("max_steps", "eval_every", "ckpt_every", "max_restarts", "num_workers", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise MarianaError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
-        if self.timeout <= 0:
+        for name in ("lr", "weight_decay", "clip_grad", "momentum"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise MarianaError(f"--{_flag(name)} must be a finite number >= 0, got {value}")
+        if not (math.isfinite(self.timeout) and self.timeout > 0):
             raise MarianaError(f"--timeout must be > 0 seconds, got {self.timeout}")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise MarianaError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
@@ -180,22 +214,65 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
         if _base_type(tp)[0] is bool:
             parser.add_argument(f"--{_flag(f.name)}", action=argparse.BooleanOptionalAction, **kwargs)
             continue
+        metavar = f.name.upper()
         if f.metadata.get("choices"):
             kwargs["choices"] = f.metadata["choices"]
-        parser.add_argument(
-            f"--{_flag(f.name)}", type=_parse_flag(tp, f.name), metavar=f.name.upper(), **kwargs
-        )
+            metavar = "{" + ",".join(str(c) for c in f.metadata["choices"]) + "}"
+            if typing.get_origin(_base_type(tp)[0]) is list:  # "a,b": argparse cannot check the parts
+                del kwargs["choices"]
+        parser.add_argument(f"--{_flag(f.name)}", type=_parse_flag(tp, f.name), metavar=metavar, **kwargs)
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML file into a dict; MarianaError naming the file if it is missing, a folder, binary or
+    not valid TOML."""
     path = Path(path)
+    if path.is_dir():
+        raise MarianaError(f"config file {path} is a directory, expected a TOML file")
     if not path.is_file():
         raise MarianaError(f"config file {path} does not exist")
     try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise MarianaError(f"{path}: not a UTF-8 TOML file") from None
+    except OSError as e:
+        raise MarianaError(f"config file {path} cannot be read: {e.strerror or e}") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise MarianaError(f"{path}: not valid TOML: {e}") from None
+
+
+def _choices_text(choices: typing.Sequence[Any]) -> str:
+    return ", ".join(str(c) for c in choices)
+
+
+def check_choice(cls_or_cfg: Any, name: str, value: Any, where: str) -> None:
+    """MarianaError ``<where>: expected one of a, b, c, got 'x'`` if ``name`` has choices and ``value``
+    (or, for a list field, one of its elements) is not one of them."""
+    f = {f.name: f for f in fields(cls_or_cfg)}.get(name)
+    choices = f.metadata.get("choices") if f is not None else None
+    if not choices:
+        return
+    for v in value if isinstance(value, list) else [value]:
+        if v not in choices:
+            raise MarianaError(f"{where}: expected one of {_choices_text(choices)}, got {v!r}")
+
+
+def check_choices(cfg: Any, source: str = "config") -> None:
+    """Every field with ``choices`` holds one of them (after presets, TOML and flags are merged)."""
+    for f in fields(cfg):
+        check_choice(cfg, f.name, getattr(cfg, f.name), f"{source}: field {f.name!r}")
+
+
+def absolute_paths(cfg: C) -> C:
+    """A copy of ``cfg`` whose ``path=True`` fields hold absolute paths (empty values stay empty)."""
+    updates = {}
+    for f in fields(cfg):  # type: ignore[arg-type]
+        value = getattr(cfg, f.name)
+        if f.metadata.get("path") and isinstance(value, str) and value:
+            updates[f.name] = os.path.abspath(os.path.expanduser(value))
+    return dataclasses.replace(cfg, **updates) if updates else cfg  # type: ignore[type-var]
 
 
 def apply_values(cfg: C, values: dict[str, Any], source: str) -> C:
@@ -208,6 +285,7 @@ def apply_values(cfg: C, values: dict[str, Any], source: str) -> C:
         if name not in known:
             raise MarianaError(f"{source}: unknown field {key!r} (known fields: {', '.join(sorted(known))})")
         updates[name] = coerce(hints[name], value, f"{source}: field {key!r}")
+        check_choice(cfg, name, updates[name], f"{source}: field {key!r}")
     return dataclasses.replace(cfg, **updates)  # type: ignore[type-var]
 
 
@@ -228,6 +306,8 @@ def resolve_config(cls: type[C], args: argparse.Namespace, presets: dict[str, C]
     if toml_values:
         cfg = apply_values(cfg, toml_values, str(toml_path))
     cfg = dataclasses.replace(cfg, **given)  # type: ignore[type-var]
+    check_choices(cfg, f"preset {preset!r}" if preset else "config")
+    cfg = absolute_paths(cfg)
     if hasattr(cfg, "validate"):
         cfg.validate()  # type: ignore[attr-defined]
     return cfg

@@ -50,7 +50,8 @@ def load_exported(
     run_dir: str | Path, device: str | torch.device = "cpu"
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Read an exported model: (state dict on ``device``, metadata dict). ``run_dir`` may also be the
-    ``.safetensors`` file itself."""
+    ``.safetensors`` file itself. ``meta["app"]`` names the app that trained it (taken from ``job`` for
+    runs that only have that key), so a wrong ``--model`` can be named in an error message."""
     path = Path(run_dir)
     if path.is_dir():
         path = path / WEIGHTS
@@ -65,4 +66,6 @@ def load_exported(
             meta = json.loads((f.metadata() or {}).get("mariana", "{}"))
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise MarianaError(f"{path}: not a readable safetensors model file ({e})") from None
+    if "app" not in meta and meta.get("job"):  # runs that name their app "job" (mlp, asr)
+        meta["app"] = meta["job"]
     return {k: v.to(device) for k, v in tensors.items()}, meta

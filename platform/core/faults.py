@@ -3,7 +3,8 @@
 ``MARIANA_FAULT`` holds comma-separated ``kind:rank=R:step=S`` entries, e.g. ``kill:rank=1:step=5``:
 - ``kill``: the process SIGKILLs itself before optimizer step S (first attempt only, so a restarted
   worker group can finish);
-- ``hang``: the process stops participating (sleeps forever) before step S (first attempt only).
+- ``hang``: the process stops participating (sleeps forever) before step S (first attempt only);
+- ``raise``: the process raises ``ValueError`` (a bug, not bad input) before step S (first attempt only).
 Unset in normal use; checked once per step with a dict lookup.
 """
 
@@ -35,6 +36,8 @@ class FaultInjector:
         kind = self.at.get(step)
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "raise":
+            raise ValueError(f"injected fault before step {step}")
         elif kind == "hang":
             while True:  # stop participating; the watchdog on every rank must notice
                 time.sleep(1)

@@ -69,10 +69,13 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
+    """Optimizer steps of the run: ``--max-steps``, or ``--epochs`` x full accumulation groups per epoch.
+    MarianaError if one epoch has no complete optimizer step (too little data for the batch size)."""
     if batches_per_epoch < cfg.grad_accum:
         raise MarianaError(
-            f"one epoch has {batches_per_epoch} batches per worker, fewer than --grad-accum {cfg.grad_accum}; "
-            "use less data per step (smaller --batch-size or fewer --workers)"
+            f"one epoch has {batches_per_epoch} batches per worker, fewer than --grad-accum {cfg.grad_accum}: "
+            f"the training data is too small for --batch-size {cfg.batch_size} x --workers {cfg.workers}; "
+            "use a smaller --batch-size or fewer --workers"
         )
     return cfg.max_steps or cfg.epochs * (batches_per_epoch // cfg.grad_accum)
 
@@ -120,7 +123,7 @@ class Trainer:
             self.ctx.barrier,
         )
         if self.ctx.is_main:
-            log.info("checkpoint at step %d written to %s", self.step, self.run.ckpt_dir)
+            log.debug("checkpoint at step %d written to %s", self.step, self.run.ckpt_dir)
 
     def maybe_resume(self) -> None:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0

@@ -21,6 +21,7 @@ from typing import Any
 
 from .atomic import atomic_write_text
 from .config import save_config
+from .errors import MarianaError
 
 
 class RunDir:
@@ -56,10 +57,71 @@ class RunDir:
         atomic_write_text(self.path / name, json.dumps(metrics, indent=2, sort_keys=True) + "\n")
 
 
+def eval_result_path(run_dir: str | Path, data: str | Path, split: str = "") -> Path:
+    """Where ``mariana <app> eval`` writes its result for one data set: ``RUN/eval/<name>[-<split>].json``.
+
+    ``<name>`` is the data path's last component (a file's name without its extension, or a folder's
+    name) reduced to ``[A-Za-z0-9._-]``, so evaluating several data sets keeps one file each instead of
+    overwriting one ``eval.json``. ``split`` ("", "all", "train", "val", "test") is appended unless empty
+    or ``all``."""
+    import re
+
+    p = Path(str(data).rstrip("/"))
+    name = p.stem if p.suffix and not p.is_dir() else p.name
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "data"
+    if split and split != "all":
+        name = f"{name}-{split}"
+    return Path(run_dir) / "eval" / f"{name}.json"
+
+
+def resume_differences(cfg: Any, saved: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(field, saved value, new value)`` for every field of ``cfg`` outside its class's
+    ``RESUME_MAY_CHANGE`` whose value differs from ``saved`` (a run's config.toml as a dict; a field
+    missing there counts as None). Path fields are compared as absolute paths."""
+    import dataclasses
+    import os
+
+    allowed = getattr(type(cfg), "RESUME_MAY_CHANGE", frozenset())
+    diffs = []
+    for f in dataclasses.fields(cfg):
+        if f.name in allowed:
+            continue
+        new, old = getattr(cfg, f.name), saved.get(f.name)
+        if f.metadata.get("path") and isinstance(old, str) and old:
+            old = os.path.abspath(old)
+        if isinstance(new, float) and isinstance(old, int | float) and not isinstance(old, bool):
+            old = float(old)
+        if isinstance(new, tuple):
+            new = list(new)
+        if new != old:
+            diffs.append((f.name, old, new))
+    return diffs
+
+
+def check_resume_config(cfg: Any, run_dir: str | Path) -> None:
+    """Refuse a ``--resume`` whose settings differ from the checkpoint's ``RUN/config.toml`` in a field that
+    changes the model, the data order or restored optimizer state (`MarianaError` listing
+    ``field: saved -> new``). A run without config.toml is not checked."""
+    from .config import load_toml
+
+    path = Path(run_dir) / "config.toml"
+    if not path.is_file():
+        return
+    diffs = resume_differences(cfg, load_toml(path))
+    if diffs:
+        pairs = ", ".join(f"{name}: {old!r} -> {new!r}" for name, old, new in diffs)
+        allowed = ", ".join(sorted(getattr(type(cfg), "RESUME_MAY_CHANGE", ())))
+        raise MarianaError(
+            f"--resume: these settings differ from the run's {path}: {pairs}; resume with the saved values "
+            f"or start a new --out (fields that may change on resume: {allowed})"
+        )
+
+
 def setup_logging(run: RunDir | None, rank: int = 0, verbose: bool = False) -> logging.Logger:
-    """Logger ``mariana``: every rank writes RUN/logs/rank-R.log; rank 0 also prints to stderr."""
+    """Logger ``mariana``: every rank writes RUN/logs/rank-R.log (DEBUG and up); rank 0 also prints INFO
+    and up to stderr (DEBUG too when ``verbose``). Routine events (checkpoints) are DEBUG: file only."""
     log = logging.getLogger("mariana")
-    log.setLevel(logging.DEBUG if verbose else logging.INFO)
+    log.setLevel(logging.DEBUG)
     log.propagate = False
     for h in list(log.handlers):
         log.removeHandler(h)
@@ -71,6 +133,7 @@ def setup_logging(run: RunDir | None, rank: int = 0, verbose: bool = False) -> l
         log.addHandler(fh)
     if rank == 0:
         sh = logging.StreamHandler(sys.stderr)
+        sh.setLevel(logging.DEBUG if verbose else logging.INFO)
         sh.setFormatter(fmt)
         log.addHandler(sh)
     return log
@@ -84,6 +147,8 @@ def start_run(cfg: Any, rank: int = 0, is_main: bool = True) -> tuple[RunDir, lo
     run = RunDir(cfg.out)
     log = setup_logging(run, rank)
     if is_main:
+        if getattr(cfg, "resume", False):  # also when torchrun was started by hand, not by our launcher
+            check_resume_config(cfg, run.path)
         run.save_config(cfg)
     torch.manual_seed(cfg.seed)
     return run, log

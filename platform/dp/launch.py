@@ -56,30 +56,84 @@ def stall_reports(run_dir: str | Path) -> list[dict]:
     return out
 
 
+def worker_threads(nproc_per_node: int) -> int:
+    """CPU threads per worker when ``nproc_per_node`` processes share this machine (at least 1):
+    more would oversubscribe the cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, nproc_per_node))
+
+
+def _quiet_launcher_logs(run_dir: Path) -> None:
+    """torchrun's agent logs (restarts, failures, signals) go to ``RUN/logs/launcher.log``, not the
+    console: the launcher prints its own one-line summary."""
+    import logging
+
+    handler = logging.FileHandler(run_dir / "logs" / "launcher.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+        lg = logging.getLogger(name)
+        lg.propagate = False
+        lg.addHandler(handler)
+
+
+def run_torchrun(args: list[str], run_dir: str | Path, nproc_per_node: int, console_rank: int = 0):
+    """Run torchrun's launcher in this process with ``args`` (its command line); returns None on success
+    or the ``ChildFailedError`` of a failed job. Ctrl-C (or SIGTERM) stops the workers and raises
+    KeyboardInterrupt (the CLI prints ``mariana: interrupted``, exit 130).
+
+    Workers get ``OMP_NUM_THREADS`` (unless set) and the run directory, so their output goes to
+    ``RUN/logs/rank-R.log`` (see `workerio`); ``console_rank`` keeps its progress bar on the terminal."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    from .workerio import CONSOLE_RANK_ENV, RUN_DIR_ENV
+
+    run_dir = Path(run_dir).absolute()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for stale in (run_dir / "logs").glob("error-rank-*.json"):  # of an earlier attempt of this run
+        stale.unlink(missing_ok=True)
+    if not os.environ.get("OMP_NUM_THREADS"):  # else torchrun sets 1 and prints a banner about it
+        os.environ["OMP_NUM_THREADS"] = str(worker_threads(nproc_per_node))
+    os.environ[RUN_DIR_ENV] = str(run_dir)
+    os.environ[CONSOLE_RANK_ENV] = str(console_rank)
+    _quiet_launcher_logs(run_dir)
+    try:
+        run(parse_args(args))
+    except SignalException:
+        raise KeyboardInterrupt from None
+    except ChildFailedError as e:
+        return e
+    return None
+
+
+def report_failure(e, run_dir: str | Path) -> int:
+    """Print one console line per cause of a failed job (``e``: torchrun's ChildFailedError); returns
+    the exit code: 2 when every failed worker reported bad input, else 1."""
+    from .workerio import failure_lines
+
+    codes = {int(r): f.exitcode for r, f in e.failures.items()}
+    lines, all_user = failure_lines(run_dir, codes)
+    for line in lines:
+        print(f"mariana: error: {line}", file=sys.stderr)
+    for rep in stall_reports(run_dir):
+        print(
+            f"mariana: error: watchdog on rank {rep['rank']}: no progress for {rep['timeout_s']:.0f}s; "
+            f"stalled rank(s): {rep['stalled_ranks']} (see {run_dir}/logs/)",
+            file=sys.stderr,
+        )
+    return 2 if all_user else 1
+
+
 def launch_if_needed(cfg: TrainConfig, argv: list[str], module: str = CLI_MODULE) -> int | None:
     """In the user's process: run ``argv`` under torchrun and return the job's exit code.
     In a worker (or when one plain process suffices): return None, the caller trains in-process."""
     if in_worker() or not needs_launcher(cfg):
         return None
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
     print(
         f"mariana: launching {cfg.workers} worker(s) x {cfg.nnodes} node(s) through torchrun "
-        f"(max restarts {cfg.max_restarts})",
+        f"(max restarts {cfg.max_restarts}); logs in {cfg.out}/logs/",
         file=sys.stderr,
         flush=True,
     )
-    try:
-        run(parse_args(torchrun_args(cfg, argv, module)))
-    except ChildFailedError as e:
-        codes = {f.local_rank if hasattr(f, "local_rank") else r: f.exitcode for r, f in e.failures.items()}
-        print(f"mariana: error: the job failed; worker exit codes by rank: {codes}", file=sys.stderr)
-        for rep in stall_reports(cfg.out):
-            print(
-                f"mariana: error: watchdog on rank {rep['rank']}: no progress for {rep['timeout_s']:.0f}s; "
-                f"stalled rank(s): {rep['stalled_ranks']} (see {cfg.out}/logs/)",
-                file=sys.stderr,
-            )
-        return 2 if codes and all(c == 2 for c in codes.values()) else 1
-    return 0
+    failure = run_torchrun(torchrun_args(cfg, argv, module), cfg.out, cfg.workers)
+    return 0 if failure is None else report_failure(failure, cfg.out)

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ..core.errors import MarianaError
+
 
 class ShardedBatchSampler:
     def __init__(
@@ -29,14 +31,16 @@ class ShardedBatchSampler:
         drop_last: bool = True,
     ):
         if num_samples < 1:
-            raise ValueError("empty data set")
+            raise MarianaError("the training data set is empty (0 samples)")
         self.n, self.batch_size, self.rank, self.world = num_samples, batch_size, rank, world_size
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         g = batch_size * world_size
         self.batches_per_epoch = num_samples // g if drop_last else math.ceil(num_samples / g)
         if self.batches_per_epoch == 0:
-            raise ValueError(
-                f"{num_samples} samples is less than one global batch ({batch_size} x {world_size} workers)"
+            raise MarianaError(
+                f"one epoch has 0 batches: {num_samples} training samples is less than one global batch "
+                f"(--batch-size {batch_size} x {world_size} worker(s)); use a smaller --batch-size or fewer "
+                "--workers"
             )
 
     def permutation(self, epoch: int) -> torch.Tensor:

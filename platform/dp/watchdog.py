@@ -51,7 +51,7 @@ class Watchdog:
         self._store = _connect_store(timeout_s)
         self._stop = threading.Event()
         # On SIGTERM (torchrun stopping the job after another rank failed) print our stacks, then die.
-        faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=True)
+        faulthandler.register(signal.SIGTERM, file=sys.__stderr__, all_threads=True, chain=True)
         self._thread = threading.Thread(target=self._run, name="mariana-watchdog", daemon=True)
         self._thread.start()
 
@@ -133,9 +133,9 @@ class Watchdog:
             if culprits
             else "[mariana watchdog] all ranks stopped at the same point (a shared resource or a collective hangs)"
         )
-        print("\n".join(lines), file=sys.stderr, flush=True)
-        print(f"[mariana watchdog] Python stacks of rank {self.rank}:", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        print("\n".join(lines), file=sys.__stderr__, flush=True)
+        print(f"[mariana watchdog] Python stacks of rank {self.rank}:", file=sys.__stderr__, flush=True)
+        faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
         if self.report_dir is not None:
             try:
                 report = {
@@ -149,5 +149,5 @@ class Watchdog:
                 (self.report_dir / f"stall-rank-{self.rank}.json").write_text(json.dumps(report, indent=2))
             except OSError:
                 pass
-        sys.stderr.flush()
+        sys.__stderr__.flush()
         os._exit(EXIT_STALL)

@@ -14,13 +14,25 @@ class MlpConfig(TrainConfig):
     embed_dim: int = opt(16, "embedding width per feature id")
     hidden: int = opt(64, "hidden width of the MLP")
     layers: int = opt(2, "hidden layers")
-    val_fraction: float = opt(0.1, "last fraction of the rows (by order) held out for validation")
+    val_fraction: float = opt(
+        0.1, "fraction of the rows (by order, just before the test rows) held out for validation"
+    )
+    test_fraction: float = opt(
+        0.1, "last fraction of the rows (by order) held out as the test split, never used in training"
+    )
     limit: int = opt(0, "use only the first N rows (0 = all)")
 
     def validate(self) -> None:
         super().validate()
         if not 0 < self.val_fraction < 1:
             raise MarianaError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        if not 0 <= self.test_fraction < 1 or self.val_fraction + self.test_fraction >= 1:
+            raise MarianaError(
+                f"--test-fraction must be in [0, 1) and leave rows to train on (--val-fraction "
+                f"{self.val_fraction} + --test-fraction {self.test_fraction} < 1)"
+            )
+        if self.limit < 0:
+            raise MarianaError(f"--limit must be >= 0 (0 = all rows), got {self.limit}")
         if self.buckets < 2 or self.embed_dim < 1 or self.hidden < 1 or self.layers < 0:
             raise MarianaError(
                 "--buckets >= 2, --embed-dim >= 1, --hidden >= 1 and --layers >= 0 are required"

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import os
 
 import numpy as np
 import torch
 from sklearn.metrics import log_loss, roc_auc_score
 
+from ..core.atomic import atomic_write_text
+from ..core.errors import MarianaError
 from ..core.export import load_exported
-from .data import ClickRows, read_libfm
+from ..core.rundir import eval_result_path
+from .data import ClickRows, read_libfm, split_bounds
 from .model import ClickMLP
 
 
@@ -31,17 +34,38 @@ def metrics(model: ClickMLP, rows: ClickRows) -> dict[str, float]:
     return {"auc": float(auc), "logloss": float(log_loss(y, np.clip(p, 1e-7, 1 - 1e-7), labels=[0, 1]))}
 
 
-def evaluate_run(model_dir: str, data: str) -> dict:
+def evaluate_run(model_dir: str, data: str, split: str = "all") -> dict:
+    """Score an exported ``mariana mlp train`` run on ``data`` (a libFM file). ``split``: all rows, or the
+    train/val/test rows of that file as training split them (by row order, with the run's ``limit``,
+    ``val_fraction`` and ``test_fraction``). Returns {auc, logloss, rows, skipped, split, data} and writes
+    it to `eval_result_path` (``RUN/eval/<data>[-<split>].json``)."""
     state, meta = load_exported(model_dir)
+    app = meta.get("app") or meta.get("job")
+    if app != "mlp" or "config" not in meta:
+        found = f"a {app!r} model" if app else "a model without an app name"
+        raise MarianaError(
+            f"--model {model_dir}: its model.json describes {found}, not one of `mariana mlp train`"
+        )
     cfg = meta["config"]
     model = ClickMLP(cfg["buckets"], cfg["embed_dim"], cfg["hidden"], cfg["layers"])
     model.load_state_dict(state)
     model.eval()
-    labels, ids, skipped = read_libfm(data)
+    labels, ids, skipped = read_libfm(data, 0 if split == "all" else cfg.get("limit", 0))
+    start, end = split_bounds(len(labels), cfg["val_fraction"], cfg.get("test_fraction", 0.0))[split]
+    if end <= start:
+        raise MarianaError(
+            f"--split {split}: no rows of {data} fall in that split (the run's val_fraction "
+            f"{cfg['val_fraction']}, test_fraction {cfg.get('test_fraction', 0.0)})"
+        )
+    rows = ClickRows(labels[start:end], ids[start:end], cfg["buckets"])
     result = {
-        **metrics(model, ClickRows(labels, ids, cfg["buckets"])),
-        "rows": len(labels),
+        **metrics(model, rows),
+        "rows": len(rows),
         "skipped": len(skipped),
+        "split": split,
+        "data": os.path.abspath(data),
     }
-    (Path(model_dir) / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    out = eval_result_path(model_dir, data, split)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
     return result

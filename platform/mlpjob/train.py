@@ -29,11 +29,12 @@ def train(cfg: MlpConfig) -> dict:
     try:
         run, log = start_run(cfg, ctx.rank, ctx.is_main)
         labels, ids, _ = read_libfm(cfg.data, cfg.limit)
-        train_rows, val_rows = split(labels, ids, cfg.val_fraction, cfg.buckets)
+        train_rows, val_rows = split(labels, ids, cfg.val_fraction, cfg.buckets, cfg.test_fraction)
         log.info(
-            "%d training rows, %d validation rows, %d worker(s)",
+            "%d training rows, %d validation rows, %d test rows held out, %d worker(s)",
             len(train_rows),
             len(val_rows),
+            len(labels) - len(train_rows) - len(val_rows),
             ctx.world_size,
         )
         model = apply_data_parallel(
@@ -47,7 +48,9 @@ def train(cfg: MlpConfig) -> dict:
         final = trainer.fit()
         if ctx.is_main:
             export_model(
-                run.path, unwrap(model).state_dict(), {"job": "mlp", "config": dataclasses.asdict(cfg)}
+                run.path,
+                unwrap(model).state_dict(),
+                {"app": "mlp", "job": "mlp", "config": dataclasses.asdict(cfg)},
             )
         return final
     finally:

@@ -52,13 +52,21 @@ def collect_counters(run_dir: str | Path) -> dict:
 
 
 def run_job(
-    nprocs: int, argv: list[str], run_dir: str, max_restarts: int, nnodes=1, rdzv="", rdzv_id="ps"
+    nprocs: int,
+    argv: list[str],
+    run_dir: str,
+    max_restarts: int,
+    nnodes=1,
+    rdzv="",
+    rdzv_id="ps",
+    console_rank: int = 0,
 ) -> int:
-    """Run the job under torchrun; returns 0 on success, 1 if it failed after all restarts."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
+    """Run the job under torchrun; returns 0 on success, 1 if it failed after all restarts (2 if every
+    failed process reported bad input). ``console_rank``: the global rank whose progress bar and console
+    log lines reach the terminal (e.g. the first worker, rank S); the others write only to their logs."""
     from ..core.atomic import atomic_write_text
+    from ..dp.launch import run_torchrun
+    from ..dp.workerio import failure_lines
 
     print(
         f"mariana: parameter-server job: {nprocs} process(es) on this node through torchrun "
@@ -68,15 +76,21 @@ def run_job(
     )
     t0 = time.time()
     rc = 0
-    try:
-        run(parse_args(torchrun_argv(nprocs, argv, max_restarts, nnodes, rdzv, rdzv_id)))
-    except ChildFailedError as e:
-        codes = {r: f.exitcode for r, f in e.failures.items()}
+    # Ctrl-C raises KeyboardInterrupt here (the CLI prints `mariana: interrupted`, exit 130); process
+    # output goes to RUN/logs/rank-R.log, the console gets one line per cause of a failure.
+    failure = run_torchrun(
+        torchrun_argv(nprocs, argv, max_restarts, nnodes, rdzv, rdzv_id), run_dir, nprocs, console_rank
+    )
+    if failure is not None:
+        codes = {int(r): f.exitcode for r, f in failure.failures.items()}
+        lines, all_user = failure_lines(run_dir, codes)
         print(
             f"mariana: error: the job failed after {max_restarts} restart(s); exit codes by rank: {codes}",
             file=sys.stderr,
         )
-        rc = 2 if codes and all(c == 2 for c in codes.values()) else 1
+        for line in lines:
+            print(f"mariana: error: {line}", file=sys.stderr)
+        rc = 2 if all_user else 1
     counters = collect_counters(run_dir)
     counters["wall_s"] = round(time.time() - t0, 2)
     if Path(run_dir).is_dir():

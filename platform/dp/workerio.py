@@ -1,0 +1,122 @@
+"""Console and log files of the worker processes our launcher starts (standard library only).
+
+The launcher (`launch.run_torchrun`) exports the run directory as ``MARIANA_RUN_DIR`` and the rank whose
+Python-level output may reach the console as ``MARIANA_CONSOLE_RANK``. In each worker, `WorkerIO.install`
+then points file descriptors 1 and 2 at ``RUN/logs/rank-R.log`` (appending), so C++ lines (gloo), stack
+dumps, warnings and tracebacks of every rank go to that rank's log. The console rank keeps a
+Python ``sys.stdout``/``sys.stderr`` on the terminal for the progress bar, prints and the ``mariana``
+logger's console lines.
+
+A worker that fails records the cause in ``RUN/logs/error-rank-R.json``: ``{"rank", "kind": "user" |
+"crash", "message"}`` (``message`` is the one-line cause, e.g. ``ValueError: bad value``); the launcher
+turns those into one console line per cause (`failure_lines`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+RUN_DIR_ENV = "MARIANA_RUN_DIR"
+CONSOLE_RANK_ENV = "MARIANA_CONSOLE_RANK"
+
+
+def error_file(run_dir: str | Path, rank: int | str) -> Path:
+    return Path(run_dir) / "logs" / f"error-rank-{rank}.json"
+
+
+class WorkerIO:
+    """This worker's log file (``log``: a text stream on it) and rank."""
+
+    def __init__(self, run_dir: Path, rank: str, log_path: Path, log):
+        self.run_dir, self.rank, self.log_path, self.log = run_dir, rank, log_path, log
+
+    @classmethod
+    def install(cls) -> WorkerIO | None:
+        """Redirect this process's output if it is a worker of our launcher; None otherwise."""
+        run_dir, rank = os.environ.get(RUN_DIR_ENV), os.environ.get("RANK")
+        if not run_dir or rank is None:
+            return None
+        logs = Path(run_dir) / "logs"
+        try:
+            logs.mkdir(parents=True, exist_ok=True)
+            fd = os.open(logs / f"rank-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError:
+            return None  # keep the console; the launcher already checked --out, so this is unexpected
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if rank == os.environ.get(CONSOLE_RANK_ENV, "0"):
+            # Python-level output (progress bar, console log lines, prints) stays on the terminal;
+            # C++ output (gloo's connection lines) and faulthandler dumps go to the file descriptors.
+            sys.stdout = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")
+            sys.stderr = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        log = sys.__stderr__  # file descriptor 2: the log file now
+        warnings.showwarning = _warnings_to(log)
+        return cls(Path(run_dir), rank, logs / f"rank-{rank}.log", log)
+
+    def record_error(self, exc: BaseException, user: bool) -> None:
+        """Write ``exc``'s traceback (crashes) or message (user errors) to the log file and the one-line
+        cause to ``RUN/logs/error-rank-R.json``."""
+        if user:
+            message = str(exc)
+            print(f"mariana: error: {message}", file=self.log, flush=True)
+        else:
+            traceback.print_exception(exc, file=self.log)
+            self.log.flush()
+            text = str(exc).strip().splitlines()
+            message = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+        record = {"rank": int(self.rank), "kind": "user" if user else "crash", "message": message}
+        try:
+            error_file(self.run_dir, self.rank).write_text(json.dumps(record) + "\n")
+        except OSError:
+            pass
+
+
+def _warnings_to(stream):
+    def show(message, category, filename, lineno, file=None, line=None):
+        stream.write(warnings.formatwarning(message, category, filename, lineno, line))
+        stream.flush()
+
+    return show
+
+
+def failure_lines(run_dir: str | Path, exit_codes: dict[int, int]) -> tuple[list[str], bool]:
+    """One console line per distinct cause of a failed job, and whether every cause is a user error.
+
+    ``exit_codes``: global rank -> exit code of the failed workers (negative = killed by that signal)."""
+    import signal
+
+    lines: list[str] = []
+    all_user = bool(exit_codes)
+    for rank in sorted(exit_codes):
+        code = exit_codes[rank]
+        rel_log = Path(run_dir) / "logs" / f"rank-{rank}.log"
+        try:
+            rec = json.loads(error_file(run_dir, rank).read_text())
+        except (OSError, ValueError):
+            rec = None
+        if rec and rec.get("kind") == "user":
+            line = str(rec["message"])
+        elif rec:
+            all_user = False
+            line = f"worker rank {rank} failed: {rec['message']} (see {rel_log})"
+        else:
+            all_user = False
+            if code < 0:
+                try:
+                    why = f"was killed by {signal.Signals(-code).name}"
+                except ValueError:
+                    why = f"was killed by signal {-code}"
+            else:
+                why = f"exited with code {code}"
+            line = f"worker rank {rank} {why} (see {rel_log})"
+        if line not in lines:
+            lines.append(line)
+    return lines, all_user

@@ -1,0 +1,194 @@
+"""Where jobs run: the `Executor` interface and `LocalExecutor` (process groups on this host).
+
+The scheduler only talks to an `Executor`:
+
+- ``start(job_id, argv, run_dir, cwd, env) -> Handle``: launch ``mariana <argv>`` for the job; the handle's
+  ``pid`` and ``start`` (an opaque "which process is this" token, here the process start time from
+  ``/proc/PID/stat``) are stored in the database.
+- ``poll(handle, run_dir) -> int | None``: ``None`` while the job runs, else its exit status.
+- ``alive(handle) -> bool``: used after a service restart to re-adopt jobs that kept running.
+- ``terminate(handle)`` / ``kill(handle)``: a cancel sends ``terminate``, then ``kill`` after a grace period.
+
+`LocalExecutor` runs each job as ``python -m mariana.platform.jobs.runner --exit-file RUN/job.exit --
+argv...`` in a new session (``start_new_session=True``: its own process group, so it survives the service
+and a cancel reaches every process of the group), stdout+stderr appended to ``RUN/job.log``. torchrun
+starts its workers in sessions of their own, so terminate/kill also signal every descendant found under
+the job's process (remembered at the first signal, identified by pid + start time).
+
+Plugging in a cluster scheduler: a ``SlurmExecutor`` would ``start`` by writing a batch script that runs
+the same runner line under ``srun`` (``sbatch --nodes N --ntasks-per-node 1 --cpus-per-task ...``; every
+node runs ``mariana <argv> --nnodes N --rdzv-endpoint $HEAD:29500``, torchrun's c10d rendezvous does the
+rest), keep the Slurm job id as ``pid`` and the submit time as ``start``, ``poll`` with ``sacct -j ID``
+(or the exit file on the shared file system), ``alive`` with ``squeue``, ``terminate``/``kill`` with
+``scancel [--signal TERM]``. A ``KubernetesExecutor`` would create a Job (or a PyTorchJob / an indexed Job
+with a headless service for the rendezvous endpoint) running the same command with the run directory on a
+shared volume; the Job's name/uid is the handle, ``poll`` reads its status, ``terminate`` deletes it.
+Run directories must be on storage the service can read, since the LogStore tails files there. Multi-node
+jobs need nothing else: ``--nnodes/--rdzv-endpoint`` in the argv reach torchrun unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Handle:
+    pid: int
+    start: int | None
+
+
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """``(state, ppid, starttime)`` of a process from /proc/PID/stat, or None if there is none."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces: split after the last ')'.
+    rest = raw[raw.rfind(")") + 2 :].split()
+    return rest[0], int(rest[1]), int(rest[19])
+
+
+def process_alive(pid: int, start: int | None) -> bool:
+    """True if ``pid`` runs (not a zombie) and is the process that started at ``start`` (clock ticks)."""
+    st = proc_stat(pid)
+    if st is None or st[0] in ("Z", "X"):
+        return False
+    return start is None or st[2] == start
+
+
+def descendants(pid: int) -> list[tuple[int, int]]:
+    """All live descendants of ``pid`` as (pid, starttime), found through the /proc parent links."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            st = proc_stat(int(d))
+            if st is not None and st[0] not in ("Z", "X"):
+                children.setdefault(st[1], []).append((int(d), st[2]))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child[0])
+    return out
+
+
+class Executor:
+    """Interface every executor implements (see the module docstring)."""
+
+    def start(self, job_id: int, argv: list[str], run_dir: Path, cwd: str, env: dict[str, str]) -> Handle:
+        raise NotImplementedError
+
+    def poll(self, handle: Handle, run_dir: Path) -> int | None:
+        raise NotImplementedError
+
+    def alive(self, handle: Handle) -> bool:
+        raise NotImplementedError
+
+    def terminate(self, handle: Handle) -> None:
+        raise NotImplementedError
+
+    def kill(self, handle: Handle) -> None:
+        raise NotImplementedError
+
+
+def read_exit_file(run_dir: Path) -> int | None:
+    try:
+        return int((Path(run_dir) / "job.exit").read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+class LocalExecutor(Executor):
+    """Jobs as process groups on this host (see the module docstring)."""
+
+    def __init__(self):
+        self._procs: dict[int, subprocess.Popen] = {}  # pid -> our child (reaped by poll)
+        self._tree: dict[int, set[tuple[int, int]]] = {}  # pid -> descendants seen at terminate
+        self._lock = threading.Lock()
+
+    def start(self, job_id: int, argv: list[str], run_dir: Path, cwd: str, env: dict[str, str]) -> Handle:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "mariana.platform.jobs.runner",
+            "--exit-file",
+            str(run_dir / "job.exit"),
+            "--",
+            *argv,
+        ]
+        with open(run_dir / "job.log", "ab") as log:
+            proc = subprocess.Popen(
+                cmd,
+                cwd=cwd or None,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+            )
+        st = proc_stat(proc.pid)
+        with self._lock:
+            self._procs[proc.pid] = proc
+        return Handle(proc.pid, st[2] if st else None)
+
+    def poll(self, handle: Handle, run_dir: Path) -> int | None:
+        with self._lock:
+            proc = self._procs.get(handle.pid)
+        if proc is not None:
+            rc = proc.poll()
+            if rc is None:
+                return None
+            with self._lock:
+                self._procs.pop(handle.pid, None)
+            code = read_exit_file(run_dir)
+            return code if code is not None else rc
+        # Adopted after a restart: not our child, so the exit file is the only record of its status.
+        if process_alive(handle.pid, handle.start):
+            return None
+        code = read_exit_file(run_dir)
+        return code if code is not None else -1000  # died without a status (e.g. SIGKILL of the runner)
+
+    def alive(self, handle: Handle) -> bool:
+        return process_alive(handle.pid, handle.start)
+
+    def _signal(self, handle: Handle, sig: int) -> None:
+        tree = self._tree.setdefault(handle.pid, set())
+        if process_alive(handle.pid, handle.start):
+            tree.update(descendants(handle.pid))
+            try:
+                os.killpg(handle.pid, sig)  # the runner is its session's leader: pgid == pid
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid, start in list(tree):
+            if process_alive(pid, start):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def terminate(self, handle: Handle) -> None:
+        self._signal(handle, signal.SIGTERM)
+
+    def kill(self, handle: Handle) -> None:
+        self._signal(handle, signal.SIGKILL)
+
+    def leftovers(self, handle: Handle) -> list[int]:
+        """Descendants remembered at terminate that still run (killed when the job is finalised)."""
+        return [pid for pid, start in self._tree.get(handle.pid, ()) if process_alive(pid, start)]
+
+    def forget(self, handle: Handle) -> None:
+        for pid, start in self._tree.pop(handle.pid, ()):
+            if process_alive(pid, start):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass

@@ -1,0 +1,336 @@
+"""The scheduler: a queue with a slot budget, FIFO within a priority, higher priorities first.
+
+State machine (only forward): ``queued -> running -> succeeded | failed | cancelled`` and
+``queued -> cancelled``. A retry never moves a job backwards: it creates a NEW job (``retry_of`` = the old
+id) with the same argv plus ``--resume`` when the run has a checkpoint (same run directory, so training
+continues from it; without one the run starts again).
+
+Slots: a job asks for ``--workers`` slots (``--workers + --servers`` for pctr), default 1. The sum over
+running jobs never exceeds ``slots``; the queue is served strictly in order (priority desc, id asc), so a
+big job at the head is not starved by smaller ones behind it. A job asking for more than the whole budget
+is refused at submit.
+
+Every ``tick`` (about twice a second, on the service's background thread) reads running jobs' files into
+the database (LogStore), finalises those whose process ended, escalates cancels (SIGTERM, then SIGKILL
+after ``grace_s``) and starts what fits. ``recover`` runs once at start-up: running jobs whose process is
+still alive (pid + start time) are re-adopted; dead ones are finalised from their ``RUN/job.exit``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+from mariana.platform.core.errors import MarianaError
+from sqlalchemy import select
+
+from .db import Database, Job, add_event
+from .executor import Executor, Handle, LocalExecutor
+from .logstore import LogStore, log_error
+
+REFUSED_APPS = {"jobs", "submit"}  # the service does not run its own client commands
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of the last ``flag V`` / ``flag=V`` in argv (None if absent)."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def slots_of(argv: list[str]) -> int:
+    def intval(flag: str, default: int) -> int:
+        v = _flag_value(argv, flag)
+        try:
+            return max(0, int(v)) if v is not None else default
+        except ValueError:
+            return default  # the job reports the bad value itself
+
+    n = intval("--workers", 1)
+    if argv and argv[0] == "pctr":
+        n += intval("--servers", 0)
+    return max(1, n)
+
+
+class CommandCatalog:
+    """Which ``mariana <app> <cmd>`` exist and which flags they take (the CLI's own argparse tree)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._leaves: dict[tuple[str, str], set[str]] | None = None
+
+    def leaves(self) -> dict[tuple[str, str], set[str]]:
+        with self._lock:
+            if self._leaves is None:
+                import argparse
+
+                from mariana.platform.cli.main import build_parser
+
+                def subs(p):
+                    for a in p._actions:
+                        if isinstance(a, argparse._SubParsersAction):
+                            return a.choices
+                    return None
+
+                leaves = {}
+                for app, ap in (subs(build_parser()) or {}).items():
+                    cmds = subs(ap)
+                    if cmds is None:
+                        leaves[(app, "")] = set(ap._option_string_actions)
+                    for cmd, cp in (cmds or {}).items():
+                        leaves[(app, cmd)] = set(cp._option_string_actions)
+                self._leaves = leaves
+            return self._leaves
+
+    def check(self, argv: list[str]) -> tuple[str, str, set[str]]:
+        """``(app, command, option strings)`` for a job argv, or MarianaError naming what is wrong."""
+        if not argv or not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+            raise MarianaError(
+                "argv: expected a non-empty list of strings, e.g. ['mlp', 'train', '--data', 'X']"
+            )
+        leaves = self.leaves()
+        app = argv[0]
+        apps = sorted({a for a, _ in leaves} - REFUSED_APPS)
+        if app not in apps:
+            raise MarianaError(f"unknown app {app!r}: expected one of {', '.join(apps)}")
+        if (app, "") in leaves:
+            return app, "", leaves[(app, "")]
+        cmds = sorted(c for a, c in leaves if a == app)
+        cmd = argv[1] if len(argv) > 1 else ""
+        if (app, cmd) not in leaves:
+            raise MarianaError(f"unknown command {app} {cmd!r}: expected one of {', '.join(cmds)}")
+        return app, cmd, leaves[(app, cmd)]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        db: Database,
+        home: Path,
+        slots: int,
+        executor: Executor | None = None,
+        grace_s: float = 10.0,
+        interval_s: float = 0.5,
+    ):
+        self.db = db
+        self.home = Path(home)
+        self.slots = slots
+        self.executor = executor or LocalExecutor()
+        self.logstore = LogStore(db)
+        self.catalog = CommandCatalog()
+        self.grace_s = grace_s
+        self.interval_s = interval_s
+        self._cancel_at: dict[int, float] = {}  # job id -> time of SIGTERM
+        self._stop = threading.Event()
+        self._wake_event = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._tick_lock = threading.Lock()
+        self.last_error: str | None = None
+
+    # ------------------------------------------------------------------ API operations
+    def submit(self, argv: list[str], priority: int = 0, name: str = "", cwd: str = "", retry_of=None) -> Job:
+        app, cmd, options = self.catalog.check(argv)
+        slots = slots_of(argv)
+        if slots > self.slots:
+            raise MarianaError(
+                f"the job asks for {slots} slots (--workers/--servers) but this service has only "
+                f"{self.slots} (start it with a larger --slots)"
+            )
+        cwd = cwd or os.getcwd()
+        if not Path(cwd).is_dir():
+            raise MarianaError(f"cwd {cwd}: no such directory on the service's host")
+        with self.db.write() as s:
+            job = Job(
+                name=name or "",
+                app=app,
+                command=cmd,
+                argv=list(argv),
+                cwd=cwd,
+                state="queued",
+                priority=int(priority),
+                slots=slots,
+                created=time.time(),
+                retry_of=retry_of,
+            )
+            s.add(job)
+            s.flush()  # assigns the id
+            out = _flag_value(argv, "--out")
+            if out is None and "--out" in options:
+                out = str(self.home / "runs" / f"job-{job.id}")
+                job.argv = [*argv, "--out", out]
+            job.run_dir = str(Path(cwd, out).resolve()) if out else str(self.home / "runs" / f"job-{job.id}")
+            add_event(s, job.id, "queued", f"submitted ({slots} slot(s), priority {priority})")
+        self.wake()
+        return job
+
+    def cancel(self, job_id: int) -> Job:
+        with self.db.write() as s:
+            job = s.get(Job, job_id)
+            if job is None:
+                raise KeyError(job_id)
+            if job.state == "queued":
+                job.state, job.ended = "cancelled", time.time()
+                add_event(s, job.id, "cancelled", "cancelled while queued")
+                return job
+            if job.state != "running" or job.cancel_requested:
+                return job
+            job.cancel_requested = True
+            add_event(s, job.id, "cancelling", "SIGTERM to the job's process group")
+            handle = Handle(job.pid, job.pid_start) if job.pid else None
+        if handle is not None:
+            self._cancel_at[job_id] = time.time()
+            self.executor.terminate(handle)
+        self.wake()
+        return job
+
+    def retry(self, job_id: int) -> Job:
+        with self.db.read() as s:
+            job = s.get(Job, job_id)
+            if job is None:
+                raise KeyError(job_id)
+            if job.state not in ("failed", "cancelled"):
+                raise MarianaError(
+                    f"job {job_id} is {job.state}: only failed or cancelled jobs can be retried"
+                )
+            argv, priority, name, cwd = list(job.argv), job.priority, job.name, job.cwd
+            has_checkpoint = (Path(job.run_dir) / "checkpoints" / "latest").is_file()
+        _, _, options = self.catalog.check(argv)
+        # --resume continues from the run's checkpoint; a run that died before its first checkpoint
+        # starts again from scratch (the training commands refuse --resume without a checkpoint).
+        if "--resume" in options and "--resume" not in argv and has_checkpoint:
+            argv.append("--resume")
+        return self.submit(argv, priority, name, cwd, retry_of=job_id)
+
+    # ------------------------------------------------------------------ the loop
+    def start(self) -> None:
+        # Building the CLI's parser tree imports every app (torch included): do it now, off the request path.
+        threading.Thread(target=self.catalog.leaves, name="mariana-catalog", daemon=True).start()
+        self.recover()
+        self._thread = threading.Thread(target=self._loop, name="mariana-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake_event.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def wake(self) -> None:
+        self._wake_event.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+                self.last_error = None
+            except Exception as e:  # keep scheduling; the error is visible on /healthz
+                self.last_error = f"{type(e).__name__}: {e}"
+            self._wake_event.wait(self.interval_s)
+            self._wake_event.clear()
+
+    def tick(self) -> None:
+        with self._tick_lock:
+            with self.db.read() as s:
+                running = list(s.scalars(select(Job).where(Job.state == "running")))
+            for job in running:
+                self._watch(job)
+            self._start_queued()
+
+    def _watch(self, job: Job) -> None:
+        self.logstore.ingest(job.id)
+        if job.pid is None:  # the service died between "running" and the spawn
+            self._finish(job, None, "the service stopped while starting this job")
+            return
+        handle = Handle(job.pid, job.pid_start)
+        rc = self.executor.poll(handle, Path(job.run_dir))
+        if rc is None:
+            t = self._cancel_at.get(job.id)
+            if job.cancel_requested and t is None:  # e.g. a cancel from before a service restart
+                self.executor.terminate(handle)
+                self._cancel_at[job.id] = time.time()
+            elif job.cancel_requested and time.time() - t > self.grace_s:
+                self.executor.kill(handle)
+                self._cancel_at[job.id] = time.time()
+            return
+        self._finish(job, rc)
+
+    def _finish(self, job: Job, rc: int | None, error: str | None = None) -> None:
+        self.logstore.finalize(job.id)
+        if job.pid is not None and hasattr(self.executor, "forget"):
+            self.executor.forget(Handle(job.pid, job.pid_start))
+        self._cancel_at.pop(job.id, None)
+        with self.db.write() as s:
+            j = s.get(Job, job.id)
+            if j.state != "running":
+                return
+            if rc == -1000:
+                rc, error = None, error or "the job's process ended without recording an exit status"
+            if j.cancel_requested:
+                state = "cancelled"
+            elif rc == 0:
+                state = "succeeded"
+            else:
+                state = "failed"
+                error = error or log_error(j.run_dir, j.log_offset) or f"exit status {rc}"
+            ended = time.time()
+            try:  # the runner wrote job.exit when the job ended (maybe while the service was down)
+                ended = min(ended, max(Path(j.run_dir, "job.exit").stat().st_mtime, j.started or 0))
+            except FileNotFoundError:
+                pass
+            j.state, j.exit_code, j.ended, j.error = state, rc, ended, error
+            add_event(s, j.id, state, f"exit status {rc}" + (f": {error}" if error else ""))
+
+    def _start_queued(self) -> None:
+        with self.db.read() as s:
+            used = sum(s.scalars(select(Job.slots).where(Job.state == "running")))
+            queued = list(
+                s.scalars(select(Job).where(Job.state == "queued").order_by(Job.priority.desc(), Job.id))
+            )
+        for job in queued:
+            if used + job.slots > self.slots:
+                break  # strict order: the head waits for its slots, nothing overtakes it
+            if self._launch(job):
+                used += job.slots
+
+    def _launch(self, job: Job) -> bool:
+        run_dir = Path(job.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        log = run_dir / "job.log"
+        offset = log.stat().st_size if log.exists() else 0
+        with self.db.write() as s:
+            j = s.get(Job, job.id)
+            if j.state != "queued":
+                return False
+            j.state, j.started, j.log_offset = "running", time.time(), offset
+            add_event(s, j.id, "running", f"{j.slots} slot(s)")
+        env = {k: v for k, v in os.environ.items() if k != "MARIANA_JOBS_TOKEN"}
+        env.update({"PYTHONUNBUFFERED": "1", "MARIANA_JOB_ID": str(job.id)})
+        try:
+            handle = self.executor.start(job.id, list(job.argv), run_dir, job.cwd, env)
+        except OSError as e:
+            with self.db.write() as s:
+                j = s.get(Job, job.id)
+                j.state, j.ended, j.error = "failed", time.time(), f"could not start the job: {e}"
+                add_event(s, j.id, "failed", j.error)
+            return False
+        with self.db.write() as s:
+            j = s.get(Job, job.id)
+            j.pid, j.pid_start = handle.pid, handle.start
+        return True
+
+    def recover(self) -> None:
+        """After a restart: re-adopt running jobs that are still alive, finalise the others."""
+        with self.db.read() as s:
+            running = list(s.scalars(select(Job).where(Job.state == "running")))
+        for job in running:
+            if job.pid is not None and self.executor.alive(Handle(job.pid, job.pid_start)):
+                with self.db.write() as s:
+                    add_event(s, job.id, "running", f"re-adopted pid {job.pid} after a service restart")
+                continue
+            self._watch(job)  # reads the remaining records, job.exit and finalises

@@ -1,0 +1,256 @@
+"""The job service: ``create_app(home, db_url, slots, token)`` -> a FastAPI app with the REST API, the web
+UI (``ui.py``, when present) and the scheduler thread (started and stopped with the app's lifespan).
+
+REST API (JSON; ``/docs`` documents it):
+
+- ``POST /api/jobs`` ``{"argv": [...], "priority": 0, "name": "", "cwd": ""}`` -> 201 job object;
+  ``GET /api/jobs`` -> ``{"jobs": [...]}`` newest first; ``GET /api/jobs/{id}`` -> job + config + counters.
+- ``GET /api/jobs/{id}/metrics?after=SEQ``, ``/counters``, ``/logs?tail=N`` (or ``?offset=BYTES``),
+  ``/events``, ``/files/{path}`` (inside the run directory only).
+- ``POST /api/jobs/{id}/cancel|retry|serve``; ``GET /healthz``.
+
+Auth: with a token configured, every mutating request (anything but GET/HEAD/OPTIONS) needs
+``Authorization: Bearer TOKEN`` (401 otherwise), and so do ``/api`` reads from other hosts than loopback.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import Body, FastAPI, HTTPException, Query, Request
+from fastapi.responses import FileResponse, JSONResponse
+from mariana.platform.core.errors import MarianaError
+from pydantic import BaseModel, Field
+from sqlalchemy import select
+
+from .db import CounterRecord, Database, Job, JobEvent, MetricRecord, default_url
+from .scheduler import Scheduler
+
+LOOPBACK = {"127.0.0.1", "::1", "localhost", "testclient"}
+SERVE_FLAGS = {"pctr": "--pctr", "asr": "--asr", "vision": "--vision"}  # `mariana serve` flag per app
+
+
+class SubmitRequest(BaseModel):
+    argv: list[str] = Field(
+        ..., description="the job's command line after `mariana`, e.g. ['mlp', 'train', ...]"
+    )
+    priority: int = Field(0, description="higher runs first; FIFO within a priority")
+    name: str = Field("", description="a label for the job")
+    cwd: str = Field("", description="directory relative paths in argv refer to (default: the service's)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _confined(run_dir: str, rel: str) -> Path:
+    """``run_dir/rel`` if it stays inside ``run_dir`` (symlinks resolved), else 404."""
+    root = Path(run_dir).resolve()
+    try:
+        p = (root / rel).resolve()
+    except (OSError, RuntimeError):
+        raise HTTPException(404, "no such file") from None
+    if not p.is_relative_to(root) or not p.is_file():
+        raise HTTPException(404, f"no such file in the job's run directory: {rel}")
+    return p
+
+
+def create_app(home: str | Path, db_url: str | None = None, slots: int | None = None, token: str | None = None,
+               grace_s: float = 10.0) -> FastAPI:  # fmt: skip
+    """The service for jobs under ``home`` (run directories in ``home/runs``), database ``db_url``
+    (default SQLite ``home/jobs.db``), ``slots`` (default the core count), optional bearer ``token``."""
+    home = Path(home).expanduser().resolve()
+    (home / "runs").mkdir(parents=True, exist_ok=True)
+    db = Database(db_url or default_url(home))
+    sched = Scheduler(db, home, slots or os.cpu_count() or 1, grace_s=grace_s)
+    servers: dict[int, tuple[subprocess.Popen, str]] = {}
+    servers_lock = threading.Lock()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        sched.start()
+        try:
+            yield
+        finally:
+            sched.stop()
+            for proc, _ in servers.values():  # model servers started from the UI end with the service
+                proc.terminate()
+
+    app = FastAPI(
+        title="Mariana jobs",
+        description="Submit, watch and manage Mariana training jobs. Mutating requests need "
+        "`Authorization: Bearer TOKEN` when the service was started with --token-file.",
+        lifespan=lifespan,
+    )
+    app.state.db, app.state.scheduler, app.state.home = db, sched, home
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        if token:
+            mutating = request.method not in ("GET", "HEAD", "OPTIONS")
+            remote = request.client.host if request.client else ""
+            if mutating or (remote not in LOOPBACK and request.url.path.startswith("/api/")):
+                given = request.headers.get("authorization", "")
+                if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].strip(), token):
+                    return JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(MarianaError)
+    async def bad_input(request: Request, e: MarianaError):
+        return JSONResponse({"detail": str(e)}, status_code=400)
+
+    def get_job(s, job_id: int) -> Job:
+        job = s.get(Job, job_id)
+        if job is None:
+            raise HTTPException(404, f"no job {job_id}")
+        return job
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"ok": sched.last_error is None, "slots": sched.slots, "error": sched.last_error,
+                "home": str(home), "db": db.engine.url.render_as_string(hide_password=True)}  # fmt: skip
+
+    @app.post("/api/jobs", status_code=201)
+    def submit(req: SubmitRequest) -> dict:
+        return sched.submit(req.argv, req.priority, req.name, req.cwd).to_dict()
+
+    @app.get("/api/jobs")
+    def list_jobs(state: str | None = None, limit: int = Query(1000, ge=1, le=100000)) -> dict:
+        with db.read() as s:
+            q = select(Job).order_by(Job.id.desc()).limit(limit)
+            if state:
+                q = q.where(Job.state == state)
+            now = time.time()
+            return {"jobs": [j.to_dict(now) for j in s.scalars(q)]}
+
+    @app.get("/api/jobs/{job_id}")
+    def show(job_id: int) -> dict:
+        with db.read() as s:
+            job = get_job(s, job_id)
+            out = job.to_dict()
+            out["counters"] = job.counters
+        cfg = Path(job.run_dir) / "config.toml"
+        try:
+            out["config"] = tomllib.loads(cfg.read_text()) if cfg.is_file() else None
+        except (tomllib.TOMLDecodeError, OSError):
+            out["config"] = None
+        return out
+
+    @app.get("/api/jobs/{job_id}/metrics")
+    def metrics(job_id: int, after: int = 0, limit: int = Query(100000, ge=1)) -> dict:
+        with db.read() as s:
+            get_job(s, job_id)
+            rows = s.scalars(
+                select(MetricRecord)
+                .where(MetricRecord.job_id == job_id, MetricRecord.seq > after)
+                .order_by(MetricRecord.seq)
+                .limit(limit)
+            ).all()
+        records = [{**r.data, "seq": r.seq, "time": r.time, "step": r.step} for r in rows]
+        return {"records": records, "next": rows[-1].seq if rows else after}
+
+    @app.get("/api/jobs/{job_id}/counters")
+    def counters(job_id: int, after: int = 0, limit: int = Query(5000, ge=1)) -> dict:
+        with db.read() as s:
+            job = get_job(s, job_id)
+            rows = s.scalars(
+                select(CounterRecord)
+                .where(CounterRecord.job_id == job_id, CounterRecord.seq > after)
+                .order_by(CounterRecord.seq.desc())
+                .limit(limit)
+            ).all()
+        history = [{**r.data, "seq": r.seq, "time": r.time, "source": r.source} for r in reversed(rows)]
+        return {"counters": job.counters or {}, "history": history, "next": rows[0].seq if rows else after}
+
+    @app.get("/api/jobs/{job_id}/events")
+    def events(job_id: int) -> dict:
+        with db.read() as s:
+            get_job(s, job_id)
+            rows = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id))
+            return {"events": [{"time": e.time, "state": e.state, "message": e.message} for e in rows]}
+
+    @app.get("/api/jobs/{job_id}/logs")
+    def logs(job_id: int, tail: int = Query(200, ge=0, le=100000), offset: int | None = None) -> dict:
+        """The job's ``RUN/job.log``: its last ``tail`` lines, or everything from byte ``offset``
+        (``next`` is the offset to ask for next, for ``logs -f``)."""
+        with db.read() as s:
+            job = get_job(s, job_id)
+        path = Path(job.run_dir) / "job.log"
+        start = job.log_offset or 0
+        if not path.is_file():
+            return {"text": "", "next": offset or start}
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            if offset is not None:
+                f.seek(max(offset, start))
+                data = f.read(1 << 20)
+                return {"text": data.decode("utf-8", "replace"), "next": max(offset, start) + len(data)}
+            f.seek(max(start, size - (1 << 20)))
+            text = f.read().decode("utf-8", "replace")
+        lines = text.splitlines(keepends=True)
+        return {"text": "".join(lines[-tail:]) if tail else "", "next": size}
+
+    @app.get("/api/jobs/{job_id}/files/{path:path}")
+    def files(job_id: int, path: str):
+        with db.read() as s:
+            job = get_job(s, job_id)
+        return FileResponse(_confined(job.run_dir, path))
+
+    @app.post("/api/jobs/{job_id}/cancel")
+    def cancel(job_id: int) -> dict:
+        try:
+            return sched.cancel(job_id).to_dict()
+        except KeyError:
+            raise HTTPException(404, f"no job {job_id}") from None
+
+    @app.post("/api/jobs/{job_id}/retry", status_code=201)
+    def retry(job_id: int) -> dict:
+        try:
+            return sched.retry(job_id).to_dict()
+        except KeyError:
+            raise HTTPException(404, f"no job {job_id}") from None
+
+    @app.post("/api/jobs/{job_id}/serve")
+    def serve(job_id: int, body: dict | None = Body(None)) -> dict:
+        """Start ``mariana serve --<app> RUN`` for the job's exported model on a free loopback port."""
+        with db.read() as s:
+            job = get_job(s, job_id)
+        flag = SERVE_FLAGS.get(job.app)
+        if flag is None:
+            raise HTTPException(
+                400, f"{job.app} models cannot be served (`mariana serve` serves pctr, asr, vision)"
+            )
+        if not (Path(job.run_dir) / "model.safetensors").is_file():
+            raise HTTPException(400, f"job {job_id} has no exported model (RUN/model.safetensors) yet")
+        with servers_lock:
+            if job_id in servers and servers[job_id][0].poll() is None:
+                return {"url": servers[job_id][1], "pid": servers[job_id][0].pid}
+            port = _free_port()
+            with open(Path(job.run_dir) / "serve.log", "ab") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "mariana.platform.cli", "serve", flag, job.run_dir,
+                     "--host", "127.0.0.1", "--port", str(port)],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                )  # fmt: skip
+            url = f"http://127.0.0.1:{port}"
+            servers[job_id] = (proc, url)
+        return {"url": url, "pid": proc.pid}
+
+    try:
+        from .ui import mount_ui
+    except ImportError:
+        mount_ui = None
+    if mount_ui is not None:
+        mount_ui(app)
+    return app

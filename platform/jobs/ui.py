@@ -1,0 +1,59 @@
+"""The job service's web pages: ``mount_ui(app)`` adds the HTML pages and the ``/static`` files.
+
+Pages are static HTML + hand-written JavaScript shipped inside the package (``static/``: no CDN, no build
+step); they read everything from the service's REST API (``/api/jobs...``) in the browser.
+
+- ``GET /``                  jobs table (live)
+- ``GET /jobs/{id}``         one job: header, live plots, counters, config, log tail, exported model
+- ``GET /compare?ids=1,2``   loss and validation curves of several runs overlaid
+- ``GET /studies[/{name}]``  `mariana tune` studies: trials table, metric per trial over steps, importances
+  (``studies.py``, which also adds their ``/api/studies`` API)
+- ``GET /static/<file>``     the pages' CSS and JavaScript (``plot.js`` is the SVG plotting module)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+STATIC_DIR = Path(__file__).resolve().with_name("static")
+# Pages and scripts change with the package; make browsers revalidate instead of using a stale copy.
+NO_CACHE = {"Cache-Control": "no-cache"}
+
+
+class _RevalidatedStaticFiles(StaticFiles):
+    """StaticFiles whose responses carry ``Cache-Control: no-cache`` (ETag revalidation still applies)."""
+
+    def file_response(self, *args, **kwargs):
+        response = super().file_response(*args, **kwargs)
+        response.headers.update(NO_CACHE)
+        return response
+
+
+def _page(name: str) -> FileResponse:
+    return FileResponse(STATIC_DIR / name, media_type="text/html", headers=NO_CACHE)
+
+
+def mount_ui(app: FastAPI) -> None:
+    """Add ``/``, ``/jobs/{job_id}``, ``/compare`` and ``/static`` to ``app`` (excluded from ``/docs``)."""
+
+    @app.get("/", include_in_schema=False)
+    def jobs_page() -> FileResponse:
+        return _page("jobs.html")
+
+    @app.get("/jobs/{job_id}", include_in_schema=False)
+    def job_page(job_id: int) -> FileResponse:
+        return _page("job.html")
+
+    @app.get("/compare", include_in_schema=False)
+    def compare_page() -> FileResponse:
+        return _page("compare.html")
+
+    from .studies import mount_studies
+
+    mount_studies(app, _page)
+
+    app.mount("/static", _RevalidatedStaticFiles(directory=STATIC_DIR), name="static")

@@ -1,0 +1,95 @@
+"""Helpers of the job-service tests: a real ``mariana jobs serve`` subprocess and small polling utilities."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from helpers import ROOT, cli_env
+
+
+class Service:
+    """``mariana jobs serve --home HOME --port 0 ...`` as a real process; ``url`` is what it printed."""
+
+    def __init__(self, home: Path, *extra: str, slots: int = 2):
+        self.home = Path(home)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mariana.platform.cli", "jobs", "serve", "--home", str(home), "--port", "0",
+             "--slots", str(slots), *extra],
+            cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        first = threading.Event()
+
+        def pump():  # keep draining the pipe so the service never blocks on a full stdout
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                first.set()
+            first.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not first.wait(120) or "http://" not in "".join(self.lines):
+            self.proc.kill()
+            raise AssertionError(f"the service did not start:\n{''.join(self.lines)}")
+        self.url = "".join(self.lines).split("http://", 1)[1].split()[0]
+        self.url = "http://" + self.url
+        self.http = httpx.Client(base_url=self.url, timeout=30, trust_env=False)
+        wait_for(lambda: self.http.get("/healthz").status_code == 200, 60, "service healthy")
+
+    def env(self) -> dict[str, str]:
+        return {"MARIANA_JOBS_URL": self.url}
+
+    def job(self, job_id: int) -> dict:
+        return self.http.get(f"/api/jobs/{job_id}").raise_for_status().json()
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        """Stop the service and every job process it left running (tests must not leak processes)."""
+        pids = []
+        try:
+            pids = [j["pid"] for j in self.http.get("/api/jobs").json()["jobs"] if j["state"] == "running"]
+        except (httpx.HTTPError, ValueError):
+            pass
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        for pid in pids:
+            if pid:
+                kill_tree(pid)
+
+
+def kill_tree(pid: int) -> None:
+    from mariana.platform.jobs.executor import descendants
+
+    for p, _ in [(pid, 0), *descendants(pid)]:
+        try:
+            os.killpg(p, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def wait_for(cond, timeout: float, what: str, interval: float = 0.3):
+    """Poll ``cond()`` until it returns something truthy; that value, or AssertionError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = cond()
+        except (httpx.HTTPError, KeyError, FileNotFoundError):
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for: {what}")
+        time.sleep(interval)

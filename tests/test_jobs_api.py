@@ -1,0 +1,234 @@
+"""The job service end to end: a real ``mariana jobs serve`` process, the real CLI client, real jobs."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import DATA, assert_cli_error, last_line, run_cli
+from jobs_helpers import Service, wait_for
+from mariana.platform.jobs.executor import descendants, proc_stat, process_alive
+
+FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def service(tmp_path):
+    svc = Service(tmp_path / "home", slots=2)
+    yield svc
+    svc.stop()
+
+
+def small_data(tmp_path: Path, rows: int = 400) -> Path:
+    """The first rows of Frappe, for jobs that must be quick."""
+    p = tmp_path / "small.libfm"
+    with open(FRAPPE) as f:
+        p.write_text("".join(line for _, line in zip(range(rows), f)))
+    return p
+
+
+def submit(svc: Service, *argv: str, check: bool = True) -> int:
+    proc = run_cli(["submit", "--url", svc.url, *argv], timeout=120, check=check)
+    return int(last_line(proc.stdout))
+
+
+def test_round_trip_submit_list_show_logs_wait_cancel_retry(service, tmp_path):
+    svc = service
+    quick = submit(svc, "--name", "quick", "mlp", "train", "--data", FRAPPE, "--max-steps", "20",
+                   "--batch-size", "64", "--log-every", "5", "--eval-every", "10", "--no-progress")  # fmt: skip
+    long = submit(svc, "--priority", "1", "mlp", "train", "--data", FRAPPE, "--epochs", "50",
+                  "--batch-size", "64", "--ckpt-every", "20", "--no-progress")  # fmt: skip
+    assert long == quick + 1
+
+    proc = run_cli(["jobs", "wait", quick, "--timeout", "240"], env=svc.env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"job {quick} succeeded, best eval_auc" in proc.stdout
+
+    job = json.loads(run_cli(["jobs", "show", quick, "--json"], env=svc.env(), check=True).stdout)
+    assert job["state"] == "succeeded" and job["exit_code"] == 0 and job["name"] == "quick"
+    assert job["argv"][-2:] == ["--out", str(svc.home.resolve() / "runs" / f"job-{quick}")]
+    assert job["last_step"] == 20 and job["best_metric"]["name"] == "eval_auc"
+    assert 0 < job["best_metric"]["value"] <= 1
+    assert job["final_metrics"]["steps"] == 20 and job["export"].endswith("model.safetensors")
+    assert job["config"]["max_steps"] == 20 and job["started"] <= job["ended"]
+
+    records = svc.http.get(f"/api/jobs/{quick}/metrics").json()
+    steps = [r["step"] for r in records["records"] if "loss" in r]
+    assert steps == [5, 10, 15, 20] and records["next"] == records["records"][-1]["seq"]
+    later = svc.http.get(f"/api/jobs/{quick}/metrics", params={"after": records["next"] - 1}).json()
+    assert [r["seq"] for r in later["records"]] == [records["next"]]
+    r = svc.http.post(f"/api/jobs/{quick}/serve")  # `mariana serve` serves pctr/asr/vision, not the MLP
+    assert r.status_code == 400 and "cannot be served" in r.json()["detail"]
+    model = svc.http.get(f"/api/jobs/{quick}/files/model.safetensors")
+    assert model.status_code == 200 and len(model.content) == Path(job["export"]).stat().st_size
+
+    logs = run_cli(["jobs", "logs", quick], env=svc.env(), check=True).stdout
+    assert "validation AUC" in last_line(logs)
+    listing = json.loads(run_cli(["jobs", "list", "--json"], env=svc.env(), check=True).stdout)["jobs"]
+    assert [j["id"] for j in listing] == [long, quick]  # newest first
+    table = run_cli(["jobs", "list"], env=svc.env(), check=True).stdout
+    assert "succeeded" in table and "eval_auc" in table
+
+    # Cancel a long job: its whole process group (and every descendant) must be gone.
+    ckpt = svc.home.resolve() / "runs" / f"job-{long}" / "checkpoints" / "latest"
+    wait_for(lambda: ckpt.is_file(), 180, "the long job's first checkpoint")
+    job = svc.job(long)
+    pid = job["pid"]
+    tree = [(pid, proc_stat(pid)[2]), *descendants(pid)]
+    assert len(tree) >= 2  # the runner and the mariana command under it
+    assert run_cli(["jobs", "cancel", long], env=svc.env(), check=True).returncode == 0
+    proc = run_cli(["jobs", "wait", long, "--timeout", "60"], env=svc.env())
+    assert proc.returncode == 1 and f"job {long} cancelled" in proc.stdout
+    assert not [p for p, start in tree if process_alive(p, start)]
+    events = [e["state"] for e in svc.http.get(f"/api/jobs/{long}/events").json()["events"]]
+    assert events == ["queued", "running", "cancelling", "cancelled"]
+
+    # Retry: a new job, same argv and run dir plus --resume; it resumes from the checkpoint, then is cancelled.
+    retried = int(last_line(run_cli(["jobs", "retry", long], env=svc.env(), check=True).stdout))
+    job = svc.job(retried)
+    assert job["argv"] == [*svc.job(long)["argv"], "--resume"] and job["retry_of"] == long
+    assert job["run_dir"] == svc.job(long)["run_dir"]
+
+    def training():  # the logs endpoint shows only this job's part of RUN/job.log
+        text = svc.http.get(f"/api/jobs/{retried}/logs").json()["text"]
+        assert "mariana: error" not in text, text
+        return "training rows" in text
+
+    wait_for(training, 120, "the retried job trains")
+    run_cli(["jobs", "cancel", retried], env=svc.env(), check=True)
+    assert run_cli(["jobs", "wait", retried, "--timeout", "60"], env=svc.env()).returncode == 1
+    assert svc.job(retried)["state"] == "cancelled"
+    assert svc.job(long)["state"] == "cancelled"  # never moves backwards
+
+
+def test_bad_input(service, tmp_path):
+    svc = service
+    assert_cli_error(run_cli(["submit", "--url", svc.url, "nope", "train"]), "unknown app 'nope'")
+
+    def refused(argv: list[str]) -> str:
+        r = svc.http.post("/api/jobs", json={"argv": argv})
+        assert r.status_code == 400, r.text
+        return r.json()["detail"]
+
+    assert "unknown command mlp 'fly'" in refused(["mlp", "fly"])
+    assert "asks for 3 slots" in refused(["mlp", "train", "--data", str(FRAPPE), "--workers", "3"])
+    assert "asks for 5 slots" in refused(["pctr", "train", "--servers", "2", "--workers=3"])
+    assert svc.http.post("/api/jobs", json={"argv": "mlp train"}).status_code == 422
+
+    # Bad flags are the job's own business: it fails with the command's one-line error.
+    missing = tmp_path / "missing.libfm"
+    bad = svc.http.post("/api/jobs", json={"argv": ["mlp", "train", "--data", str(missing)]}).json()["id"]
+    typo = svc.http.post("/api/jobs", json={"argv": ["mlp", "train", "--data", str(FRAPPE), "--epochz", "2"]})
+    typo = typo.json()["id"]
+    proc = run_cli(["jobs", "wait", bad, "--timeout", "120"], env=svc.env())
+    assert proc.returncode == 1 and f"mariana: error: --data {missing}" in proc.stdout
+    job = svc.job(bad)
+    assert job["state"] == "failed" and job["exit_code"] == 2
+    assert job["error"] == f"mariana: error: --data {missing}: no such file or directory"
+    wait_for(lambda: svc.job(typo)["state"] == "failed", 120, "job with an unknown flag fails")
+    assert "unrecognized arguments: --epochz" in svc.job(typo)["error"]
+
+    # Paths stay inside the run directory.
+    for path in ("../../etc/passwd", "..%2F..%2F..%2Fetc%2Fpasswd", "%2Fetc%2Fpasswd", "nope.txt"):
+        r = svc.http.get(f"/api/jobs/{bad}/files/{path}")
+        assert 400 <= r.status_code < 500, (path, r.status_code)
+        assert "root:" not in r.text
+    (Path(job["run_dir"]) / "escape").symlink_to("/etc/passwd")
+    assert svc.http.get(f"/api/jobs/{bad}/files/escape").status_code == 404
+    assert svc.http.get(f"/api/jobs/{bad}/files/job.log").status_code == 200
+    assert svc.http.get("/api/jobs/999").status_code == 404
+
+    # No service there: one clear line.
+    dead = "http://127.0.0.1:9"
+    assert_cli_error(
+        run_cli(["jobs", "list", "--url", dead]), f"no job service at {dead}", "mariana jobs serve"
+    )
+
+
+def test_token_and_off_loopback(tmp_path):
+    proc = run_cli(["jobs", "serve", "--home", tmp_path / "h", "--host", "0.0.0.0", "--port", "0"])
+    assert_cli_error(proc, "--host 0.0.0.0", "--token-file")
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    svc = Service(tmp_path / "h", "--token-file", str(token))
+    try:
+        assert svc.http.get("/api/jobs").status_code == 200  # loopback reads need no token
+        body = {"argv": ["mlp", "train", "--data", str(FRAPPE)]}
+        assert svc.http.post("/api/jobs", json=body).status_code == 401
+        bad = {"Authorization": "Bearer wrong"}
+        assert svc.http.post("/api/jobs", json=body, headers=bad).status_code == 401
+        assert svc.http.post("/api/jobs/1/cancel").status_code == 401
+        assert svc.http.get("/api/jobs").json()["jobs"] == []  # nothing was recorded
+        ok = run_cli(["submit", "--url", svc.url, "--token-file", token, "mlp", "train", "--data", FRAPPE],
+                     check=True)  # fmt: skip
+        job_id = int(last_line(ok.stdout))
+        good = {"Authorization": "Bearer s3cret-token"}
+        assert svc.http.post(f"/api/jobs/{job_id}/cancel", headers=good).status_code == 200
+        wait_for(lambda: svc.job(job_id)["state"] == "cancelled", 60, "cancelled with the token")
+    finally:
+        svc.stop()
+
+
+def test_twenty_jobs_from_four_clients_two_slots(service, tmp_path):
+    """20 jobs from 4 concurrent HTTP clients (priorities 0 and 1): all recorded, each run exactly once,
+    never over 2 slots, started in queue order."""
+    svc = service
+    data = small_data(tmp_path)
+    model = tmp_path / "model"
+    run_cli(["mlp", "train", "--data", data, "--out", model, "--max-steps", "2", "--batch-size", "32",
+             "--no-progress"], check=True)  # fmt: skip
+    ids: list[int] = []
+    errors: list[str] = []
+
+    def client(k: int) -> None:
+        with httpx.Client(base_url=svc.url, timeout=60, trust_env=False) as http:
+            for i in range(5):
+                argv = ["mlp", "eval", "--model", str(model), "--data", str(data)]
+                body = {"argv": argv, "name": f"c{k}-{i}", "cwd": str(tmp_path), "priority": k % 2}
+                r = http.post("/api/jobs", json=body)
+                if r.status_code != 201:
+                    errors.append(r.text)
+                else:
+                    ids.append(r.json()["id"])
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and sorted(ids) == list(range(1, 21))
+
+    def all_done():
+        jobs = svc.http.get("/api/jobs").json()["jobs"]
+        return (
+            len(jobs) == 20 and all(j["state"] in ("succeeded", "failed", "cancelled") for j in jobs) and jobs
+        )
+
+    jobs = wait_for(all_done, 300, "20 jobs finished", interval=1)
+    assert [j["state"] for j in jobs] == ["succeeded"] * 20, [(j["id"], j["state"], j["error"]) for j in jobs]
+    assert sorted(j["name"] for j in jobs) == sorted(f"c{k}-{i}" for k in range(4) for i in range(5))
+    for j in jobs:  # each ran once: one start event, one headline in its log
+        events = [e["state"] for e in svc.http.get(f"/api/jobs/{j['id']}/events").json()["events"]]
+        assert events == ["queued", "running", "succeeded"], (j["id"], events)
+        log = (Path(j["run_dir"]) / "job.log").read_text()
+        assert log.count("AUC ") == 1, log
+    # The slot budget from the recorded times: at no instant more than 2 jobs ran.
+    edges = sorted(
+        [(j["started"], 1) for j in jobs] + [(j["ended"], -1) for j in jobs], key=lambda e: (e[0], e[1])
+    )
+    running, peak = 0, 0
+    for _, d in edges:
+        running += d
+        peak = max(peak, running)
+    assert peak == 2
+    # Queue order: a job that was waiting when another started, and ranks before it (higher priority, or
+    # the same priority and submitted first), started no later. (1 s margin: `created` is stamped just
+    # before the row is committed.)
+    for a in jobs:
+        for b in jobs:
+            if (a["priority"], -a["id"]) > (b["priority"], -b["id"]) and a["created"] < b["started"] - 1:
+                assert a["started"] <= b["started"], (a, b)

@@ -1,0 +1,263 @@
+"""The job service's web pages in a real browser: a real ``mariana jobs serve`` process, real training jobs
+submitted with ``mariana submit``, and the system Chromium driven by Playwright's sync API.
+
+The browser test fails (never skips) when Chromium or Playwright is missing: ``make test`` installs both
+(``make browser`` installs the Debian ``chromium`` package; Playwright is pinned in requirements.txt).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from helpers import DATA, ROOT, cli_env, free_port, last_line, run_cli
+from mariana.platform.jobs.ui import STATIC_DIR, mount_ui
+
+CHROMIUM = "/usr/bin/chromium"
+FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
+
+
+def test_pages_and_static_files_are_served():
+    """mount_ui alone: the three pages and every shipped asset, with the plotting module among them."""
+    app = FastAPI()
+    mount_ui(app)
+    client = TestClient(app)
+    for path, marker in [("/", "jobs.js"), ("/jobs/7", "job.js"), ("/compare?ids=1,2", "compare.js")]:
+        resp = client.get(path)
+        assert resp.status_code == 200, path
+        assert resp.headers["content-type"].startswith("text/html")
+        assert f'src="/static/{marker}"' in resp.text
+        assert "http://" not in resp.text and "https://" not in resp.text  # nothing from a CDN
+    names = sorted(p.name for p in STATIC_DIR.iterdir())
+    assert {"plot.js", "common.js", "style.css", "jobs.html", "job.html", "compare.html"} <= set(names)
+    for name in names:
+        resp = client.get(f"/static/{name}")
+        assert resp.status_code == 200, name
+        assert resp.headers["cache-control"] == "no-cache"
+    assert client.get("/static/../ui.py").status_code == 404
+    assert client.get("/jobs/not-a-number").status_code == 422
+    assert "/compare" not in client.get("/openapi.json").json()["paths"]
+
+
+def _get_json(url: str, timeout: float = 5.0):
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+            if last:
+                return last
+        except OSError as e:  # service not up yet
+            last = e
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+_TOKENS: dict[str, str] = {}  # service URL -> its token, for the clean-up's cancel requests
+
+
+@contextlib.contextmanager
+def _service(tmp_path: Path, *flags: str):
+    """A real ``mariana jobs serve`` on a free port with home ``tmp_path/home``; yields its URL. On exit
+    every job still queued or running is cancelled and the service is stopped."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = ["jobs", "serve", "--home", str(tmp_path / "home"), "--port", str(port), *flags]
+    with open(tmp_path / "service.log", "w") as log:
+        service = subprocess.Popen(
+            [sys.executable, "-m", "mariana.platform.cli", *argv],
+            cwd=ROOT,
+            env=cli_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            _wait_for(lambda: service.poll() is not None or _get_json(f"{url}/api/jobs"), 60, "the service")
+            assert service.poll() is None, (tmp_path / "service.log").read_text()
+            yield url
+        finally:
+            if service.poll() is None:
+                token = _TOKENS.get(url)
+                try:
+                    for job in _get_json(f"{url}/api/jobs")["jobs"]:
+                        if job["state"] in ("queued", "running"):
+                            req = urllib.request.Request(f"{url}/api/jobs/{job['id']}/cancel", method="POST")
+                            if token:
+                                req.add_header("Authorization", f"Bearer {token}")
+                            urllib.request.urlopen(req, timeout=10).close()
+                except OSError:
+                    pass
+            service.terminate()
+            try:
+                service.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                service.kill()
+                service.wait()
+
+
+def _browser(p):
+    return p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+
+
+def _require_browser():
+    """Playwright's sync API; fails (never skips) when Playwright or the system Chromium is missing."""
+    try:
+        from playwright.sync_api import expect, sync_playwright
+    except ImportError:
+        pytest.fail("playwright is not installed: run `make install` (it is pinned in requirements.txt)")
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: run `make browser` (apt-get install -y chromium)")
+    return expect, sync_playwright
+
+
+def _submit(url: str, argv: list[str]) -> int:
+    proc = run_cli(["submit", *argv], timeout=60, env={"MARIANA_JOBS_URL": url}, check=True)
+    return int(last_line(proc.stdout))
+
+
+def _points(page, selector: str) -> int:
+    return int(page.eval_on_selector(selector, "svg => svg.getAttribute('data-points')") or 0)
+
+
+@pytest.mark.slow
+def test_jobs_pages_in_a_real_browser(tmp_path: Path):
+    expect, sync_playwright = _require_browser()
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    with _service(tmp_path, "--slots", "2") as url:
+        common = ["--data", FRAPPE, "--preset", "debug", "--log-every", "5"]
+        # A short run that finishes, and a long one watched while it trains (cancelled at the end).
+        short = _submit(url, ["pctr", "train", *common, "--max-steps", "60", "--eval-every", "20"])
+        slow = _submit(url, ["pctr", "train", *common, "--max-steps", "20000"])
+
+        errors: list[str] = []
+        with sync_playwright() as p:
+            browser = _browser(p)
+            page = browser.new_page(viewport={"width": 1300, "height": 1000})
+            page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+            page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
+
+            # Jobs page: both rows with their state; the long job turns "running" live, without a reload.
+            page.goto(f"{url}/")
+            for job_id in (short, slow):
+                expect(page.locator(f'tr[data-job-id="{job_id}"]')).to_be_visible(timeout=15_000)
+            row = page.locator(f'tr[data-job-id="{slow}"]')
+            expect(row).to_have_attribute("data-state", "running", timeout=90_000)
+            expect(row.locator(".state")).to_have_text("running")
+            expect(row.locator("a", has_text=str(slow)).first).to_have_attribute("href", f"/jobs/{slow}")
+            expect(row.locator("button.cancel")).to_be_visible()
+            page.screenshot(path=shots / "jobs.png", full_page=True)
+
+            # Job page while it trains: the loss plot has drawn points, and a new point arrives.
+            page.goto(f"{url}/jobs/{slow}")
+            expect(page.locator("#state .state")).to_have_text("running", timeout=15_000)
+            page.wait_for_function(
+                "Number(document.querySelector('#plot-loss svg').getAttribute('data-points')) > 0",
+                timeout=90_000,
+            )
+            before = _points(page, "#plot-loss svg")
+            page.wait_for_function(
+                f"Number(document.querySelector('#plot-loss svg').getAttribute('data-points')) > {before}",
+                timeout=60_000,
+            )
+            after = _points(page, "#plot-loss svg")
+            assert after > before > 0
+            assert _points(page, "#plot-throughput svg") > 0
+            expect(page.locator("#argv")).to_contain_text("--max-steps 20000")
+            expect(page.locator("#log")).not_to_be_empty(timeout=30_000)
+            page.screenshot(path=shots / "job.png", full_page=True)
+            # The same records against wall time: every point is kept, the axis is relabelled.
+            page.check("input[name=xaxis][value=time]")
+            expect(page.locator("#plot-loss .plot-xlabel")).to_have_text("wall time (s)")
+            assert _points(page, "#plot-loss svg") >= after
+
+            # Compare page: once the short job finished, both runs' loss curves overlaid with a legend.
+            _wait_for(
+                lambda: _get_json(f"{url}/api/jobs/{short}")["state"] in ("succeeded", "failed"),
+                120,
+                "the short job to end",
+            )
+            assert _get_json(f"{url}/api/jobs/{short}")["state"] == "succeeded"
+            page.goto(f"{url}/")
+            for job_id in (short, slow):
+                page.locator(f'tr[data-job-id="{job_id}"] input.pick').check()
+            page.click("#compare-selected")
+            page.wait_for_url(f"{url}/compare?ids={short},{slow}")
+            loss = page.locator("#plot-loss svg")
+            for job_id in (short, slow):
+                expect(loss.locator(f'path[data-series^="#{job_id}"]')).to_have_count(1, timeout=30_000)
+                expect(loss.locator(".plot-legend-text", has_text=f"#{job_id}")).to_have_count(1)
+            counts = json.loads(loss.get_attribute("data-series-points"))
+            assert len(counts) == 2 and all(n > 0 for n in counts.values()), counts
+            page.screenshot(path=shots / "compare.png", full_page=True)
+
+            # The finished job's page: its validation curve, the exported model and "serve this model".
+            page.goto(f"{url}/jobs/{short}")
+            expect(page.locator("#state .state")).to_have_text("succeeded", timeout=15_000)
+            page.wait_for_function(
+                "Number(document.querySelector('#plot-eval_auc svg')?.getAttribute('data-points')) >= 2",
+                timeout=30_000,
+            )
+            expect(page.locator("#model-link")).to_have_attribute(
+                "href", f"/api/jobs/{short}/files/model.safetensors"
+            )
+            page.click("#serve")
+            expect(page.locator("#served-url")).to_contain_text("http://127.0.0.1:", timeout=30_000)
+            page.screenshot(path=shots / "job-finished.png", full_page=True)
+
+            # Cancel the long job from the jobs page.
+            page.goto(f"{url}/")
+            row = page.locator(f'tr[data-job-id="{slow}"]')
+            row.locator("button.cancel").click()
+            expect(row).to_have_attribute("data-state", "cancelled", timeout=60_000)
+            page.screenshot(path=shots / "jobs-after-cancel.png", full_page=True)
+            browser.close()
+        assert not errors, errors
+        for name in ("jobs.png", "job.png", "compare.png"):
+            assert (shots / name).stat().st_size > 10_000, name
+
+
+@pytest.mark.slow
+def test_token_field_authorizes_cancel(tmp_path: Path):
+    """With --token-file, the jobs page's cancel is refused (401, shown) until the header's token is set."""
+    expect, sync_playwright = _require_browser()
+    token = "s3cret-ui-token"
+    (tmp_path / "token").write_text(token + "\n")
+    with _service(tmp_path, "--slots", "1", "--token-file", str(tmp_path / "token")) as url:
+        _TOKENS[url] = token
+        proc = run_cli(
+            ["submit", "pctr", "train", "--data", FRAPPE, "--preset", "debug", "--max-steps", "20000"],
+            timeout=60,
+            env={"MARIANA_JOBS_URL": url, "MARIANA_JOBS_TOKEN": token},
+            check=True,
+        )
+        job_id = int(last_line(proc.stdout))
+        with sync_playwright() as p:
+            browser = _browser(p)
+            page = browser.new_page(viewport={"width": 1300, "height": 700})
+            page.goto(f"{url}/")
+            row = page.locator(f'tr[data-job-id="{job_id}"]')
+            expect(row.locator("button.cancel")).to_be_visible(timeout=15_000)
+            row.locator("button.cancel").click()
+            expect(page.locator("#status")).to_contain_text("401", timeout=10_000)
+            assert _get_json(f"{url}/api/jobs/{job_id}")["state"] in ("queued", "running")
+            page.fill("#token", token)
+            page.locator("#token").dispatch_event("change")
+            assert page.evaluate("localStorage.getItem('mariana.token')") == token
+            row.locator("button.cancel").click()
+            expect(row).to_have_attribute("data-state", "cancelled", timeout=60_000)
+            page.screenshot(path=tmp_path / "jobs-token.png")
+            browser.close()

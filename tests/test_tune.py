@@ -1,0 +1,272 @@
+"""`mariana tune`: real tuner processes running real `mariana pctr train` trials (local processes, or jobs
+of a real `mariana jobs serve`) on a 6000-line slice of the Frappe sample, Optuna studies in SQLite files.
+
+The space makes pruning deterministic: half of the configurations train the embedding table at a learning
+rate of 1e-6 (AUC stays near its initial value), the others at 0.1, with an eval record every 3 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+from helpers import DATA, ROOT, assert_cli_error, cli_env, last_line, run_cli
+
+FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
+
+SPACE = """
+[params.sparse_lr]
+type = "categorical"
+choices = [0.1, 1e-6]
+
+[params.lr]
+type = "float"
+low = 1e-3
+high = 1e-2
+log = true
+
+[params.dropout]
+type = "float"
+low = 0.0
+high = 0.3
+
+[fixed]
+max_steps = 30
+eval_every = 3
+"""
+
+
+@pytest.fixture()
+def frappe_slice(tmp_path: Path) -> Path:
+    path = tmp_path / "frappe.libfm"
+    with open(FRAPPE) as src, open(path, "w") as dst:
+        for i, line in enumerate(src):
+            if i == 6000:
+                break
+            dst.write(line)
+    return path
+
+
+def _space(tmp_path: Path, text: str = SPACE) -> Path:
+    path = tmp_path / "space.toml"
+    path.write_text(text)
+    return path
+
+
+def _tune_args(space: Path, out: Path, data: Path, trials: int, *extra: str) -> list[str]:
+    return ["tune", "pctr", "--space", space, "--trials", str(trials), "--parallel", "2", "--out", out,
+            *extra, "--preset", "debug", "--data", data]  # fmt: skip
+
+
+def _study(out: Path):
+    import optuna
+
+    meta = json.loads((out / "study.json").read_text())
+    return optuna.load_study(study_name=meta["name"], storage=meta["storage"])
+
+
+@pytest.mark.slow
+def test_study_prunes_and_best_toml_reproduces(tmp_path: Path, frappe_slice: Path):
+    from optuna.trial import TrialState
+
+    out = tmp_path / "tune"
+    proc = run_cli(_tune_args(_space(tmp_path), out, frappe_slice, 8, "--local"), timeout=400, check=True)
+    head = last_line(proc.stdout)
+    assert head.startswith("best trial ") and "pruned" in head, proc.stdout
+
+    trials = _study(out).get_trials()
+    states = [t.state for t in trials]
+    assert len(trials) == 8
+    assert states.count(TrialState.PRUNED) >= 1, proc.stdout
+    assert states.count(TrialState.COMPLETE) >= 2, proc.stdout
+    for t in trials:
+        if t.state == TrialState.PRUNED:  # only the bad learning rate is pruned
+            assert t.params["sparse_lr"] == 1e-6, t
+    best = max((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.value)
+    assert best.params["sparse_lr"] == 0.1
+    assert f"best trial {best.number}: auc {best.value:.4f}" in head
+    for line in proc.stdout.splitlines():  # the table lists every trial with its state
+        if line.strip().startswith(tuple(f"{t.number} " for t in trials)):
+            assert any(s in line for s in ("complete", "pruned", "fail")), line
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["best"]["number"] == best.number and len(results["trials"]) == 8
+
+    # best.toml: every tuned and fixed field, nothing naming the run or the data.
+    cfg = tomllib.loads((out / "best.toml").read_text())
+    assert cfg["sparse_lr"] == best.params["sparse_lr"] and cfg["lr"] == best.params["lr"]
+    assert cfg["max_steps"] == 30 and cfg["eval_every"] == 3 and cfg["dim"] == 4  # fixed + preset values
+    assert not {"data", "out", "config", "preset", "resume"} & set(cfg)
+    assert (out / "best" / "model.safetensors").is_file() and (out / "best" / "model.json").is_file()
+    assert not (out / "best" / "checkpoints").exists()
+
+    # Retraining from best.toml (same seed) reproduces the best trial's metric.
+    rerun = tmp_path / "rerun"
+    again = run_cli(["pctr", "train", "--config", out / "best.toml", "--data", frappe_slice, "--out", rerun],
+                    timeout=300, check=True)  # fmt: skip
+    assert "validation AUC" in last_line(again.stdout)
+    value = json.loads((rerun / "metrics.json").read_text())["val_auc"]
+    assert abs(value - best.value) < 2e-3, (value, best.value)
+
+    # TUNE_DIR/best is a run directory the eval command takes.
+    ev = run_cli(["pctr", "eval", "--model", out / "best", "--data", frappe_slice, "--split", "val"],
+                 timeout=120, check=True)  # fmt: skip
+    assert abs(float(last_line(ev.stdout).split()[1]) - best.value) < 2e-3, ev.stdout
+
+
+@pytest.mark.slow
+def test_killed_tuner_resumes_without_losing_or_repeating_trials(tmp_path: Path, frappe_slice: Path):
+    from optuna.trial import TrialState
+
+    out = tmp_path / "tune"
+    # Longer trials than the other tests', so that the kill surely finds some in flight.
+    space = _space(tmp_path, SPACE.replace("max_steps = 30", "max_steps = 150"))
+    args = _tune_args(space, out, frappe_slice, 4, "--local", "--pruner", "none")
+    log = tmp_path / "tuner1.log"
+    with open(log, "w") as f:
+        tuner = subprocess.Popen([sys.executable, "-m", "mariana.platform.cli", *map(str, args)], cwd=ROOT,
+                                 env=cli_env(), stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        # Kill it once two trials finished and the third is training (its metrics are being written).
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            done = [ln for ln in log.read_text().splitlines() if ln.startswith("trial ") and ": auc" in ln]
+            if len(done) >= 2 and (out / "trials" / "trial-0002" / "metrics.jsonl").is_file():
+                break
+            assert tuner.poll() is None, log.read_text()
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"no trial in flight in time:\n{log.read_text()}")
+    finally:
+        tuner.send_signal(signal.SIGKILL)
+        tuner.wait()
+    before = {t.number: t for t in _study(out).get_trials()}
+    complete_before = {n: t.value for n, t in before.items() if t.state == TrialState.COMPLETE}
+    running = [t for t in before.values() if t.state == TrialState.RUNNING]
+    assert len(complete_before) >= 2 and running, before
+    orphans = [t.user_attrs["handle"]["pid"] for t in running if "handle" in t.user_attrs]
+
+    proc = run_cli(args, timeout=400, check=True)
+    assert "re-queued" in proc.stdout.splitlines()[0], proc.stdout
+    for pid in orphans:  # what the killed tuner left running was stopped, not left to compete for the CPU
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+    after = _study(out).get_trials()
+    counted = [t for t in after if t.state == TrialState.COMPLETE]
+    interrupted = [t for t in after if t.state == TrialState.FAIL and t.user_attrs.get("interrupted")]
+    assert len(counted) == 4 and len(after) == 4 + len(interrupted), [(t.number, t.state) for t in after]
+    assert {t.number for t in interrupted} == {t.number for t in running}
+    for n, v in complete_before.items():  # completed trials are kept as they were
+        assert after[n].state == TrialState.COMPLETE and after[n].value == v
+    for t in interrupted:  # each interrupted configuration is run again exactly once
+        again = [u for u in counted if u.user_attrs.get("requeued_from") == t.number]
+        assert len(again) == 1 and again[0].params == t.params
+    params = [tuple(sorted(t.params.items())) for t in counted]
+    assert len(set(params)) == len(params)  # no configuration evaluated twice
+    best = max(t.value for t in counted)
+    assert json.loads((out / "results.json").read_text())["best"]["value"] == best
+    assert f"auc {best:.4f}" in last_line(proc.stdout)
+
+
+def test_bad_space_files_are_one_line_errors(tmp_path: Path, frappe_slice: Path):
+    out = tmp_path / "tune"
+    cases = [
+        (SPACE.replace("[params.dropout]", "[params.bogus_rate]"), "params.bogus_rate", "--bogus-rate"),
+        (SPACE.replace("low = 1e-3\nhigh = 1e-2", "low = 0.1\nhigh = 0.01"), "params.lr", "low (0.1)"),
+        (SPACE.replace("eval_every = 3", "evaluate_every = 3"), "fixed.evaluate_every", "unknown"),
+        (SPACE.replace('type = "categorical"', 'type = "choice"'), "params.sparse_lr", "'type'"),
+        (
+            SPACE.replace("low = 0.0\nhigh = 0.3", "low = 0.0\nhigh = 0.3\nlog = true"),
+            "params.dropout",
+            "low > 0",
+        ),
+    ]
+    for i, (text, key, what) in enumerate(cases):
+        space = tmp_path / f"space{i}.toml"
+        space.write_text(text)
+        proc = run_cli(_tune_args(space, out, frappe_slice, 2, "--local"), timeout=60)
+        assert_cli_error(proc, f"{space}: {key}", what)
+    proc = run_cli(_tune_args(_space(tmp_path), out, frappe_slice, 2, "--local", "--no-such-flag", "1"))
+    assert_cli_error(proc, "--no-such-flag")
+    assert not out.exists()  # nothing was started
+
+
+@pytest.mark.slow
+def test_study_page_in_a_real_browser(tmp_path: Path, frappe_slice: Path):
+    """Trials as jobs of a real service; the study page in Chromium: trials sortable by the metric, the
+    metric per trial over steps, parameter importances, the nav link."""
+    from test_jobs_ui import _browser, _require_browser, _service
+
+    expect, sync_playwright = _require_browser()
+    with _service(tmp_path, "--slots", "2") as url:
+        out = tmp_path / "tune"
+        proc = run_cli(
+            _tune_args(_space(tmp_path), out, frappe_slice, 4, "--url", url), timeout=400, check=True
+        )
+        assert f"as jobs of {url}" in proc.stdout
+        study = _study(out)
+        jobs = json.loads(subprocess.check_output(["curl", "-s", f"{url}/api/jobs"]))["jobs"]
+        assert {j["name"] for j in jobs} == {f"tune trial {n}" for n in range(4)}
+        # The study lives in the service's own database.
+        assert (
+            json.loads((out / "study.json").read_text())["storage"]
+            == f"sqlite:///{tmp_path / 'home' / 'jobs.db'}"
+        )
+        complete = sorted((t.value, t.number) for t in study.get_trials() if t.value is not None)
+
+        errors: list[str] = []
+        with sync_playwright() as p:
+            browser = _browser(p)
+            page = browser.new_page(viewport={"width": 1300, "height": 1000})
+            page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+            page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
+            page.goto(f"{url}/")
+            page.click("#nav a[href='/studies']")
+            row = page.locator('tr[data-study="tune"]')
+            expect(row).to_be_visible(timeout=15_000)
+            row.locator("a").click()
+            page.wait_for_url(f"{url}/studies/tune")
+            expect(page.locator("#trials tbody tr")).to_have_count(4, timeout=15_000)
+            # Sort by the metric: the best trial first, then the order reverses.
+            page.click('#trials th[data-sort="value"]')
+            first = page.locator("#trials tbody tr").first
+            expect(first).to_have_attribute("data-trial", str(complete[-1][1]))
+            page.click('#trials th[data-sort="value"]')
+            expect(page.locator("#trials tbody tr").first).to_have_attribute(
+                "data-trial", str(complete[0][1])
+            )
+            # Trials link to their jobs; the curves plot has every reported point.
+            assert page.locator("#trials tbody tr a[href^='/jobs/']").count() == 4
+            n_points = sum(len(t.intermediate_values) for t in study.get_trials())
+            page.wait_for_function(
+                f"Number(document.querySelector('#plot-curves svg').getAttribute('data-points')) === {n_points}",
+                timeout=15_000,
+            )
+            expect(page.locator("#importance tr[data-param]")).to_have_count(3, timeout=15_000)
+            page.screenshot(path=tmp_path / "study.png", full_page=True)
+            browser.close()
+        assert not errors, errors
+
+
+@pytest.mark.slow
+def test_crashing_trials_are_failed_with_their_error_and_the_study_goes_on(
+    tmp_path: Path, frappe_slice: Path
+):
+    """hidden = "0" makes `pctr train` refuse its flags (exit 2); with seed 0 trials 0 and 2 draw it."""
+    space = _space(
+        tmp_path, '[params.hidden]\ntype = "categorical"\nchoices = ["16", "0"]\n[fixed]\nmax_steps = 5\n'
+    )
+    out = tmp_path / "tune"
+    proc = run_cli(_tune_args(space, out, frappe_slice, 3, "--local", "--seed", "0"), timeout=300, check=True)
+    rows = {r["number"]: r for r in json.loads((out / "results.json").read_text())["trials"]}
+    assert [rows[n]["state"] for n in range(3)] == ["fail", "complete", "fail"], proc.stdout
+    for n in (0, 2):
+        assert rows[n]["error"].startswith("--hidden") and "'0'" in rows[n]["error"], rows[n]  # its own line
+        assert f"trial {n}: failed: --hidden" in proc.stdout
+    assert last_line(proc.stdout).startswith("best trial 1: auc ") and "2 failed" in last_line(proc.stdout)
