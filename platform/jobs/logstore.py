@@ -1,6 +1,7 @@
 """The LogStore: copies a running job's files into the database, incrementally, from the service side.
 
-Called by the scheduler thread about twice a second for every running job (and once more when it ends).
+Called by the service's LogStore thread about twice a second for every running job, at a lower CPU
+priority than the jobs, and once more by the scheduler thread when a job ends.
 The job itself writes nothing extra (training is never slowed): this reads what every run writes anyway:
 
 - ``RUN/metrics.jsonl`` -> ``metric_records`` (one row per complete line, ``seq`` 1, 2, ...),
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import Path
 
 from sqlalchemy import select
@@ -92,6 +94,9 @@ def _num(v, kind):
 class LogStore:
     def __init__(self, db: Database):
         self.db = db
+        # ingest runs on the LogStore thread and (via finalize) on the scheduler thread: one at a time per
+        # service, so an offset is never read twice.
+        self._lock = threading.RLock()
 
     def _offsets(self, s: Session, job_id: int) -> dict[str, TailOffset]:
         rows = s.scalars(select(TailOffset).where(TailOffset.job_id == job_id))
@@ -99,7 +104,7 @@ class LogStore:
 
     def ingest(self, job_id: int) -> int:
         """Read what is new in the job's files into the database; returns the number of new records."""
-        with self.db.write() as s:
+        with self._lock, self.db.write() as s:
             job = s.get(Job, job_id)
             if job is None or not job.run_dir:
                 return 0
@@ -203,6 +208,10 @@ class LogStore:
 
     def finalize(self, job_id: int) -> None:
         """The last read of a finished job, plus ``RUN/metrics.json`` and the exported model's path."""
+        with self._lock:
+            self._finalize(job_id)
+
+    def _finalize(self, job_id: int) -> None:
         while self.ingest(job_id):  # drain a backlog larger than one read
             pass
         with self.db.write() as s:

@@ -19,6 +19,7 @@ still alive (pid + start time) are re-adopted; dead ones are finalised from thei
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from .db import Database, Job, add_event
 from .executor import Executor, Handle, LocalExecutor
 from .logstore import LogStore, log_error
 
+LOGSTORE_NICE = 10  # the LogStore thread yields the CPU to training processes
 REFUSED_APPS = {"jobs", "submit"}  # the service does not run its own client commands
 
 
@@ -130,6 +132,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._wake_event = threading.Event()
         self._thread: threading.Thread | None = None
+        self._tail_thread: threading.Thread | None = None
         self._tick_lock = threading.Lock()
         self.last_error: str | None = None
 
@@ -214,12 +217,15 @@ class Scheduler:
         self.recover()
         self._thread = threading.Thread(target=self._loop, name="mariana-scheduler", daemon=True)
         self._thread.start()
+        self._tail_thread = threading.Thread(target=self._tail_loop, name="mariana-logstore", daemon=True)
+        self._tail_thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._wake_event.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        for t in (self._thread, self._tail_thread):
+            if t is not None:
+                t.join(timeout=10)
 
     def wake(self) -> None:
         self._wake_event.set()
@@ -234,6 +240,27 @@ class Scheduler:
             self._wake_event.wait(self.interval_s)
             self._wake_event.clear()
 
+    def _tail_loop(self) -> None:
+        """The LogStore's thread: copies every running job's new records into the database.
+
+        It runs at a lower CPU priority than the jobs (Linux: per-thread nice), so on a machine whose cores
+        are all training, the copying waits for gaps instead of preempting a training thread. Jobs are
+        started by the scheduler thread, so they keep the normal priority."""
+        if sys.platform == "linux":
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOGSTORE_NICE)
+            except OSError:
+                pass
+        while not self._stop.is_set():
+            try:
+                with self.db.read() as s:
+                    running = list(s.scalars(select(Job.id).where(Job.state == "running")))
+                for job_id in running:
+                    self.logstore.ingest(job_id)
+            except Exception as e:  # keep tailing; the error is visible on /healthz
+                self.last_error = f"{type(e).__name__}: {e}"
+            self._stop.wait(self.interval_s)
+
     def tick(self) -> None:
         with self._tick_lock:
             with self.db.read() as s:
@@ -243,7 +270,6 @@ class Scheduler:
             self._start_queued()
 
     def _watch(self, job: Job) -> None:
-        self.logstore.ingest(job.id)
         if job.pid is None:  # the service died between "running" and the spawn
             self._finish(job, None, "the service stopped while starting this job")
             return

@@ -196,7 +196,7 @@ class ParamServer:
                 import shutil
 
                 shutil.rmtree(p, ignore_errors=True)
-            log.info("checkpoint %s written (%d shards)", name, self.num_servers)
+            log.debug("checkpoint %s written (%d shards)", name, self.num_servers)
             return name
 
     def dump(self) -> dict:
