@@ -112,6 +112,14 @@ def _browser(p):
     return p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
 
 
+def _watched_page(browser, errors: list[str]):
+    """A new 1300x1000 page whose JavaScript errors and console errors are appended to ``errors``."""
+    page = browser.new_page(viewport={"width": 1300, "height": 1000})
+    page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+    page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
+    return page
+
+
 def _require_browser():
     """Playwright's sync API; fails (never skips) when Playwright or the system Chromium is missing."""
     try:
@@ -146,9 +154,7 @@ def test_jobs_pages_in_a_real_browser(tmp_path: Path):
         errors: list[str] = []
         with sync_playwright() as p:
             browser = _browser(p)
-            page = browser.new_page(viewport={"width": 1300, "height": 1000})
-            page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
-            page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
+            page = _watched_page(browser, errors)
 
             # Jobs page: both rows with their state; the long job turns "running" live, without a reload.
             page.goto(f"{url}/")

@@ -201,7 +201,7 @@ def test_bad_space_files_are_one_line_errors(tmp_path: Path, frappe_slice: Path)
 def test_study_page_in_a_real_browser(tmp_path: Path, frappe_slice: Path):
     """Trials as jobs of a real service; the study page in Chromium: trials sortable by the metric, the
     metric per trial over steps, parameter importances, the nav link."""
-    from test_jobs_ui import _browser, _require_browser, _service
+    from test_jobs_ui import _browser, _require_browser, _service, _watched_page
 
     expect, sync_playwright = _require_browser()
     with _service(tmp_path, "--slots", "2") as url:
@@ -223,9 +223,7 @@ def test_study_page_in_a_real_browser(tmp_path: Path, frappe_slice: Path):
         errors: list[str] = []
         with sync_playwright() as p:
             browser = _browser(p)
-            page = browser.new_page(viewport={"width": 1300, "height": 1000})
-            page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
-            page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
+            page = _watched_page(browser, errors)
             page.goto(f"{url}/")
             page.click("#nav a[href='/studies']")
             row = page.locator('tr[data-study="tune"]')
