@@ -83,22 +83,13 @@ def mount_studies(app: FastAPI, page) -> None:
         except KeyError:
             raise HTTPException(404, f"no study {name!r}") from None
         trials = study.get_trials(deepcopy=False)
-        rows = []
-        for t in trials:
-            rows.append(
-                {
-                    "number": t.number,
-                    "state": t.state.name.lower(),
-                    "value": t.value,
-                    "params": t.params,
-                    "intermediate": [[s, v] for s, v in sorted(t.intermediate_values.items())],
-                    "started": _time(t.datetime_start),
-                    "ended": _time(t.datetime_complete),
-                    "job_id": t.user_attrs.get("job_id"),
-                    "error": t.user_attrs.get("error"),
-                    "run_dir": t.user_attrs.get("run_dir"),
-                }
-            )
+        from mariana.platform.tune.study import trial_row
+
+        # The page sorts by the final value only: a pruned trial shows none (its curve shows how far it got).
+        rows = [
+            {**trial_row(t), "value": t.value, "intermediate": sorted(t.intermediate_values.items())}
+            for t in trials
+        ]
         complete = [t for t in trials if t.state == TrialState.COMPLETE]
         key = (name, len(complete))
         importance, note = cache["importance"].get(key, (None, None))

@@ -317,6 +317,24 @@ def _report(f: InFlight, monitor: str) -> int | None:
     return None
 
 
+def trial_row(t) -> dict:
+    """One Optuna trial as a JSON-able row (results.json, the study page): number, state, value (a pruned
+    trial's last reported value), params, error, run_dir, job_id, start/end (unix s) and duration_s."""
+    start, end = t.datetime_start, t.datetime_complete
+    return {
+        "number": t.number,
+        "state": t.state.name.lower(),
+        "value": _trial_value(t),
+        "params": t.params,
+        "error": t.user_attrs.get("error"),
+        "run_dir": t.user_attrs.get("run_dir"),
+        "job_id": t.user_attrs.get("job_id"),
+        "started": start.timestamp() if start else None,
+        "ended": end.timestamp() if end else None,
+        "duration_s": (end - start).total_seconds() if start and end else None,
+    }
+
+
 def _trial_value(t) -> float | None:
     """A completed trial's value; a pruned one's last reported value; None for failed ones."""
     from optuna.trial import TrialState
@@ -345,21 +363,7 @@ def finish(study, o: TuneOptions, name: str) -> int:
     from optuna.trial import TrialState
 
     trials = study.get_trials(deepcopy=False)
-    rows = []
-    for t in trials:
-        rows.append(
-            {
-                "number": t.number,
-                "state": t.state.name.lower(),
-                "value": _trial_value(t),
-                "params": t.params,
-                "error": t.user_attrs.get("error"),
-                "run_dir": t.user_attrs.get("run_dir"),
-                "job_id": t.user_attrs.get("job_id"),
-                "duration_s": (t.datetime_complete - t.datetime_start).total_seconds()
-                if t.datetime_complete and t.datetime_start else None,
-            }
-        )  # fmt: skip
+    rows = [trial_row(t) for t in trials]
     print(f"\n{'trial':>5}  {'state':<8}  {o.monitor:>8}  params")
     for r in rows:
         v = f"{r['value']:.4f}" if isinstance(r["value"], float) else "-"
