@@ -18,7 +18,7 @@ for prefix, folder in FOLDERS.items():
 package_data = {
     "mariana.platform.jobs": ["static/*"],
     # `mariana tune` search spaces users start from.
-    **{f"mariana.apps.{app}": ["spaces/*.toml"] for app in ("pctr", "vision", "asr")},
+    **{f"mariana.apps.{app}": ["spaces/*.toml"] for app in find_packages("apps") if "." not in app},
 }
 
 setup(packages=packages, package_dir=package_dir, package_data=package_data)

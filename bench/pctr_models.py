@@ -50,7 +50,15 @@ def ours(path: str, model: str, epochs: int, out: Path) -> dict:
     run = out / model
     shutil.rmtree(run, ignore_errors=True)
     cfg = with_defaults(
-        data=path, out=str(run), format="libfm", model=model, epochs=epochs, rows_per_field=R, device="cpu"
+        data=path,
+        out=str(run),
+        format="libfm",
+        model=model,
+        epochs=epochs,
+        rows_per_field=R,
+        device="cpu",
+        eval_every=0,
+        early_stop=0,  # exactly --epochs, the final model (as the baselines get)
     )
     t0 = time.perf_counter()
     final = train_local(cfg)

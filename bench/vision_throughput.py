@@ -9,13 +9,17 @@ For each case (model, image size) in the same run:
   the ratio ``jpeg / synthetic`` is the goal (>= 0.8).
 Cases: the CIFAR-10 tar at 32 px, and 224 px JPEGs made by upscaling and re-encoding CIFAR images
 (written once to a temporary tar). Also (CPU, optional) the pipelined vs unpipelined step time of a
-2-stage model-parallel job and its memory ratio, via the real CLI.
+2-stage model-parallel job and its memory ratio, via the real CLI, for both ``--pipeline-schedule``
+values (torch.distributed.pipelining 1F1B and GPipe), and the pipeline schedules side by side in the same
+two processes (torch 1F1B, torch GPipe, the hand-written P2P GPipe; interleaved, so machine noise hits
+all three alike).
 
     .venv/bin/python bench/vision_throughput.py                 # GPU when available, else a small CPU run
     .venv/bin/python bench/vision_throughput.py --pipeline      # + K=2 pipelined/unpipelined on CPU
     .venv/bin/python bench/vision_throughput.py --device cpu --steps 4 --workers 1 --pipeline   # ~2 min, 2 cores
 
-Writes ``bench/results/vision_throughput-{cpu,cuda}.json`` and prints a summary line last.
+Writes ``bench/results/vision_throughput-{cpu,cuda}.json`` (``--models none``:
+``vision_throughput-cpu-pipeline.json``) and prints a summary line last.
 
 GPU time-to-94 % recipe (the ``gpu94`` preset, ResNet-9, bf16 autocast, channels-last, torch.compile)::
 
@@ -130,7 +134,7 @@ def jpeg_batches(tar: Path, size: int, batch: int, steps: int, device, workers: 
         from mariana.apps.vision.data import gpu_decode_batch
 
         transform = gpu_decode_batch(size, device) if gpu else None
-        for x, y, _bad in Prefetcher(iter(loader), device, depth=4, transform=transform):
+        for x, y, _bad in Prefetcher(iter(loader), depth=4, device=device, transform=transform):
             yield x, y
 
     return gen()
@@ -204,21 +208,93 @@ def unsplit_bench(out_dir: Path) -> dict:
 
 
 def pipeline_bench(out_dir: Path, balance: str = "params") -> dict:
-    """CPU, 2 processes: K=2 mariana-cnn-32 with 4 micro-batches (pipelined) vs 1 (unpipelined)."""
+    """CPU, 2 processes: K=2 mariana-cnn-32 with 4 micro-batches (pipelined; 1F1B, the default, and
+    GPipe) vs 1 (unpipelined: the hand-written GPipe with one micro-batch, as torch's schedules need
+    micro-batches >= stages)."""
     res = {"stage_balance": balance}
-    for m in (1, 4):
-        run = out_dir / f"pp-{balance}-m{m}"
+    for m, schedule in ((1, "1f1b"), (4, "1f1b"), (4, "gpipe")):
+        key = f"m{m}" if schedule == "1f1b" else f"m{m}_{schedule}"
+        run = out_dir / f"pp-{balance}-{key}"
         extra = ["--workers", "2", "--model-parallel", "2", "--micro-batches", str(m)]
-        cmd = _cli_train(run, [*extra, "--stage-balance", balance])
+        cmd = _cli_train(run, [*extra, "--stage-balance", balance, "--pipeline-schedule", schedule])
         env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
-        res[f"step_time_s_m{m}"] = json.loads((run / "metrics.json").read_text())["step_time_s"]
+        final = json.loads((run / "metrics.json").read_text())
+        res[f"step_time_s_{key}"] = final["step_time_s"]
+        res[f"schedule_{key}"] = final.get("pipeline_schedule", "")
         reps = [json.loads(p.read_text()) for p in sorted((run / "logs").glob("pipeline-rank-*.json"))]
         tot = sum(r["param_bytes"] + r["optimizer_state_bytes"] for r in reps)
         res["memory_ratio_max_rank"] = max(
             (r["param_bytes"] + r["optimizer_state_bytes"]) / tot for r in reps
         )
     res["pipelined_speedup"] = res["step_time_s_m1"] / res["step_time_s_m4"]
+    return res
+
+
+SCHEDULE_BATCH, SCHEDULE_MICRO, SCHEDULE_ROUNDS = 32, 4, 12
+
+
+def schedule_worker(out: Path) -> None:
+    """Under torchrun (2 processes, gloo): one K=2 mariana-cnn-32 split, its forward+backward step on a
+    batch of 32 in 4 micro-batches by each schedule in turn, ``SCHEDULE_ROUNDS`` rounds (the first is
+    warm-up); rank 0 writes the per-schedule step times to ``out``."""
+    import torch.distributed as dist
+    from mariana.apps.vision.model import mariana_cnn_32
+    from mariana.platform.dp.dist import ParallelDims, init_distributed, teardown
+    from mariana.platform.pipeline import parallelize_pipeline
+
+    torch.set_num_threads(1)
+    ctx = init_distributed("cpu", 120.0, watchdog=False)
+    try:
+        torch.manual_seed(0)
+        model = mariana_cnn_32(10, 0.0)
+        mesh = ParallelDims(world_size=ctx.world_size, mp=2).build_mesh("cpu")
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(SCHEDULE_BATCH, 3, 32, 32, generator=g)
+        y = torch.randint(0, 10, (SCHEDULE_BATCH,), generator=g)
+        pps = {
+            name: parallelize_pipeline(
+                model, mesh, ctx.device, F.cross_entropy, SCHEDULE_MICRO, schedule=name
+            )
+            for name in ("1f1b", "gpipe", "p2p")
+        }
+        times: dict[str, list[float]] = {name: [] for name in pps}
+        for _ in range(SCHEDULE_ROUNDS):
+            for name, pp in pps.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                pp.run_schedule(x if pp.is_first else None, y if pp.is_last else None, SCHEDULE_BATCH)
+                dist.barrier()
+                times[name].append(time.perf_counter() - t0)
+                pp.stage.zero_grad(set_to_none=True)
+        if dist.get_rank() == 0:
+            res = {}
+            for name, ts in times.items():
+                steady = sorted(ts[1:])
+                med = steady[len(steady) // 2]
+                res[name] = {
+                    "schedule": pps[name].last_schedule,
+                    "median_step_s": med,
+                    "img_s": SCHEDULE_BATCH / med,
+                }
+            out.write_text(json.dumps(res))
+    finally:
+        teardown(ctx)
+
+
+def schedule_bench(out_dir: Path) -> dict:
+    """The pipeline schedules side by side (`schedule_worker`): torch 1F1B and GPipe vs the hand-written."""
+    out = out_dir / "schedules.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    subprocess.run(
+        [*cmd, __file__, "--schedule-worker", str(out)], cwd=ROOT, env=env, check=True, capture_output=True
+    )
+    res = json.loads(out.read_text())
+    res["setup"] = (
+        f"mariana-cnn-32, K=2 (params cut), batch {SCHEDULE_BATCH}, {SCHEDULE_MICRO} micro-batches, forward+backward, "
+        f"2 processes x 1 thread, median of {SCHEDULE_ROUNDS - 1} interleaved rounds"
+    )
     return res
 
 
@@ -238,7 +314,11 @@ def main() -> None:
         "--pipeline", action="store_true", help="also measure K=2 pipelined vs unpipelined on CPU"
     )
     ap.add_argument("--compile", action="store_true", help="torch.compile the models (GPU)")
+    ap.add_argument("--schedule-worker", default="", help=argparse.SUPPRESS)  # internal: under torchrun
     args = ap.parse_args()
+    if args.schedule_worker:
+        schedule_worker(Path(args.schedule_worker))
+        return
     dev = torch.device(
         "cuda"
         if args.device == "auto" and torch.cuda.is_available()
@@ -276,9 +356,12 @@ def main() -> None:
                 run_case(name, size, tar, batch, steps, dev, args.workers, gpu, True, args.compile)
             )
         if args.pipeline:
+            results["pipeline_schedules_cpu"] = schedule_bench(Path(tmp))
             results["pipeline_cpu"] = [pipeline_bench(Path(tmp), b) for b in ("params", "time")]
             results["unsplit_cpu"] = unsplit_bench(Path(tmp))
-    out = ROOT / "bench" / "results" / f"vision_throughput-{dev.type}.json"  # a GPU run keeps the CPU record
+    # a GPU run keeps the CPU record; a pipeline-only run (--models none) keeps the full one
+    name = f"vision_throughput-{dev.type}" + ("-pipeline" if cases == "none" else "")
+    out = ROOT / "bench" / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     summary = ", ".join(
@@ -293,6 +376,11 @@ def main() -> None:
                 f"memory {100 * p['memory_ratio_max_rank']:.0f}%"
             )
         summary += f"; unsplit 1-process step {results['unsplit_cpu']['step_time_s']:.2f} s"
+        summary += "; schedules (same processes): " + ", ".join(
+            f"{v['schedule']} {v['img_s']:.1f} img/s"
+            for k, v in results["pipeline_schedules_cpu"].items()
+            if k != "setup"
+        )
     print(summary)
 
 

@@ -25,7 +25,7 @@ tar -xf "$DATA/cifar10/test-dev.tar" -C "$RUNS" test/cat/0000.jpg test/ship/0000
 $M vision classify --model "$RUNS/vision" "$RUNS/test/cat/0000.jpg" "$RUNS/test/ship/0000.jpg"
 # Model parallel: the same cifar-fast net cut into 2 pipeline stages at the block boundary that balances
 # their measured compute (--stage-balance time), one process per stage; each batch of 128 flows through
-# them as 4 micro-batches (GPipe), so both stages work at once. One epoch over 8192 training images (64
+# them as 4 micro-batches (1F1B schedule), so both stages work at once. One epoch over 8192 training images (64
 # steps, the `small` recipe's LR schedule) is enough for the merged exported model to score far above the
 # 10 % chance level on the held-out test-dev.tar, scored by the same `vision eval` as any other run.
 step "vision: cifar-fast split into 2 pipeline stages (2 processes, 4 micro-batches per batch), eval on test-dev"

@@ -1,67 +1,53 @@
-"""The FastAPI application: click prediction, transcription and image classification over REST.
+"""The FastAPI application of ``mariana serve``: every servable app's REST routes plus the generic ones.
 
-``create_app(ServeConfig(...))`` loads the models (once, before serving), and returns the app:
-
-- ``POST /v1/pctr/predict``  ``{"instances": [LINE | {field: value}, ...]}`` ->
-  ``{"probabilities": [p | null, ...], "errors": [{"index": i, "error": msg}], "model_version": v}``
-- ``POST /v1/asr/transcribe``  multipart ``file`` = WAV -> ``{"transcript": str, "model_version": v}``
-- ``POST /v1/vision/classify`` multipart ``file`` = JPEG/PNG -> ``{"labels": [{"label", "probability"}], ...}``
-- ``GET /healthz``, ``GET /metrics`` (Prometheus text), ``POST /v1/admin/reload``, ``/docs``.
-
-An app's routes exist only when its model was given. Every client error is a 4xx with a JSON body
-``{"error": "<what is wrong>", ...}``; request bodies are size-limited before they are read.
+``create_app(ServeConfig(models={APP: RUN, ...}))`` loads the models (once, before serving) and returns the
+app. Each app's routes come from its spec (`mariana.platform.core.registry.AppSpec.routes`, e.g.
+``POST /v1/<app>/...``), mounted as one router per app; an app's routes exist whether or not its model
+was given (a stable API schema) and answer 404 naming the missing ``--<app>`` flag when it was not. The
+generic routes are here: ``GET /healthz``, ``GET /metrics`` (Prometheus text), ``POST /v1/admin/reload``,
+``/docs``. Every client error is a 4xx with a JSON body ``{"error": "<what is wrong>", ...}``; request
+bodies are size-limited (per route, as the app's routes declared) before they are read.
 """
 
 import asyncio
 import json
 import logging
-import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
-from typing import Annotated, Any
+from dataclasses import asdict, dataclass, field
 
-from fastapi import FastAPI, File, Query, Request, UploadFile
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
 from mariana.platform.core.errors import MarianaError
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, create_model
+from mariana.platform.core.registry import serving_apps
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .batcher import MicroBatcher, Overloaded
+from .context import AppContext, error
 from .metrics import Registry
-from .models import ModelSlot, watch
+from .models import ModelSlot, serving_spec, watch
 
 log = logging.getLogger("mariana.serving")
 
 SMALL_BODY = 64 * 1024  # routes without a payload (health, metrics, admin)
-KNOWN_PATHS = frozenset(
-    [
-        "/v1/pctr/predict",
-        "/v1/asr/transcribe",
-        "/v1/vision/classify",
-        "/healthz",
-        "/metrics",
-        "/v1/admin/reload",
-    ]
-)
+GENERIC_PATHS = ("/healthz", "/metrics", "/v1/admin/reload")
 
 
 @dataclass
 class ServeConfig:
     """Everything ``mariana serve`` passes to the app (also JSON-serialisable for ``--workers N``)."""
 
-    pctr: str | None = None
-    asr: str | None = None
-    vision: str | None = None
+    models: dict[str, str] = field(default_factory=dict)  # app name -> run directory
     max_batch: int = 2048  # instances per model call
     max_wait_ms: float = 1.0  # longest a queued request waits for requests already in the server
     max_instances: int = 10_000  # per request
     max_body_bytes: int = 16 * 1024 * 1024  # JSON prediction bodies
-    max_upload_bytes: int = 16 * 1024 * 1024  # WAV / image uploads
-    max_queue: int = 200_000  # instances waiting before requests are refused with 503
+    max_upload_bytes: int = 16 * 1024 * 1024  # file uploads (audio, images)
+    max_queue: int = 200_000  # instances waiting before requests are refused with 429
     inline_max: int = 64  # micro-batches up to this size run on the event loop thread (no thread hop)
     threads: int = 0  # torch intra-op threads; 0 = cores / workers
     workers: int = 1
@@ -91,10 +77,6 @@ def set_threads(cfg: ServeConfig) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- errors
-def _err(status: int, message: str, **extra) -> JSONResponse:
-    return JSONResponse({"error": message, **extra}, status_code=status)
-
-
 def _loc(loc) -> str:
     return ".".join(str(x) for x in loc) or "body"
 
@@ -109,7 +91,7 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
             msg = f"{msg}: {ctx['error']}"
         errors.append({"loc": _loc(e.get("loc", ())), "msg": msg})
     first = errors[0] if errors else {"loc": "body", "msg": "invalid request"}
-    return _err(422, f"{first['loc']}: {first['msg']}", errors=errors)
+    return error(422, f"{first['loc']}: {first['msg']}", errors=errors)
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -127,27 +109,28 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 async def _mariana_error(request: Request, exc: MarianaError) -> JSONResponse:
     if isinstance(exc, Overloaded):  # 429, not 503: the service is healthy, this client should back off
         return JSONResponse({"error": str(exc)}, status_code=429, headers={"Retry-After": "1"})
-    return _err(400, str(exc))
+    return error(400, str(exc))
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     log.exception("internal error on %s", request.url.path, exc_info=exc)
-    return _err(500, f"internal error ({type(exc).__name__})")
+    return error(500, f"internal error ({type(exc).__name__})")
 
 
 # ------------------------------------------------------------------------------------------ middleware
 class BodyLimitMiddleware:
     """Reads the whole request body up to the route's limit before the app sees it: larger bodies (by
-    Content-Length or by what actually arrives) are answered 413 without being buffered."""
+    Content-Length or by what actually arrives) are answered 413 without being buffered. A route that
+    takes JSON refuses other content types (415) before reading anything."""
 
-    def __init__(self, app, limit_for):
-        self.app, self.limit_for = app, limit_for
+    def __init__(self, app, limits: dict[str, tuple[int, bool]], default: int = SMALL_BODY):
+        self.app, self.limits, self.default = app, limits, default
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = self.limit_for(scope["path"])
-        if scope["path"] == "/v1/pctr/predict" and scope.get("method") == "POST":
+        limit, json_only = self.limits.get(scope["path"], (self.default, False))
+        if json_only and scope.get("method") == "POST":
             ctype = next((v for k, v in scope.get("headers", ()) if k == b"content-type"), b"")
             if ctype.split(b";")[0].strip().lower() != b"application/json":
                 shown = ctype.decode("latin-1")[:80] or "none"
@@ -191,18 +174,20 @@ class BodyLimitMiddleware:
 
 
 class MetricsMiddleware:
-    """Counts every response by route template and status, and times it."""
+    """Counts every response by route template and status, and times it; announces requests to the
+    micro-batcher of their path (``batchers``) as soon as they arrive."""
 
-    def __init__(self, app, metrics: Registry, batcher: MicroBatcher | None = None):
-        self.app, self.metrics, self.batcher = app, metrics, batcher
+    def __init__(self, app, metrics: Registry, batchers: dict[str, MicroBatcher], known_paths: frozenset):
+        self.app, self.metrics, self.batchers, self.known_paths = app, metrics, batchers, known_paths
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         t0 = time.perf_counter()
         status = 500
-        if self.batcher is not None and scope["path"] == "/v1/pctr/predict":
-            self.batcher.expect(scope)  # the micro-batcher waits for requests already in the server
+        batcher = self.batchers.get(scope["path"])
+        if batcher is not None:
+            batcher.expect(scope)  # the micro-batcher waits for requests already in the server
 
         async def send_wrapper(msg):
             nonlocal status
@@ -213,54 +198,26 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            if self.batcher is not None:
-                self.batcher.arrived(scope)
+            if batcher is not None:
+                batcher.arrived(scope)
             route = getattr(scope.get("route"), "path", None)
             if route is None:  # answered before routing (413) or no such route; keep label cardinality low
-                route = scope["path"] if scope["path"] in KNOWN_PATHS else "unmatched"
+                route = scope["path"] if scope["path"] in self.known_paths else "unmatched"
             self.metrics.requests.inc({"route": route, "status": str(status)})
             self.metrics.latency.observe(time.perf_counter() - t0, {"route": route})
 
 
-# ------------------------------------------------------------------------------------------- schemas
-Instance = StrictStr | dict[str, Any]
-
-
-class PctrResponse(BaseModel):
-    probabilities: list[float | None] = Field(description="click probability per instance; null if invalid")
-    errors: list[dict[str, Any]] = Field(description='[{"index": i, "error": message}] for invalid instances')
-    model_version: str
-
-
-class ReloadRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    app: str | None = Field(None, description="pctr | asr | vision; default: every served app")
-    run_dir: str | None = Field(
-        None, description="switch to this run directory; default: reload the current one"
-    )
-
-
-WAV_MAGIC = (b"RIFF", b"RIFX", b"RF64")
-IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a")
-
-
-def _is_wav(data: bytes) -> bool:
-    return len(data) >= 12 and data[:4] in WAV_MAGIC and data[8:12] == b"WAVE"
-
-
-def _is_image(data: bytes) -> bool:
-    return any(data.startswith(m) for m in IMAGE_MAGIC)
-
-
-# ------------------------------------------------------------------------------------------------ app
+# ------------------------------------------------------------------------------------------- service
 class Service:
-    """The models, their batchers and executors, and the metrics of one server process."""
+    """The models of one server process (a `ModelSlot` and an inference thread per served app) and one
+    `AppContext` per servable app, whose routes it mounts."""
 
     def __init__(self, cfg: ServeConfig, metrics: Registry):
         self.cfg, self.metrics = cfg, metrics
+        for app in cfg.models:
+            serving_spec(app)  # an unknown or unservable app fails before any model is loaded
         self.slots: dict[str, ModelSlot] = {}
-        for app in ("pctr", "asr", "vision"):
-            run_dir = getattr(cfg, app)
+        for app, run_dir in cfg.models.items():
             if run_dir:
                 self.slots[app] = ModelSlot(
                     app,
@@ -272,87 +229,29 @@ class Service:
                 )
         # One inference thread per model: calls on one model are serialised, its ops use torch's threads.
         self.executors = {app: ThreadPoolExecutor(1, thread_name_prefix=f"infer-{app}") for app in self.slots}
-        self.batcher: MicroBatcher | None = None
-        if "pctr" in self.slots:
-            self.batcher = MicroBatcher(
-                self._pctr_batch,
-                self.executors["pctr"],
-                max_batch=cfg.max_batch,
-                max_wait_s=cfg.max_wait_ms / 1000.0,
-                max_queue=cfg.max_queue,
-                inline_max=cfg.inline_max,
-                on_batch=self._on_batch,
-                on_queue=lambda d: metrics.queue_depth.set(d, {"app": "pctr"}),
+        self.contexts = {
+            spec.name: AppContext(
+                spec.name, cfg, metrics, self.slots.get(spec.name), self.executors.get(spec.name)
             )
-            metrics.queue_depth.set(0, {"app": "pctr"})
+            for spec in serving_apps()
+        }
         self._watch_task: asyncio.Task | None = None
 
-    def _on_batch(self, n: int, seconds: float) -> None:
-        self.metrics.batch_size.observe(n, {"app": "pctr"})
-        self.metrics.batch_latency.observe(seconds, {"app": "pctr"})
+    def routers(self) -> list[APIRouter]:
+        """Each servable app's router (from its spec), built on its context."""
+        return [serving_spec(app).router(ctx) for app, ctx in self.contexts.items()]
 
-    def _pctr_batch(self, items: list) -> tuple[list, str]:
-        """Inference thread: parse + predict a micro-batch of instances (strings and/or dicts) with the
-        model current at this moment. Returns one float (probability) or str (error) per item."""
-        loaded = self.slots["pctr"].current  # this batch finishes on this version even if a reload lands
-        try:
-            return self._pctr_score(loaded.obj, items), loaded.version
-        except Exception as e:  # noqa: BLE001
-            if len(items) == 1:
-                log.warning("pctr: instance rejected: %s: %s", type(e).__name__, e)
-                return [f"instance could not be scored ({type(e).__name__}: {e})"], loaded.version
-        # The predictor raised instead of reporting per-instance errors: score one by one so one bad
-        # instance cannot fail the other requests of its micro-batch (slow path, only after a failure).
-        log.warning("pctr: batch of %d raised; scoring instances one by one", len(items))
-        out = []
-        for x in items:
-            try:
-                out += self._pctr_score(loaded.obj, [x])
-            except Exception as e:  # noqa: BLE001
-                out.append(f"instance could not be scored ({type(e).__name__}: {e})")
-        return out, loaded.version
+    @property
+    def batchers(self) -> dict[str, MicroBatcher]:
+        return {path: b for ctx in self.contexts.values() for path, b in ctx.batchers.items()}
 
-    def _pctr_score(self, pred, items: list) -> list:
-        import torch
-
-        out: list = [None] * len(items)
-        lines_idx = [i for i, x in enumerate(items) if isinstance(x, str)]
-        json_idx = [i for i, x in enumerate(items) if not isinstance(x, str)]
-        with torch.inference_mode():
-            if lines_idx:
-                lines = items if len(lines_idx) == len(items) else [items[i] for i in lines_idx]
-                probs, errors = pred.predict_lines(lines)
-                self._scatter(out, lines_idx, probs, errors)
-            if json_idx:
-                if not callable(getattr(pred, "parse_json", None)):
-                    for i in json_idx:
-                        out[i] = "this model accepts only text records (its training format)"
-                else:
-                    batch, errors = pred.parse_json([items[i] for i in json_idx])
-                    valid = [j for j in range(len(json_idx)) if j not in errors]
-                    probs: list = [None] * len(json_idx)
-                    if valid:
-                        p = pred.predict(batch)
-                        for j, v in zip(valid, p.tolist() if hasattr(p, "tolist") else list(p)):
-                            probs[j] = v
-                    self._scatter(out, json_idx, probs, errors)
-        return out
-
-    @staticmethod
-    def _scatter(out: list, idx: list[int], probs, errors: dict) -> None:
-        for j, i in enumerate(idx):
-            if j in errors:
-                out[i] = str(errors[j])
-            elif probs[j] is None:
-                out[i] = "instance could not be scored"
-            elif not math.isfinite(p := float(probs[j])):  # NaN/inf feature values: not valid JSON either
-                out[i] = f"instance has non-finite feature values (probability {p})"
-            else:
-                out[i] = p
+    @property
+    def limits(self) -> dict[str, tuple[int, bool]]:
+        return {path: lim for ctx in self.contexts.values() for path, lim in ctx.limits.items()}
 
     async def start(self) -> None:
-        if self.batcher:
-            self.batcher.start()
+        for b in self.batchers.values():
+            b.start()
         if self.cfg.watch and self.slots:
             self._watch_task = asyncio.get_running_loop().create_task(
                 watch(self.slots, self.cfg.watch_interval_s), name="model-watch"
@@ -361,16 +260,62 @@ class Service:
     async def stop(self) -> None:
         if self._watch_task:
             self._watch_task.cancel()
-        if self.batcher:
-            await self.batcher.stop()
+        for b in self.batchers.values():
+            await b.stop()
         for ex in self.executors.values():
             ex.shutdown(wait=False, cancel_futures=True)
 
-    async def run(self, app: str, fn, *args):
-        """Run a (non-batched) model call on the app's inference thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.executors[app], fn, *args)
+
+# ------------------------------------------------------------------------------------- generic routes
+class ReloadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    app: str | None = Field(None, description="the app whose model to reload; default: every served app")
+    run_dir: str | None = Field(
+        None, description="switch to this run directory; default: reload the current one"
+    )
 
 
+def generic_router(svc: Service) -> APIRouter:
+    """``/healthz``, ``/metrics`` and ``/v1/admin/reload``: the same for every app."""
+    r = APIRouter()
+
+    @r.get("/healthz", summary="liveness + the served model versions")
+    async def healthz() -> dict:
+        return {"status": "ok", "models": {a: s.current.describe() for a, s in svc.slots.items()}}
+
+    @r.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (text format 0.0.4)")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @r.post("/v1/admin/reload", summary="switch to a new model version atomically (old one kept on failure)")
+    async def reload(req: ReloadRequest | None = None) -> dict:
+        req = req or ReloadRequest()
+        if req.app is not None and req.app not in svc.slots:
+            served = ", ".join(svc.slots) or "none"
+            return error(404, f"app {req.app!r} is not served here (served: {served})")
+        targets = [req.app] if req.app else list(svc.slots)
+        if req.run_dir is not None and len(targets) != 1:
+            return error(422, "run_dir needs app (which model to switch)")
+        if not targets:
+            return error(404, "no model is served")
+        done = {}
+        for a in targets:
+            try:
+                old, new = await svc.slots[a].reload(req.run_dir)
+            except MarianaError as e:
+                return error(
+                    422,
+                    f"{a}: new model refused, still serving version {svc.slots[a].current.version}: {e}",
+                    reloaded=done,
+                    serving={k: s.current.describe() for k, s in svc.slots.items()},
+                )
+            done[a] = {"previous": old.version, **new.describe()}
+        return {"reloaded": done}
+
+    return r
+
+
+# ------------------------------------------------------------------------------------------------ app
 def create_app(cfg: ServeConfig | None = None) -> FastAPI:
     """Load the configured models and build the FastAPI app (raises MarianaError if a model is bad)."""
     cfg = cfg or ServeConfig()
@@ -389,7 +334,7 @@ def create_app(cfg: ServeConfig | None = None) -> FastAPI:
     app = FastAPI(
         title="Mariana serving",
         version="1.0",
-        description="Click prediction, speech transcription and image classification.",
+        description="REST inference for the trained models of the served apps.",
         lifespan=lifespan,
     )
     app.state.service, app.state.metrics = svc, metrics
@@ -398,157 +343,13 @@ def create_app(cfg: ServeConfig | None = None) -> FastAPI:
     app.add_exception_handler(MarianaError, _mariana_error)
     app.add_exception_handler(Exception, _internal_error)
 
-    upload_paths = {"/v1/asr/transcribe", "/v1/vision/classify"}
-
-    def limit_for(path: str) -> int:
-        if path == "/v1/pctr/predict":
-            return cfg.max_body_bytes
-        if path in upload_paths:
-            return cfg.max_upload_bytes
-        return SMALL_BODY
-
-    app.add_middleware(BodyLimitMiddleware, limit_for=limit_for)
-    app.add_middleware(MetricsMiddleware, metrics=metrics, batcher=svc.batcher)  # outermost: counts 413s too
-
-    @app.get("/healthz", summary="liveness + the served model versions")
-    async def healthz() -> dict:
-        return {"status": "ok", "models": {a: s.current.describe() for a, s in svc.slots.items()}}
-
-    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (text format 0.0.4)")
-    async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.post(
-        "/v1/admin/reload", summary="switch to a new model version atomically (old one kept on failure)"
-    )
-    async def reload(req: ReloadRequest | None = None) -> dict:
-        req = req or ReloadRequest()
-        if req.app is not None and req.app not in svc.slots:
-            served = ", ".join(svc.slots) or "none"
-            return _err(404, f"app {req.app!r} is not served here (served: {served})")
-        targets = [req.app] if req.app else list(svc.slots)
-        if req.run_dir is not None and len(targets) != 1:
-            return _err(422, "run_dir needs app (which model to switch)")
-        if not targets:
-            return _err(404, "no model is served")
-        done = {}
-        for a in targets:
-            try:
-                old, new = await svc.slots[a].reload(req.run_dir)
-            except MarianaError as e:
-                return _err(
-                    422,
-                    f"{a}: new model refused, still serving version {svc.slots[a].current.version}: {e}",
-                    reloaded=done,
-                    serving={k: s.current.describe() for k, s in svc.slots.items()},
-                )
-            done[a] = {"previous": old.version, **new.describe()}
-        return {"reloaded": done}
-
-    if "pctr" in svc.slots:
-        req_model = create_model(
-            "PctrRequest",
-            __config__=ConfigDict(extra="forbid"),
-            instances=(
-                Annotated[
-                    list[Instance],
-                    Field(
-                        min_length=1,
-                        max_length=cfg.max_instances,
-                        description="records in the model's training format without the label (a Criteo "
-                        "TSV line or a libFM 'id:value ...' line), or structured {field: value} objects",
-                    ),
-                ],
-                ...,
-            ),
-        )
-
-        @app.post(
-            "/v1/pctr/predict",
-            response_model=PctrResponse,
-            summary="click probabilities for a batch of records",
-            responses={422: {"description": "invalid request, or no valid instance"}},
-        )
-        async def pctr_predict(body: req_model, request: Request) -> Response:  # type: ignore[valid-type]
-            instances = body.instances
-            svc.batcher.arrived(request.scope)
-            results, version = await svc.batcher.submit(instances)
-            probs, errors = [], []
-            for i, r in enumerate(results):
-                if isinstance(r, float):
-                    probs.append(r)
-                else:
-                    probs.append(None)
-                    errors.append({"index": i, "error": r})
-            n_err = len(errors)
-            metrics.instances.inc({"app": "pctr", "result": "ok"}, len(results) - n_err)
-            if n_err:
-                metrics.instances.inc({"app": "pctr", "result": "error"}, n_err)
-            payload = {"probabilities": probs, "errors": errors, "model_version": version}
-            if n_err == len(results):
-                payload["error"] = f"no valid instance: instance 0: {errors[0]['error']}"
-                return Response(json.dumps(payload), status_code=422, media_type="application/json")
-            # Serialised directly: jsonable_encoder on 10k floats costs more than the model.
-            return Response(json.dumps(payload), media_type="application/json")
-
-    # The ASR and vision routes always exist (a stable API schema); their app modules are imported only
-    # when a model is given, so a pCTR-only server needs nothing of them. Without a model they answer 404.
-    def _not_served(app_name: str) -> JSONResponse:
-        return _err(404, f"{app_name} is not served here (start the server with --{app_name} RUN)")
-
-    @app.post(
-        "/v1/asr/transcribe",
-        summary="transcribe a WAV upload (multipart field 'file')",
-        responses={404: {"description": "no ASR model served"}, 415: {"description": "not a WAV file"}},
-    )
-    async def asr_transcribe(file: UploadFile = File(..., description="WAV audio")) -> dict:
-        if "asr" not in svc.slots:
-            return _not_served("asr")
-        data = await file.read()
-        if not data:
-            return _err(422, "file: empty upload")
-        if not _is_wav(data):
-            return _err(415, "file: not a WAV file (expected a RIFF/WAVE header)")
-        loaded = svc.slots["asr"].current
-        try:
-            text = await svc.run("asr", loaded.obj.transcribe_wav_bytes, data)
-        except MarianaError as e:
-            return _err(422, f"file: {e}")
-        except Exception as e:  # noqa: BLE001  -- undecodable audio must not become a 500
-            # The detail goes to the server log; the client gets a plain message, not an internal one.
-            log.warning("asr: upload rejected: %s: %s", type(e).__name__, e)
-            return _err(422, "file: audio could not be decoded or transcribed (expected a WAV file)")
-        return {"transcript": text, "model_version": loaded.version}
-
-    @app.post(
-        "/v1/vision/classify",
-        summary="top-k labels for a JPEG/PNG upload (multipart field 'file')",
-        responses={404: {"description": "no vision model served"}, 415: {"description": "not an image"}},
-    )
-    async def vision_classify(
-        file: UploadFile = File(..., description="JPEG or PNG image"),
-        k: int = Query(5, ge=1, le=100, description="how many labels"),
-    ) -> dict:
-        if "vision" not in svc.slots:
-            return _not_served("vision")
-        data = await file.read()
-        if not data:
-            return _err(422, "file: empty upload")
-        if not _is_image(data):
-            return _err(415, "file: not a JPEG/PNG/GIF image")
-        loaded = svc.slots["vision"].current
-        try:
-            top = await svc.run("vision", loaded.obj.classify_bytes, data, k)
-        except MarianaError as e:
-            return _err(422, f"file: {e}")
-        except Exception as e:  # noqa: BLE001  -- a corrupt image must not become a 500
-            log.warning("vision: upload rejected: %s: %s", type(e).__name__, e)
-            return _err(422, f"file: image could not be decoded ({type(e).__name__}: {e})")
-        return {
-            "labels": [{"label": lbl, "probability": float(p)} for lbl, p in top],
-            "model_version": loaded.version,
-        }
-
+    app.include_router(generic_router(svc))
+    for router in svc.routers():
+        app.include_router(router)
+    known = frozenset(GENERIC_PATHS) | {getattr(r, "path", "") for r in app.routes}
+    app.add_middleware(BodyLimitMiddleware, limits=svc.limits)
+    # outermost: counts the 413s and 415s too
+    app.add_middleware(MetricsMiddleware, metrics=metrics, batchers=svc.batchers, known_paths=known)
     return app
 
 

@@ -9,11 +9,15 @@ def _serve(args, argv) -> int:
     import os
 
     from mariana.platform.core.errors import MarianaError
+    from mariana.platform.core.registry import serving_apps
 
     from .app import ServeConfig
 
-    if not (args.pctr or args.asr or args.vision):
-        raise MarianaError("nothing to serve: give at least one of --pctr RUN, --asr RUN, --vision RUN")
+    apps = serving_apps()
+    models = {s.name: getattr(args, _dest(s.name)) for s in apps if getattr(args, _dest(s.name), None)}
+    if not models:
+        flags = ", ".join(f"--{s.name} RUN" for s in apps)
+        raise MarianaError(f"nothing to serve: give at least one of {flags}")
     for flag, value in (
         ("--workers", args.workers),
         ("--max-batch", args.max_batch),
@@ -28,9 +32,7 @@ def _serve(args, argv) -> int:
     if not 0 <= args.port <= 65535:
         raise MarianaError(f"--port {args.port}: expected 0..65535")
     cfg = ServeConfig(
-        pctr=args.pctr,
-        asr=args.asr,
-        vision=args.vision,
+        models=models,
         max_batch=args.max_batch,
         max_wait_ms=args.max_wait_ms,
         max_instances=args.max_instances,
@@ -54,7 +56,7 @@ def _serve(args, argv) -> int:
         timeout_keep_alive=30,
         lifespan="on",
     )
-    apps = ", ".join(a for a in ("pctr", "asr", "vision") if getattr(cfg, a))
+    served = ", ".join(models)
     if args.workers == 1:
         from .app import create_app
 
@@ -62,7 +64,7 @@ def _serve(args, argv) -> int:
         server = uvicorn.Server(uvicorn.Config(app, **common))
         # printed once the models are loaded and the port is bound; requests are answered a moment later
         # (scripts poll GET /healthz)
-        print(f"serving {apps} on {url} (docs at /docs)", flush=True)
+        print(f"serving {served} on {url} (docs at /docs)", flush=True)
         server.run(sockets=[sock])
         if not server.started:
             raise MarianaError(f"the server on {url} failed to start (see the log lines above)")
@@ -71,20 +73,24 @@ def _serve(args, argv) -> int:
 
         from .models import load_model
 
-        for a in ("pctr", "asr", "vision"):  # fail fast, in this process, before forking workers
-            if getattr(cfg, a):
-                load_model(a, getattr(cfg, a))
+        for app, run_dir in models.items():  # fail fast, in this process, before forking workers
+            load_model(app, run_dir)
         os.environ["MARIANA_SERVE_CONFIG"] = cfg.to_json()
         config = uvicorn.Config(
             "mariana.serving.app:app_from_env", factory=True, workers=args.workers, **common
         )
-        print(f"serving {apps} with {args.workers} worker processes on {url}", flush=True)
+        print(f"serving {served} with {args.workers} worker processes on {url}", flush=True)
         try:
             Multiprocess(config, sockets=[sock]).run()  # the workers share the socket bound here
         except KeyboardInterrupt:
             pass
     print("server stopped")
     return 0
+
+
+def _dest(app: str) -> str:
+    """The argparse attribute of ``--APP``."""
+    return app.replace("-", "_")
 
 
 def _bind(host: str, port: int):
@@ -118,17 +124,24 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def register(sub) -> None:
+    from mariana.platform.core.registry import serving_apps
+
     fmt = _HelpFormatter
     p = sub.add_parser(
         "serve",
-        help="serve trained models over REST (click prediction, transcription, image classification)",
-        description="Serve trained models with FastAPI + uvicorn. An app's endpoints exist only when its run "
-        "directory is given. Binds loopback unless --host says otherwise.",
+        help="serve trained models over REST (one --APP RUN per app to serve)",
+        description="Serve trained models with FastAPI + uvicorn: one --APP RUN flag per servable app. An "
+        "app's endpoints answer only when its run directory is given. Binds loopback unless --host says "
+        "otherwise.",
         formatter_class=fmt,
     )
-    p.add_argument("--pctr", metavar="RUN", help="pCTR run directory -> POST /v1/pctr/predict")
-    p.add_argument("--asr", metavar="RUN", help="ASR run directory -> POST /v1/asr/transcribe")
-    p.add_argument("--vision", metavar="RUN", help="vision run directory -> POST /v1/vision/classify")
+    for spec in serving_apps():  # from the app registry: every app with a serving loader and routes
+        p.add_argument(
+            f"--{spec.name}",
+            dest=_dest(spec.name),
+            metavar="RUN",
+            help=spec.serve_help or f"{spec.name} run directory",
+        )
     p.add_argument(
         "--data", metavar="PATH", help="unused by serve (accepted for uniformity with other commands)"
     )
@@ -151,7 +164,9 @@ def register(sub) -> None:
     )
     p.add_argument("--max-instances", type=int, default=10_000, help="most instances in one request")
     p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="largest prediction request body")
-    p.add_argument("--max-upload-bytes", type=int, default=16 << 20, help="largest WAV/image upload")
+    p.add_argument(
+        "--max-upload-bytes", type=int, default=16 << 20, help="largest file upload (audio, image)"
+    )
     p.add_argument(
         "--watch", action="store_true", help="reload a model when its run dir's model files change"
     )

@@ -1,18 +1,18 @@
-"""The served models: loading through each app's inference API, versions, atomic hot reload, file watching.
+"""The served models: loading through each app's serving loader, versions, atomic hot reload, file watching.
 
 A `ModelSlot` holds one app's current `Loaded` model. Reloading builds the new model completely (on a
 worker thread, so serving continues), and only then replaces the slot's reference in one assignment:
 requests already holding the old `Loaded` finish on it, new ones get the new one, and a model that fails
-to load is refused while the old one keeps serving. Model files are read by the apps' loaders through
-safetensors / JSON (`mariana.platform.core.export.load_exported`): no pickle, no code execution.
+to load is refused while the old one keeps serving. Each app's loader is named by its spec
+(`mariana.platform.core.registry.AppSpec.loader`); model files are read through safetensors / JSON
+(`mariana.platform.core.export.load_exported`): no pickle, no code execution. A model's version is its
+exported weights' digest (``model.json`` ``version``), which the loaders expose as ``obj.version``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -21,35 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.registry import AppSpec, find_app, serving_apps
 
 log = logging.getLogger("mariana.serving")
 
-APPS = ("pctr", "asr", "vision")
 # The files whose change means "a new model version was exported" (written atomically by export_model).
 MODEL_FILES = ("model.safetensors", "model.json")
-
-
-def _load_pctr(run_dir: str):
-    from mariana.apps.pctr.predict import load_predictor
-
-    return load_predictor(run_dir)
-
-
-def _load_asr(run_dir: str):
-    from mariana.apps.asr.predict import load_transcriber
-
-    return load_transcriber(run_dir)
-
-
-def _load_vision(run_dir: str):
-    from mariana.apps.vision.predict import load_classifier
-
-    return load_classifier(run_dir)
-
-
-LOADERS: dict[str, Callable[[str], Any]] = {"pctr": _load_pctr, "asr": _load_asr, "vision": _load_vision}
-# What each app's inference object must offer; checked at load so a wrong run dir is refused up front.
-REQUIRED = {"pctr": ("predict_lines",), "asr": ("transcribe_wav_bytes",), "vision": ("classify_bytes",)}
 
 
 def files_signature(run_dir: str | Path) -> tuple:
@@ -64,16 +41,6 @@ def files_signature(run_dir: str | Path) -> tuple:
         except OSError:
             out.append((name, None, None))
     return tuple(out)
-
-
-def _file_digest(run_dir: str | Path) -> str:
-    p = Path(run_dir)
-    f = p / MODEL_FILES[0] if p.is_dir() else p
-    h = hashlib.sha256()
-    with open(f, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -91,44 +58,40 @@ class Loaded:
         return {"version": self.version, "run_dir": self.run_dir, "loaded_at": round(self.loaded_at, 3)}
 
 
+def serving_spec(app: str) -> AppSpec:
+    """The registered app ``app`` if it can be served, else MarianaError naming the apps that can."""
+    spec = find_app(app)
+    if spec is None or not spec.servable:
+        names = ", ".join(s.name for s in serving_apps())
+        what = "is not a known app" if spec is None else "models cannot be served"
+        raise MarianaError(f"{app!r} {what} (expected one of {names})")
+    return spec
+
+
 def load_model(app: str, run_dir: str | Path, loader: Callable[[str], Any] | None = None) -> Loaded:
-    """Load ``app``'s model from ``run_dir``; raises MarianaError (naming the run dir) when it cannot."""
-    if app not in LOADERS and loader is None:
-        raise MarianaError(f"unknown app {app!r} (expected one of {', '.join(APPS)})")
+    """Load ``app``'s model from ``run_dir`` with the app's serving loader (or ``loader``); raises
+    MarianaError (naming the run dir) when it cannot."""
+    spec = serving_spec(app) if loader is None else find_app(app)
+    load = loader or spec.load
     run_dir = str(run_dir)
     if not Path(run_dir).exists():
         raise MarianaError(f"--{app} {run_dir}: no such run directory")
     sig = files_signature(run_dir)  # before loading: a change during the load triggers another reload
     try:
-        obj = (loader or LOADERS[app])(run_dir)
+        obj = load(run_dir)
     except MarianaError as e:
         raise MarianaError(f"--{app} {run_dir}: {e}") from None
     except ModuleNotFoundError as e:
         raise MarianaError(f"--{app}: this build has no {app} inference module ({e.name})") from None
     except Exception as e:  # noqa: BLE001  -- any loader failure means "refuse this model"
         raise MarianaError(f"--{app} {run_dir}: model failed to load: {type(e).__name__}: {e}") from None
-    missing = [m for m in REQUIRED.get(app, ()) if not callable(getattr(obj, m, None))]
+    missing = [m for m in (spec.requires if spec else ()) if not callable(getattr(obj, m, None))]
     if missing:
         raise MarianaError(f"--{app} {run_dir}: loaded object lacks {', '.join(missing)}()")
     version = getattr(obj, "version", None)
     if not isinstance(version, str) or not version:
-        version = _file_digest(run_dir)  # content hash: the same weights always give the same version
+        version = "unknown"
     return Loaded(app, obj, version, run_dir, sig)
-
-
-def _warm_up_pctr(obj) -> None:
-    """One tiny prediction so the first real request does not pay for lazy initialisation. The warm-up
-    record is the model's own format with every field missing; parse errors are fine (nothing to warm)."""
-    fmt = getattr(obj, "format", "libfm")
-    line = "\t" * 38 if fmt == "criteo" else "0:1"
-    try:
-        probs, _ = obj.predict_lines([line])
-    except Exception:  # noqa: BLE001  -- a record the model rejects warms nothing; not a load failure
-        log.debug("pctr warm-up skipped", exc_info=True)
-        return
-    for p in probs:
-        if p is not None and not math.isfinite(float(p)):
-            raise MarianaError(f"model answers a non-finite probability ({p}) for a warm-up record")
 
 
 class ModelSlot:
@@ -150,10 +113,7 @@ class ModelSlot:
             on_change(self.current)
 
     def _load(self, run_dir: str) -> Loaded:
-        loaded = load_model(self.app, run_dir, self.loader)
-        if self.app == "pctr":
-            _warm_up_pctr(loaded.obj)
-        return loaded
+        return load_model(self.app, run_dir, self.loader)
 
     def reload_sync(self, run_dir: str | None = None) -> tuple[Loaded, Loaded]:
         """Load ``run_dir`` (default: the current run dir) and swap it in; returns (old, new).

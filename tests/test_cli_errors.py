@@ -48,7 +48,7 @@ def env(tmp_path_factory, data_dir):
     from mariana.platform.core.export import export_model
 
     pctr = tmp / "pctr-run"
-    export_model(pctr, {"w": torch.zeros(2)}, {"app": "pctr", "config": {"model": "deepfm"}})
+    export_model(pctr, {"w": torch.zeros(2)}, app="pctr", arch="deepfm", config={"model": "deepfm"})
     return {"data": data, "tmp": tmp, "run": run, "pctr": pctr}
 
 
@@ -59,6 +59,29 @@ EVAL = ["mlp", "eval", "--model", "{run}", "--data", "{data}"]
 # (id, argv, expected exit code, fragment of stderr)
 CASES = [
     ("unknown-flag", [*TRAIN, "--no-such-flag", "1"], 2, "unrecognized arguments: --no-such-flag"),
+    (
+        "eval-every-word",
+        [*TRAIN, "--eval-every", "often"],
+        2,
+        "argument --eval-every: expected int, got 'often'",
+    ),
+    (
+        "eval-every-neg",
+        [*TRAIN, "--eval-every", "-5"],
+        2,
+        "--eval-every must be a number of steps >= 0 or 'epoch'",
+    ),
+    ("monitor", [*TRAIN, "--monitor", "banana"], 2, "--monitor 'banana': unknown metric"),
+    (
+        "monitor-absent",
+        [*TRAIN, "--monitor", "wer"],
+        2,
+        "--monitor wer: the evaluation reports no such metric",
+    ),
+    ("early-stop", [*TRAIN, "--early-stop", "-1"], 2, "--early-stop must be >= 0"),
+    ("init-from", [*TRAIN, "--init-from", "{tmp}/nowhere"], 2, "--init-from"),
+    ("init-other-app", [*TRAIN, "--init-from", "{pctr}"], 2, "a pctr model, expected a mlp model"),
+    ("momentum-adam", [*TRAIN, "--momentum", "0.5"], 2, "--momentum applies to --optimizer sgd only"),
     ("flag-type", [*TRAIN, "--lr", "fast"], 2, "argument --lr: expected float, got 'fast'"),
     ("flag-choice", [*TRAIN, "--grad-comm", "fp8"], 2, "argument --grad-comm: invalid choice: 'fp8'"),
     ("unknown-preset", [*TRAIN, "--preset", "huge"], 2, "unknown preset 'huge'; choose from: debug, small"),

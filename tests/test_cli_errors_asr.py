@@ -61,9 +61,8 @@ def inputs(data_dir, tmp_path_factory) -> dict[str, Path]:
     s1, s2 = feats.astype(np.float64).sum(0), (feats.astype(np.float64) ** 2).sum(0)
     prior = FilePrior.from_speaker_stats({"george": {"sum": s1, "sumsq": s2, "frames": len(feats)}})
     run = d / "run"
-    export_model(
-        run, model.state_dict(), {"job": "asr", "config": cfg, "vocab": vocab, "cmvn_prior": prior.to_dict()}
-    )
+    extra = {"vocab": vocab, "cmvn_prior": prior.to_dict()}
+    export_model(run, model.state_dict(), app="asr", arch="dnn-ctc", config=cfg, extra=extra)
     return {"d": d, "ok": ok, "short": short, "fsdd": fsdd, "run": run, "kaldi": kaldi}
 
 

@@ -102,7 +102,16 @@ def test_legacy_run_without_checkpoint_is_not_trained_over(tiny, tmp_path):
 
 def test_help_lists_only_the_options_pctr_uses():
     p = run_cli(["pctr", "train", "--help"], timeout=60, check=True)
-    for unused in ("--grad-comm", "--grad-accum", "--weight-decay", "--momentum", "--num-workers"):
+    for unused in ("--grad-comm", "--grad-accum", "--momentum", "--num-workers"):
         assert unused not in p.stdout
-    for used in ("--schedule", "--warmup-steps", "--clip-grad", "--eval-every", "--ckpt-every", "--resume"):
+    for used in (
+        "--schedule",
+        "--warmup-steps",
+        "--clip-grad",
+        "--eval-every",
+        "--ckpt-every",
+        "--resume",
+        "--weight-decay",
+        "--l2-emb",
+    ):
         assert used in p.stdout

@@ -57,6 +57,9 @@ CLASSIFY = ["vision", "classify", "--model", "{run}", "{data}/cat/0.jpg"]
 
 # (argv, exit code, fragment of the one-line error); {data} {run} {file} {notimg} {root} come from `tiny`
 CASES = [
+    (TRAIN + ["--micro-batches", "2"], 2, "--micro-batches applies to pipeline jobs only"),
+    (TRAIN + ["--pipeline-schedule", "gpipe"], 2, "--pipeline-schedule applies to pipeline jobs only"),
+    (TRAIN + MP2 + ["--compile"], 2, "--compile applies to --model-parallel 1 only"),
     (TRAIN + ["--limit", "-5"], 2, "--limit must be >= 0 images"),
     (TRAIN + ["--eval-limit", "-1"], 2, "--eval-limit must be >= 0"),
     (TRAIN + ["--cache-gb", "0"], 2, "--cache-gb must be > 0"),

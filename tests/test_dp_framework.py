@@ -143,3 +143,34 @@ def test_bf16_gradient_comm_halves_bytes(frappe, tmp_path):
         c: json.loads((tmp_path / c / "metrics.jsonl").read_text().splitlines()[0]) for c in ("fp32", "bf16")
     }
     assert rec["bf16"]["comm_bytes"] * 2 == rec["fp32"]["comm_bytes"] > 0
+
+
+def test_one_fault_syntax_for_ranks_workers_and_servers(monkeypatch):
+    """MARIANA_FAULT selects a process by rank, or by parameter-server role, and an event (step or push);
+    only on the first attempt; a malformed entry is an error, not a silently skipped fault."""
+    from mariana.platform.core import faults
+
+    spec = "kill:rank=1:step=5,raise:step=3,hang:worker=1:step=15,kill:server=1:push=30"
+    monkeypatch.setenv("MARIANA_FAULT", spec)
+    monkeypatch.setattr(faults, "_roles", {})
+    monkeypatch.setenv("RANK", "1")
+    assert faults.FaultInjector().at == {5: "kill"}
+    monkeypatch.setenv("RANK", "0")
+    assert faults.FaultInjector().at == {3: "raise"}  # no WHO: rank 0
+    monkeypatch.setenv("RANK", "3")
+    faults.set_role("worker", 1)
+    assert faults.FaultInjector().at == {15: "hang"} and faults.FaultInjector("push").at == {}
+    monkeypatch.setenv("RANK", "1")
+    faults.set_role("server", 1)
+    assert faults.FaultInjector("push").at == {30: "kill"} and faults.FaultInjector().at == {5: "kill"}
+    injector = faults.FaultInjector("push")
+    injector.at[30] = "raise"
+    with pytest.raises(ValueError, match="injected fault before push 30"):
+        injector.maybe_fire(30)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert faults.FaultInjector().at == {}  # a restarted group runs clean
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    for bad in ("kil:rank=1:step=2", "kill:rank=1", "kill:rank=x:step=2", "kill:node=1:step=2"):
+        monkeypatch.setenv("MARIANA_FAULT", bad)
+        with pytest.raises(ValueError, match="MARIANA_FAULT entry"):
+            faults.FaultInjector()

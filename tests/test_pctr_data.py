@@ -19,7 +19,7 @@ from mariana.apps.pctr.data import (
 )
 from mariana.apps.pctr.model import CTRModel
 from mariana.apps.pctr.predict import load_predictor
-from mariana.platform.core.export import export_model
+from mariana.platform.core.export import export_model, weights_digest
 
 R = 1000
 
@@ -117,11 +117,10 @@ def test_unseen_id_at_prediction_maps_to_the_oov_row(tmp_path):
     seen[[1 + 4, 8 + 1 + 2]] = 1  # trained rows: field 0 id 4, field 1 id 2
     sd = dict(model.state_dict())
     sd["seen"] = seen
-    meta = {"app": "pctr", "schema": schema.to_dict(), "version": "t1"}
-    meta["model"] = {"kind": "fm", "dim": 3, "hidden": "", "cross_layers": 1}
-    export_model(tmp_path, sd, meta)
+    meta = {"schema": schema.to_dict(), "model": {"kind": "fm", "dim": 3, "hidden": "", "cross_layers": 1}}
+    export_model(tmp_path, sd, app="pctr", arch="fm", config={}, extra=meta)
     pred = load_predictor(tmp_path)
-    assert (pred.format, pred.version) == ("libfm", "t1")
+    assert (pred.format, pred.version) == ("libfm", weights_digest(sd))
     probs, errors = pred.predict_lines(["4:1 2:1", "6:1 2:1", "0:1", "4:1 bad", "999999:1 2:1"])
     assert list(errors) == [3] and probs[3] is None
     # id 6 and the huge id were never trained: both score exactly like the field's OOV row (row 0)
@@ -134,3 +133,20 @@ def test_unseen_id_at_prediction_maps_to_the_oov_row(tmp_path):
     assert probs[0] == pytest.approx(torch.sigmoid(trained).item(), abs=1e-6)
     batch, errs = pred.parse_json([{"features": [[4, 1], [2, 1]]}, {"features": "x"}])
     assert list(errs) == [1] and np.allclose(pred.predict(batch), [probs[0]], atol=1e-6)
+
+
+def test_mlp_job_and_pctr_share_one_libfm_parser(tmp_path):
+    """`mlp` (platform) and pCTR read libFM through `mariana.platform.core.libfm`: the same rows, ids and
+    malformed lines (the mlp job also skips rows without a feature and ignores blank lines)."""
+    from mariana.platform.mlpjob.data import read_libfm
+
+    path = tmp_path / "mixed.libfm"
+    path.write_text("1 5:1 70:1\n-1 5:1 71:0.5 3:1\n2 5:1\n0 5:1 abc\n0 7:x\n1\n0 1234:1\n")
+    labels, ids, skipped = read_libfm(path)
+    schema = Schema("libfm", 3, R, 0)
+    stats = ReadStats()
+    b = load_split(path, Encoder(schema), 0, None, stats)
+    assert sorted(stats.errors) == [3, 4, 5] and skipped == [3, 4, 5, 6]  # line 6: a label, no feature
+    assert labels.tolist() == [1.0, 0.0, 0.0] and b.labels.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert ids.tolist() == [[5, 70, -1], [5, 71, 3], [1234, -1, -1]]
+    assert b.ids[3, 0] == 1 + 1234 % (R - 1) and b.ids[2].tolist() == [0, R, 2 * R]  # no feature: missing

@@ -82,7 +82,7 @@ def test_train_step_equals_autograd_through_the_table(kind, unit_vals):
     """The trainers' step (unique rows -> two gradient leaves -> per-row index_add -> row SGD) gives the
     same loss, the same new table and the same dense gradients as plain autograd over nn.Embedding."""
     from mariana.apps.pctr.data import Batch
-    from mariana.apps.pctr.train import TABLE, train_step
+    from mariana.apps.pctr.step import TABLE, train_step
     from mariana.platform.ps.shard import EmbeddingShard, TableSpec
     from mariana.platform.ps.worker import LocalClient
 
@@ -116,7 +116,7 @@ def test_clip_grad_bounds_the_joint_norm_of_dense_and_row_gradients(clip):
     """``--clip-grad``: with SGD everywhere the step moves the dense parameters and the batch's rows by
     ``lr * g`` with ``g`` the gradient scaled to norm ``<= clip``; a large bound changes nothing."""
     from mariana.apps.pctr.data import Batch
-    from mariana.apps.pctr.train import TABLE, train_step
+    from mariana.apps.pctr.step import TABLE, train_step
     from mariana.platform.ps.shard import EmbeddingShard, TableSpec
     from mariana.platform.ps.worker import LocalClient
 
@@ -142,3 +142,63 @@ def test_clip_grad_bounds_the_joint_norm_of_dense_and_row_gradients(clip):
         assert float(free.norm()) > 0.5 * clip * 10  # the unclipped step is far larger than the bound
         torch.testing.assert_close(clipped.norm(), torch.tensor(0.5 * clip), rtol=1e-3, atol=0)
         torch.testing.assert_close(clipped / clipped.norm(), free / free.norm(), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["lr", "deepfm", "dcn"])
+def test_l2_regularised_step_equals_autograd_of_the_regularised_loss(kind):
+    """``--l2-emb``/``--weight-decay``: the step equals plain autograd of ``logloss + l2_emb/2 * sum of
+    ||row||^2 over the batch's unique rows + weight_decay/2 * sum of ||p||^2 over the dense parameters``
+    (rows SGD, dense SGD); rows outside the batch do not move."""
+    from mariana.apps.pctr.data import Batch
+    from mariana.apps.pctr.step import TABLE, train_step
+    from mariana.platform.ps.shard import EmbeddingShard, TableSpec
+    from mariana.platform.ps.worker import LocalClient
+
+    l2_emb, wd, lr = 0.3, 0.2, 0.5
+    torch.manual_seed(0)
+    ref = CTRModel(kind, 40, 4, 2, dim=3, hidden=(8, 4), cross_layers=2)
+    ours = CTRModel(kind, 40, 4, 2, dim=3, hidden=(8, 4), cross_layers=2)
+    with torch.no_grad():  # column 0 starts at 0 in training; give it values so its L2 term is checked too
+        ref.table.weight.normal_(0, 0.5)
+    ours.load_state_dict(ref.state_dict())
+    ids, vals, dense = batch(B=16, seed=7)
+    ids[:, 0] = ids[0, 0]  # a row repeated in every sample still gets its L2 term once
+    y = (torch.arange(16) % 3 == 0).float()
+    uniq = torch.unique(ids)
+    loss = F.binary_cross_entropy_with_logits(ref(ids, vals, dense), y)
+    reg = l2_emb / 2 * ref.table(uniq).pow(2).sum()
+    reg = reg + wd / 2 * sum(p.pow(2).sum() for p in ref.dense_parameters())
+    (loss + reg).backward()
+    g = ref.table.weight.grad.coalesce()
+    expect = ref.table.weight.detach().clone().index_add_(0, g.indices()[0], g.values(), alpha=-lr)
+    dense_ref = {n: p.detach() - lr * p.grad for n, p in ref.named_parameters() if n != "table.weight"}
+
+    spec = TableSpec(TABLE, 40, ours.table.weight.shape[1], 0.01)
+    shard = EmbeddingShard(
+        [spec], 0, 1, RowOptConfig(rule="sgd", lr=lr), weights={TABLE: ours.table.weight.data}
+    )
+    opt = torch.optim.SGD(ours.dense_parameters(), lr=lr)
+    before = ours.table.weight.detach().clone()
+    out = train_step(
+        ours, LocalClient(shard), Batch(ids, vals, dense, y), 0, "cpu", opt, l2_emb=l2_emb, weight_decay=wd
+    )
+    torch.testing.assert_close(out, loss.detach())  # the reported loss is the data loss
+    torch.testing.assert_close(ours.table.weight.detach(), expect)
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[uniq] = False
+    assert torch.equal(ours.table.weight.detach()[untouched], before[untouched])
+    for n, p in ours.named_parameters():
+        if n != "table.weight":
+            torch.testing.assert_close(p.detach(), dense_ref[n], msg=n)
+
+
+def test_l2_flags_default_to_off_and_refuse_negative_values():
+    from mariana.apps.pctr.configs import PctrConfig
+    from mariana.platform.core.errors import MarianaError
+
+    cfg = PctrConfig()
+    assert cfg.l2_emb == 0.0 and cfg.weight_decay == 0.0
+    for kw in ({"l2_emb": -1.0}, {"l2_emb": float("nan")}, {"weight_decay": -0.1}):
+        with pytest.raises(MarianaError, match="must be a finite number >= 0"):
+            PctrConfig(**kw).validate()
+    PctrConfig(l2_emb=0.01, weight_decay=1e-5, servers=2, workers=2).validate()  # same math on workers

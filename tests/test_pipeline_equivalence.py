@@ -1,8 +1,10 @@
-"""Pipeline framework: stage cutting, and a real 2-process (gloo) 2-stage pipeline whose loss and
-gradients equal the unsplit model's on a fixed batch.
+"""Pipeline framework: stage cutting, and real 2- and 3-process (gloo) pipelines whose loss and gradients
+equal the unsplit model's on a fixed batch, for every schedule: torch.distributed.pipelining's 1F1B and
+GPipe, the hand-written GPipe, and the batches torch's schedules cannot take (fewer micro-batches than
+stages, unequal micro-batches), which fall back to the hand-written one.
 
 Run as a script under torchrun, this file is the worker: ``python -m torch.distributed.run --standalone
---nproc-per-node 2 tests/test_pipeline_equivalence.py OUT M`` writes each stage's loss and gradients.
+--nproc-per-node K tests/test_pipeline_equivalence.py OUT`` writes each stage's loss and gradients per case.
 """
 
 from __future__ import annotations
@@ -35,7 +37,18 @@ def _loss(logits, y):
     return F.cross_entropy(logits, y)
 
 
-def worker(out: Path, micro: int) -> None:
+# (schedule asked for, micro-batches, the schedule that must run it with K stages); BATCH = 12
+CASES = [
+    ("1f1b", 4, "1f1b (torch.distributed.pipelining)"),
+    ("1f1b", 6, "1f1b (torch.distributed.pipelining)"),  # more micro-batches than stages: steady 1F1B
+    ("gpipe", 4, "gpipe (torch.distributed.pipelining)"),
+    ("p2p", 4, "gpipe (hand-written p2p)"),
+    ("1f1b", 1, "gpipe (hand-written p2p)"),  # fewer micro-batches than stages: fallback
+    ("1f1b", 5, "gpipe (hand-written p2p)"),  # 12 = 3+3+2+2+2 unequal micro-batches: fallback
+]
+
+
+def worker(out: Path) -> None:
     import torch.distributed as dist
     from mariana.platform.dp.dist import ParallelDims, init_distributed, teardown
     from mariana.platform.pipeline import parallelize_pipeline
@@ -43,12 +56,17 @@ def worker(out: Path, micro: int) -> None:
     torch.set_num_threads(1)
     ctx = init_distributed("cpu", 60.0, watchdog=False)
     try:
-        mesh = ParallelDims(world_size=ctx.world_size, mp=2).build_mesh("cpu")
-        pp = parallelize_pipeline(_model(), mesh, ctx.device, _loss, n_microbatches=micro)
+        mesh = ParallelDims(world_size=ctx.world_size, mp=ctx.world_size).build_mesh("cpu")
         x, y = _batch()
-        loss = pp.train_step(x if pp.is_first else None, y if pp.is_last else None, BATCH)
-        grads = {n: p.grad for n, p in pp.stage.named_parameters()}
-        torch.save({"loss": loss, "grads": grads, "stage": pp.stage_index}, out / f"rank{dist.get_rank()}.pt")
+        results = []
+        for schedule, micro, _ in CASES:
+            pp = parallelize_pipeline(
+                _model(), mesh, ctx.device, _loss, n_microbatches=micro, schedule=schedule
+            )
+            loss = pp.train_step(x if pp.is_first else None, y if pp.is_last else None, BATCH)
+            grads = {n: p.grad for n, p in pp.stage.named_parameters()}
+            results.append({"loss": loss, "grads": grads, "stage": pp.stage_index, "ran": pp.last_schedule})
+        torch.save(results, out / f"rank{dist.get_rank()}.pt")
     finally:
         teardown(ctx)
 
@@ -82,8 +100,8 @@ def test_split_keeps_block_names_and_function():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("micro", [1, 4])
-def test_two_stage_pipeline_matches_unsplit_model(tmp_path, micro):
+@pytest.mark.parametrize("stages", [2, 3])
+def test_pipeline_schedules_match_unsplit_model(tmp_path, stages):
     from helpers import cli_env
 
     proc = subprocess.run(
@@ -93,10 +111,9 @@ def test_two_stage_pipeline_matches_unsplit_model(tmp_path, micro):
             "torch.distributed.run",
             "--standalone",
             "--nproc-per-node",
-            "2",
+            str(stages),
             __file__,
             str(tmp_path),
-            str(micro),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -105,23 +122,26 @@ def test_two_stage_pipeline_matches_unsplit_model(tmp_path, micro):
         env=cli_env(),  # the shared test environment: 1 thread per process, no stray torchrun variables
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
-    r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
-    assert (r0["stage"], r1["stage"]) == (0, 1)
-    assert r0["loss"] is None  # only the last stage computes the loss
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(stages)]
 
     model = _model()
     x, y = _batch()
     loss = _loss(model(x), y)
     loss.backward()
-    torch.testing.assert_close(r1["loss"], loss.detach(), atol=1e-5, rtol=1e-5)
     ref = dict(model.named_parameters())
-    got = {**r0["grads"], **r1["grads"]}
-    assert got.keys() == ref.keys()
-    assert set(r0["grads"]).isdisjoint(r1["grads"])  # each parameter lives on exactly one stage
-    for name, g in got.items():
-        torch.testing.assert_close(g, ref[name].grad, atol=1e-5, rtol=1e-5, msg=name)
+    for i, (schedule, micro, expected) in enumerate(CASES):
+        case = f"{schedule} M={micro} K={stages}"
+        res = [r[i] for r in ranks]
+        assert [r["stage"] for r in res] == list(range(stages))
+        assert all(r["ran"] == expected for r in res), (case, [r["ran"] for r in res])
+        assert all(r["loss"] is None for r in res[:-1])  # only the last stage computes the loss
+        torch.testing.assert_close(res[-1]["loss"], loss.detach(), atol=1e-5, rtol=1e-5, msg=case)
+        got = {k: v for r in res for k, v in r["grads"].items()}
+        assert got.keys() == ref.keys()
+        assert sum(len(r["grads"]) for r in res) == len(ref)  # each parameter lives on exactly one stage
+        for name, g in got.items():
+            torch.testing.assert_close(g, ref[name].grad, atol=1e-5, rtol=1e-5, msg=f"{case}: {name}")
 
 
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]), int(sys.argv[2]))
+    worker(Path(sys.argv[1]))

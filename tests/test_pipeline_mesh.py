@@ -127,7 +127,7 @@ def test_2x2_mesh_matches_one_process_and_shards_memory(tmp_path):
         "stage-1.pt",
     ]
     proc = run_cli([*args, "--resume"], timeout=280, check=True)
-    assert "resumed pipeline job from step 2" in proc.stderr
+    assert "resumed from step 2" in proc.stderr
     assert _losses(resumed) == pytest.approx(mesh_losses, rel=1e-6, abs=1e-7)
     w_resumed, _ = load_exported(resumed)
     for name, w in w_mesh.items():

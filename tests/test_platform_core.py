@@ -129,9 +129,14 @@ def test_atomic_write_leaves_no_temp(tmp_path):
 
 def test_export_roundtrip_without_pickle(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
-    export_model(tmp_path, model.state_dict(), {"arch": "mlp", "config": {"hidden": 4}})
+    export_model(tmp_path, model.state_dict(), app="t", arch="mlp", config={"hidden": 4})
     state, meta = load_exported(tmp_path)
-    assert meta == {"arch": "mlp", "config": {"hidden": 4}}
+    assert {k: meta[k] for k in ("app", "arch", "config", "metrics")} == {
+        "app": "t",
+        "arch": "mlp",
+        "config": {"hidden": 4},
+        "metrics": {},
+    }
     fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
     fresh.load_state_dict(state)
     x = torch.randn(5, 3)
@@ -148,7 +153,7 @@ def test_export_shared_and_strided_tensors_and_huge_page_tables(tmp_path):
     table = table_empty((1 << 21, 17))  # 136 MB: large enough to be advised onto huge pages
     table.copy_(torch.arange(table.numel(), dtype=torch.float32).view_as(table))
     sd = {"table": table, "alias": table, "col": table[:5, 3], "rows": table[10:12]}
-    export_model(tmp_path, sd, {"arch": "t"})
+    export_model(tmp_path, sd, app="t", arch="t", config={})
     state, _ = load_exported(tmp_path)
     for k, v in sd.items():
         assert torch.equal(state[k], v), k

@@ -268,3 +268,26 @@ def test_crashing_trials_are_failed_with_their_error_and_the_study_goes_on(
         assert rows[n]["error"].startswith("--hidden") and "'0'" in rows[n]["error"], rows[n]  # its own line
         assert f"trial {n}: failed: --hidden" in proc.stdout
     assert last_line(proc.stdout).startswith("best trial 1: auc ") and "2 failed" in last_line(proc.stdout)
+
+
+@pytest.mark.parametrize("space", sorted((ROOT / "apps").glob("*/spaces/*.toml")), ids=lambda p: p.stem)
+def test_shipped_spaces_name_only_flags_their_app_has(space: Path):
+    """Each shipped space loads against its app's train config, and its fixed values plus a random sample
+    of every parameter, turned into train flags as a trial gets them, parse and validate."""
+    import argparse
+
+    import optuna
+    from mariana.platform.core.config import add_config_args, resolve_config
+    from mariana.platform.tune.apps import app_info
+    from mariana.platform.tune.space import flag_args, load_space
+
+    info = app_info(space.parent.parent.name)
+    cls = info.config_cls()
+    loaded = load_space(space, cls)
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, cls)
+    for seed in range(3):
+        trial = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed)).ask()
+        values = {**loaded.fixed, **{n: p.suggest(trial) for n, p in loaded.params.items()}}
+        cfg = resolve_config(cls, parser.parse_args(flag_args(values)), info.presets())
+        assert all(getattr(cfg, n) is not None for n in values)

@@ -1,4 +1,5 @@
-"""CTC decoding (greedy and prefix beam search) and word/sentence error rates."""
+"""CTC decoding (greedy and prefix beam search) of single utterances and of cached sets, and word/sentence
+error rates."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import math
 
 import numpy as np
 import torch
+
+from .features import UtteranceSet, collate
 
 
 def greedy_decode(logp: torch.Tensor, length: int | None = None, blank: int = 0) -> list[int]:
@@ -88,3 +91,28 @@ def error_rates(refs: list[list[str]], hyps: list[list[str]]) -> dict[str, float
         "utterances": len(refs),
         "words": words,
     }
+
+
+@torch.no_grad()
+def utterance_logps(model, dataset: UtteranceSet, vocab: list[str], indices=None, batch: int = 64):
+    """Yield ``(i, logp [frames_i, len(vocab)])`` for each utterance ``i`` of ``indices`` (default: all),
+    run through ``model`` in length-sorted batches."""
+    device = next(model.parameters()).device
+    order = sorted(range(len(dataset)) if indices is None else indices, key=lambda i: dataset.lengths[i])
+    for s in range(0, len(order), batch):
+        idx = order[s : s + batch]
+        b = collate([dataset[i] for i in idx])
+        logp = model(b["feats"].to(device), b["lengths"].to(device))[..., : len(vocab)].float().cpu()
+        for j, i in enumerate(idx):
+            yield i, logp[j, : int(b["lengths"][j])]
+
+
+def decode_set(model, dataset: UtteranceSet, vocab: list[str], beam: int = 0, indices=None):
+    """Decode the utterances ``indices`` (default: all) of ``dataset`` -> (refs, hyps) as word lists, in
+    the order of ``indices``."""
+    indices = list(range(len(dataset))) if indices is None else list(indices)
+    hyps = {}
+    for i, logp in utterance_logps(model, dataset, vocab, indices):
+        units = beam_decode(logp, beam) if beam > 0 else greedy_decode(logp)
+        hyps[i] = [vocab[k] for k in units]
+    return [dataset.cache.utts[i]["words"] for i in indices], [hyps[i] for i in indices]

@@ -14,17 +14,16 @@ from mariana.platform.core.export import load_exported
 from mariana.platform.core.rundir import eval_result_path
 
 from .cmvn import FilePrior
-from .decode import error_rates
-from .features import FeatureCache, FeatureSettings, cached_features
+from .decode import decode_set, error_rates, utterance_logps
+from .features import FeatureCache, FeatureSettings, UtteranceSet, cached_features, feature_settings
 from .model import build_model
-from .train import UtteranceSet, decode_set, feature_settings, utterance_logps
 
 
 def load_model(run_dir: str | Path, device: str = "cpu", with_meta: bool = False):
     """(model in eval mode, vocab, config dict[, export metadata]) from an exported run."""
     state, meta = load_exported(run_dir, device)
-    if meta.get("job") != "asr":
-        raise MarianaError(f"{run_dir}: not an ASR model (job {meta.get('job')!r})")
+    if meta.get("app") != "asr":
+        raise MarianaError(f"{run_dir}: not an ASR model (app {meta.get('app')!r})")
     cfg, vocab = meta["config"], meta["vocab"]
     model = build_model(cfg, len(vocab))
     model.load_state_dict(state)

@@ -47,6 +47,18 @@ class FeatureSettings:
         return hashlib.sha1((json.dumps(asdict(self), sort_keys=True) + extra).encode()).hexdigest()[:12]
 
 
+def feature_settings(cfg) -> FeatureSettings:
+    """The feature settings of a config (an `AsrConfig` or its dict, e.g. an exported model's)."""
+    c = asdict(cfg) if not isinstance(cfg, dict) else cfg
+    return FeatureSettings(
+        num_mel_bins=c["num_mel_bins"],
+        sample_rate=c["sample_rate"],
+        cmvn=c["cmvn"],
+        kind=c.get("features", "fbank"),
+        num_ceps=c.get("num_ceps", 13),
+    )
+
+
 def fbank(samples: torch.Tensor, s: FeatureSettings, warp: float = 1.0) -> torch.Tensor:
     """Kaldi features of mono float samples [N] at ``s.sample_rate`` -> [frames, dim]: log mel energies
     (``s.kind == "fbank"``, dim = bins) or MFCCs (``"mfcc"``, dim = ``num_ceps``).
@@ -99,7 +111,7 @@ def min_samples(s: FeatureSettings) -> int:
 
 def _chunk_worker(args) -> tuple[list[tuple[int, np.ndarray]], list[tuple[int, str]]]:
     """Compute raw features for ``[(index, path, speed, warp)]`` in a worker thread."""
-    items, settings, _threads = args
+    items, settings = args
     s = FeatureSettings(**settings)
     done, failed = [], []
     for i, path, speed, warp in items:
@@ -123,11 +135,11 @@ def compute_raw(
     items = [(i, *w) for i, w in enumerate(jobs_in)]
     jobs = max(1, min(jobs, len(items)))
     chunks = [items[k::jobs] for k in range(jobs)]
-    args = [(c, asdict(s), 1) for c in chunks]
+    args = [(c, asdict(s)) for c in chunks]
     feats: dict[int, np.ndarray] = {}
     failed: dict[int, str] = {}
     if jobs == 1:
-        results = [_chunk_worker((items, asdict(s), torch.get_num_threads()))]
+        results = [_chunk_worker((items, asdict(s)))]
     else:
         # Threads, not processes: libsndfile decoding and torch kernels release the GIL, and a worker
         # thread starts in microseconds where a spawned process re-imports torch (seconds per job).
@@ -227,6 +239,34 @@ class FeatureCache:
         u = self.utts[i]
         a = self._shard(u["shard"])[u["offset"] : u["offset"] + u["frames"]]
         return torch.from_numpy(np.asarray(a, dtype=np.float32))
+
+
+class UtteranceSet(torch.utils.data.Dataset):
+    """Cached utterances as (feats [T, bins] float32, target unit ids [L] int64), for training and decoding."""
+
+    def __init__(self, cache: FeatureCache, vocab: list[str]):
+        self.cache = cache
+        self.unit = {w: i for i, w in enumerate(vocab)}
+        self.lengths = cache.lengths
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def __getitem__(self, i: int):
+        words = self.cache.utts[i]["words"]
+        return self.cache.feats(i), torch.tensor([self.unit.get(w, 0) for w in words], dtype=torch.long)
+
+
+def collate(items) -> dict[str, torch.Tensor]:
+    """[(feats [T_i, F], targets [L_i])] -> padded feats [B, T, F], lengths [B], targets [sum L],
+    target_lengths [B]."""
+    feats = torch.nn.utils.rnn.pad_sequence([f for f, _ in items], batch_first=True)
+    return {
+        "feats": feats,
+        "lengths": torch.tensor([len(f) for f, _ in items]),
+        "targets": torch.cat([t for _, t in items]),
+        "target_lengths": torch.tensor([len(t) for _, t in items]),
+    }
 
 
 def write_cache(

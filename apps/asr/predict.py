@@ -7,30 +7,27 @@ Models exported before the prior was stored fall back to per-utterance CMVN."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 from pathlib import Path
 
 import numpy as np
 import torch
-from mariana.platform.core.export import WEIGHTS
 
 from .decode import beam_decode, greedy_decode
 from .evaluate import file_settings, load_model
-from .features import apply_cmvn, fbank, load_audio
-from .train import feature_settings
+from .features import apply_cmvn, fbank, feature_settings, load_audio
 
 
 class Transcriber:
-    """``transcribe_wav_bytes(data) -> str`` (space-separated words); ``version`` names the weights."""
+    """``transcribe_wav_bytes(data) -> str`` (space-separated words); ``version``: the exported weights'
+    digest (`mariana.platform.core.export.weights_digest`)."""
 
     def __init__(self, run_dir: str | Path, device: str = "cpu", beam: int | None = None):
         self.model, self.vocab, cfg, meta = load_model(run_dir, device, with_meta=True)
         self.device = device
         self.beam = cfg.get("beam", 0) if beam is None else beam
         self.settings, self.prior = file_settings(feature_settings(cfg), meta)
-        digest = hashlib.sha256((Path(run_dir) / WEIGHTS).read_bytes()).hexdigest()[:12]
-        self.version = f"asr-{digest}"
+        self.version: str = meta["version"]
 
     def features(self, samples: torch.Tensor) -> torch.Tensor:
         """Mono samples [N] -> normalised features [frames, dim], rounded through float16 as the feature

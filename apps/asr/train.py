@@ -15,60 +15,23 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.evaluator import evaluator_from
 from mariana.platform.core.export import export_model
-from mariana.platform.core.loop import Trainer, unwrap
+from mariana.platform.core.loop import Trainer
 from mariana.platform.core.rundir import start_run
+from mariana.platform.core.steps import ModuleStep, unwrap
+from mariana.platform.core.warmstart import warm_start
 from mariana.platform.dp.ddp import apply_data_parallel
 from mariana.platform.dp.dist import init_distributed, teardown
 from mariana.platform.dp.sampler import IndexBatchLoader
 
 from .cmvn import FilePrior
 from .configs import AsrConfig
-from .decode import error_rates, greedy_decode
-from .features import FeatureCache, FeatureSettings, cached_features
+from .decode import decode_set, error_rates
+from .features import FeatureCache, FeatureSettings, UtteranceSet, cached_features, collate, feature_settings
 from .model import build_model
 
 BLANK = "<blank>"
-
-
-def feature_settings(cfg: AsrConfig | dict) -> FeatureSettings:
-    """The feature settings of a config (an `AsrConfig` or its dict, e.g. an exported model's)."""
-    c = dataclasses.asdict(cfg) if not isinstance(cfg, dict) else cfg
-    return FeatureSettings(
-        num_mel_bins=c["num_mel_bins"],
-        sample_rate=c["sample_rate"],
-        cmvn=c["cmvn"],
-        kind=c.get("features", "fbank"),
-        num_ceps=c.get("num_ceps", 13),
-    )
-
-
-class UtteranceSet(torch.utils.data.Dataset):
-    """Cached utterances as (feats [T, bins] float32, target unit ids [L] int64)."""
-
-    def __init__(self, cache: FeatureCache, vocab: list[str]):
-        self.cache = cache
-        self.unit = {w: i for i, w in enumerate(vocab)}
-        self.lengths = cache.lengths
-
-    def __len__(self) -> int:
-        return len(self.cache)
-
-    def __getitem__(self, i: int):
-        words = self.cache.utts[i]["words"]
-        return self.cache.feats(i), torch.tensor([self.unit.get(w, 0) for w in words], dtype=torch.long)
-
-
-def collate(items) -> dict[str, torch.Tensor]:
-    """[(feats [T_i, F], targets [L_i])] -> padded feats [B, T, F], lengths [B], targets [sum L],
-    target_lengths [B]."""
-    feats = torch.nn.utils.rnn.pad_sequence([f for f, _ in items], batch_first=True)
-    return {
-        "feats": feats,
-        "lengths": torch.tensor([len(f) for f, _ in items]),
-        "targets": torch.cat([t for _, t in items]),
-        "target_lengths": torch.tensor([len(t) for _, t in items]),
-    }
 
 
 class BucketBatchSampler:
@@ -182,33 +145,6 @@ def make_step_fn(cfg: AsrConfig):
     return step_fn
 
 
-@torch.no_grad()
-def utterance_logps(model, dataset: UtteranceSet, vocab: list[str], indices=None, batch: int = 64):
-    """Yield ``(i, logp [frames_i, len(vocab)])`` for each utterance ``i`` of ``indices`` (default: all),
-    run through ``model`` in length-sorted batches."""
-    device = next(model.parameters()).device
-    order = sorted(range(len(dataset)) if indices is None else indices, key=lambda i: dataset.lengths[i])
-    for s in range(0, len(order), batch):
-        idx = order[s : s + batch]
-        b = collate([dataset[i] for i in idx])
-        logp = model(b["feats"].to(device), b["lengths"].to(device))[..., : len(vocab)].float().cpu()
-        for j, i in enumerate(idx):
-            yield i, logp[j, : int(b["lengths"][j])]
-
-
-def decode_set(model, dataset: UtteranceSet, vocab: list[str], beam: int = 0, indices=None):
-    """Decode the utterances ``indices`` (default: all) of ``dataset`` -> (refs, hyps) as word lists, in
-    the order of ``indices``."""
-    from .decode import beam_decode
-
-    indices = list(range(len(dataset))) if indices is None else list(indices)
-    hyps = {}
-    for i, logp in utterance_logps(model, dataset, vocab, indices):
-        units = beam_decode(logp, beam) if beam > 0 else greedy_decode(logp)
-        hyps[i] = [vocab[k] for k in units]
-    return [dataset.cache.utts[i]["words"] for i in indices], [hyps[i] for i in indices]
-
-
 def _prior(train_cache: FeatureCache, s: FeatureSettings) -> FilePrior | None:
     """``--cmvn file``: the training speakers' statistics, the prior every other set is normalised with."""
     return FilePrior.from_speaker_stats(train_cache.speaker_stats) if s.cmvn == "file" else None
@@ -217,8 +153,7 @@ def _prior(train_cache: FeatureCache, s: FeatureSettings) -> FilePrior | None:
 def flush_denormals_on_cpu(device) -> None:
     """Treat denormal floats as zero on the CPU. The CTC gradient of a wide output layer (12000 units of
     which 11 are ever targets) is mostly softmax probabilities of ~1e-40, and x86 matmuls on denormals
-    run an order of magnitude slower: flushing them cut the `mariana` preset's CPU step from 2.53 to 1.06 s
-    (`bench/asr_throughput.py --preset mariana --steps 8 --warmup 2`) and changes no value above 1.2e-38."""
+    run far slower (`bench/asr_throughput.py` measures it); flushing changes no value above 1.2e-38."""
     if torch.device(device).type == "cpu":
         torch.set_flush_denormal(True)
 
@@ -269,6 +204,8 @@ def train(cfg: AsrConfig) -> dict:
         cfg_dict = dataclasses.asdict(cfg)
         model = build_model(cfg_dict, len(vocab))
         log.info("model: %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
+        if cfg.init_from:
+            warm_start(model, cfg.init_from, "asr")
         model = apply_data_parallel(model, ctx, grad_comm=cfg.grad_comm)
         sampler = BucketBatchSampler(train_set.lengths, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
         loader = IndexBatchLoader(train_set, sampler, collate_fn=collate, num_workers=cfg.num_workers)
@@ -278,23 +215,32 @@ def train(cfg: AsrConfig) -> dict:
             r = error_rates(refs, hyps)
             return {"wer": r["wer"], "ser": r["ser"]}
 
-        trainer = Trainer(
-            cfg,
-            model,
-            None,
-            None,
-            loader,
-            make_step_fn(cfg),
-            ctx,
-            run,
-            eval_fn=eval_fn if dev_set else None,
-        )
-        final = trainer.fit()
-        if ctx.is_main:
-            meta = {"job": "asr", "config": cfg_dict, "vocab": vocab, "train_frames": frames}
+        def export(eval_metrics: dict, step: int) -> None:
+            if not ctx.is_main:
+                return
+            meta = {"vocab": vocab, "train_frames": frames}
             if cache.speaker_stats:  # what single files are normalised with (`transcribe`, serving)
                 meta["cmvn_prior"] = FilePrior.from_speaker_stats(cache.speaker_stats).to_dict()
-            export_model(run.path, unwrap(model).state_dict(), meta)
+            export_model(
+                run.path,
+                unwrap(model).state_dict(),
+                app="asr",
+                arch="dnn-ctc",
+                config=cfg_dict,
+                metrics=eval_metrics,
+                extra=meta,
+            )
+
+        trainer = Trainer(
+            cfg,
+            ModuleStep(cfg, model, make_step_fn(cfg), ctx),
+            loader,
+            ctx,
+            run,
+            evaluator=evaluator_from(cfg, eval_fn if dev_set else None, "wer"),
+            exporter=export,
+        )
+        final = trainer.fit()
         return final
     finally:
         teardown(ctx)

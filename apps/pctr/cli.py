@@ -51,7 +51,7 @@ def _train(args, argv) -> int:
     cfg = resolve_config(PctrConfig, args, PRESETS)
     check_data_path(cfg.data)
     if cfg.servers > 0 and in_worker():
-        from .train import run_ps_process
+        from .ps import run_ps_process
 
         return run_ps_process(cfg)
     _check_run_dir(cfg)
@@ -78,7 +78,8 @@ def _train(args, argv) -> int:
 
             raise MarianaError(f"--servers + --workers = {nprocs} is not divisible by --nnodes {cfg.nnodes}")
         nprocs //= cfg.nnodes
-    rc = run_job(nprocs, argv, cfg.out, cfg.max_restarts, cfg.nnodes, cfg.rdzv_endpoint, cfg.rdzv_id)
+    rdzv = (cfg.nnodes, cfg.rdzv_endpoint, cfg.rdzv_id)
+    rc = run_job(nprocs, argv, cfg.out, cfg.max_restarts, *rdzv, num_servers=cfg.servers)
     final = Path(cfg.out) / "metrics.json"
     if rc == 0 and final.is_file():
         m = json.loads(final.read_text())

@@ -18,7 +18,6 @@ MODELS = ("lr", "fm", "dnn", "deepfm", "dcn")
 UNUSED = {
     "grad_comm": "there is no gradient all-reduce (rows and dense gradients go to a local shard or servers)",
     "grad_accum": "every batch is one pull/push of its rows",
-    "weight_decay": "the dense optimiser has no weight decay",
     "momentum": "the dense sgd optimiser has no momentum",
     "num_workers": "batches are parsed by one background thread (--prefetch)",
 }
@@ -32,7 +31,11 @@ def _unused(help: str, default):
 class PctrConfig(TrainConfig):
     # `--resume` refuses any other difference from the checkpoint's RUN/config.toml (the model's shape, the
     # data and its split, batch size, optimisers and their settings, the process layout).
-    RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = TrainConfig.RESUME_MAY_CHANGE | {"prefetch", "val_rows"}
+    RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = TrainConfig.RESUME_MAY_CHANGE | {
+        "prefetch",
+        "val_rows",
+        "init_row_state",
+    }
 
     format: str = opt("libfm", "input format of --data", ["criteo", "libfm"])
     model: str = opt("deepfm", "model", list(MODELS))
@@ -61,11 +64,35 @@ class PctrConfig(TrainConfig):
     clip_grad: float = opt(
         0.0, "clip the norm of each step's gradient (dense parameters and the batch's rows); 0 disables"
     )
+    epochs: int = opt(
+        30, "cap on passes over the training data (training stops earlier when --early-stop triggers)"
+    )
     eval_every: int = opt(
-        0, "steps between validation reports (one process only); 0: at the end of every epoch only"
+        -1,
+        "validate every N steps, or 'epoch' at the end of every epoch; 0 only at the end",
+        epoch_ok=True,
+    )
+    early_stop: int = opt(
+        2, "stop after this many validations in a row without a better --monitor value; 0 never stops early"
+    )
+    init_row_state: bool = opt(
+        False,
+        "with --init-from RUN: also take the table's row-optimiser state (Adagrad accumulators, FTRL z/n) "
+        "from RUN's latest one-process checkpoint",
     )
     ckpt_every: int = opt(
         0, "steps between checkpoints; 0: one at the end (one process) / none before the end (servers)"
+    )
+    l2_emb: float = opt(
+        0.0,
+        "L2 strength on the embedding table: every step adds l2_emb * row to the gradient of each row the "
+        "batch looks up (the gradient of l2_emb/2 * ||row||^2 over the batch's unique rows, linear weight "
+        "included); 0 disables",
+    )
+    weight_decay: float = opt(
+        0.0,
+        "L2 strength on the dense parameters (MLP, cross layers, biases): adds weight_decay * p to their "
+        "gradient before the optimiser (coupled L2, not AdamW's decoupled decay); 0 disables",
     )
     sparse_optimizer: str = opt("adagrad", "row optimizer of the embedding table", ["sgd", "adagrad", "ftrl"])
     sparse_lr: float = opt(0.05, "learning rate of the embedding table")
@@ -78,7 +105,6 @@ class PctrConfig(TrainConfig):
     progress: bool = opt(True, "show a progress bar when stderr is a terminal (one process only)")
     grad_comm: str = _unused("not used by pctr", "fp32")
     grad_accum: int = _unused("not used by pctr", 1)
-    weight_decay: float = _unused("not used by pctr", 0.0)
     momentum: float = _unused("not used by pctr", 0.9)
     num_workers: int = _unused("not used by pctr", 0)
 
@@ -102,7 +128,7 @@ class PctrConfig(TrainConfig):
         if self.model == "dcn" and self.cross_layers < 1:
             raise MarianaError(f"--cross-layers must be >= 1 for --model dcn, got {self.cross_layers}")
         self.hidden_sizes()
-        for name in ("sparse_lr", "init_std", "ftrl_l1", "ftrl_l2"):
+        for name in ("sparse_lr", "init_std", "ftrl_l1", "ftrl_l2", "l2_emb"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise MarianaError(f"--{_flag(name)} must be a finite number >= 0, got {v}")
@@ -110,11 +136,11 @@ class PctrConfig(TrainConfig):
             raise MarianaError(f"--dropout must be in [0, 1), got {self.dropout}")
         parse_split(self.split)
         if self.servers > 0:
-            for name, default in (("schedule", "constant"), ("warmup_steps", 0), ("eval_every", 0)):
+            for name, default in (("schedule", "constant"), ("warmup_steps", 0), ("init_row_state", False)):
                 if getattr(self, name) != default:
                     raise MarianaError(
                         f"--{_flag(name)} is not supported with --servers >= 1 (the servers' optimisers run "
-                        "at a constant learning rate and workers validate once per epoch); use --servers 0"
+                        "at a constant learning rate and hold the row state); use --servers 0"
                     )
 
     def hidden_sizes(self) -> tuple[int, ...]:
@@ -157,7 +183,9 @@ def _flag(name: str) -> str:
 
 
 PRESETS = {
-    "debug": PctrConfig(batch_size=256, max_steps=20, dim=4, hidden="16", rows_per_field=1024, log_every=5),
+    "debug": PctrConfig(
+        batch_size=256, max_steps=20, dim=4, hidden="16", rows_per_field=1024, log_every=5, early_stop=0
+    ),
     "frappe": PctrConfig(
         batch_size=512,
         epochs=10,

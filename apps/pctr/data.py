@@ -6,7 +6,8 @@ Formats
   x > 2 (the Criteo winners' log transform; small values kept as they are), categoricals are hashed.
   Fields: 13 bucketised integers + 26 categoricals = 39.
 - ``libfm``: ``label id:value id:value ...`` (label 1 = click, 0 or -1 = no click). The k-th pair is
-  field k (Frappe: 10 one-hot fields); missing trailing fields get the missing row with value 0.
+  field k (Frappe: 10 one-hot fields); missing trailing fields get the missing row with value 0. Parsed by
+  the platform's libFM parser (`mariana.platform.core.libfm`), shared with the platform's click MLP.
 
 Hashing: field f owns rows ``[f * R, (f + 1) * R)`` of one table (``R = rows_per_field``). Row ``f * R``
 is the field's missing / out-of-vocabulary row; a value maps to ``f * R + 1 + h(value) % (R - 1)``.
@@ -28,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from mariana.platform.core.errors import DataError
+from mariana.platform.core.libfm import parse_lines
 
 from .configs import parse_split  # noqa: F401  (defined beside the flags: checked before torch loads)
 
@@ -215,109 +217,17 @@ class Encoder:
         return batch, good_idx, errors
 
     def _libfm(self, lines, has_label, first, stats):
-        fast = self._libfm_fast(lines, has_label)
-        if fast is None:  # some line is malformed: the per-line parser finds which and why
-            return self._libfm_checked(lines, has_label, first, stats)
-        if stats is not None:
-            stats.rows += len(fast)
-        return fast, list(range(len(lines))), {}
-
-    def _libfm_fast(self, lines, has_label) -> Batch | None:
-        """Vectorised parse of a chunk whose lines are all valid (numpy converts every token in one call);
-        None if any line is not, so that errors are always reported per line by `_libfm_checked`."""
-        F = self.schema.num_fields
-        toks = [ln.split() for ln in lines]
-        n = len(toks)
-        lens = np.fromiter(map(len, toks), dtype=np.int64, count=n)
-        nfeat = lens - 1 if has_label else lens
-        if n == 0 or lens.min() < 1 or nfeat.max() > F:
-            return None
-        try:  # C-level conversions over the whole chunk (map over builtins, no Python loop per field)
-            if has_label:
-                lab = np.fromiter(map(float, [t[0] for t in toks]), dtype=np.float64, count=n)
-                if not np.isin(lab, (1.0, 0.0, -1.0)).all():
-                    return None
-                feats = [x for t in toks for x in t[1:]]
-            else:
-                lab = np.zeros(n)
-                feats = [x for t in toks for x in t]
-            pairs = " ".join(feats).replace(":", " ").split()
-            m = len(feats)
-            if len(pairs) != 2 * m:  # a token without ':' or with several
-                return None
-            ident = np.fromiter(map(int, pairs[0::2]), dtype=np.int64, count=m)
-            value = np.fromiter(map(float, pairs[1::2]), dtype=np.float32, count=m)
-        except (ValueError, OverflowError):
-            return None
-        if len(ident) and ident.min() < 0:
-            return None
-        row = np.repeat(np.arange(n), nfeat)
-        col = np.arange(len(ident)) - np.repeat(np.cumsum(nfeat) - nfeat, nfeat)
-        ids = np.zeros((n, F), dtype=np.uint64)
-        vals = np.zeros((n, F), dtype=np.float32)
-        known = np.zeros((n, F), dtype=bool)
-        ids[row, col] = ident.astype(np.uint64)
-        vals[row, col] = value
-        known[row, col] = True
-        labels = torch.from_numpy((lab > 0).astype(np.float32))
-        return Batch(self._finish(ids, known), torch.from_numpy(vals), torch.zeros(n, 0), labels)
-
-    def _libfm_checked(self, lines, has_label, first, stats):
-        F = self.schema.num_fields
-        errors: dict[int, str] = {}
-        good_idx: list[int] = []
-        labels: list[float] = []
-        ids = np.zeros((len(lines), F), dtype=np.int64)
-        vals = np.zeros((len(lines), F), dtype=np.float32)
-        known = np.zeros((len(lines), F), dtype=bool)
-        n = 0
-        for i, line in enumerate(lines):
-            parts = line.split()
-            if not parts:
-                errors[i] = "empty line"
-                continue
-            try:
-                if has_label:
-                    lab = float(parts[0])
-                    if lab not in (1.0, 0.0, -1.0):
-                        raise ValueError(f"label must be 1, 0 or -1, got {parts[0][:20]!r}")
-                    feats = parts[1:]
-                else:
-                    feats = parts
-                if len(feats) > F:
-                    raise ValueError(f"{len(feats)} features, the model has {F} fields")
-                for k, tok in enumerate(feats):
-                    a, sep, b = tok.partition(":")
-                    if not sep:
-                        raise ValueError(f"feature {tok[:20]!r} is not id:value")
-                    ident = int(a)
-                    if ident < 0:
-                        raise ValueError(f"negative feature id {ident}")
-                    ids[n, k] = ident
-                    vals[n, k] = float(b)
-                    known[n, k] = True
-            except ValueError as e:
-                msg = str(e)
-                errors[i] = (
-                    msg
-                    if " " in msg and "invalid literal" not in msg
-                    else f"bad number in {line.strip()[:40]!r}"
-                )
-                known[n] = False
-                vals[n] = 0
-                continue
-            if has_label:
-                labels.append(1.0 if lab > 0 else 0.0)
-            good_idx.append(i)
-            n += 1
-        rows = self._finish(ids[:n].astype(np.uint64), known[:n])
-        lab_t = torch.tensor(labels, dtype=torch.float32) if has_label else torch.zeros(n)
-        batch = Batch(rows, torch.from_numpy(vals[:n].copy()), torch.zeros(n, 0), lab_t)
+        """libFM lines through the platform's one parser (`mariana.platform.core.libfm`): vectorised per
+        chunk, per line (with each error's reason) when a line of the chunk is malformed."""
+        p = parse_lines(lines, self.schema.num_fields, has_label)
+        n = len(p)
+        rows = self._finish(p.ids.astype(np.uint64), p.known)
+        batch = Batch(rows, torch.from_numpy(p.vals), torch.zeros(n, 0), torch.from_numpy(p.labels))
         if stats is not None:
             stats.rows += n
-            for i, msg in errors.items():
+            for i, msg in p.errors.items():
                 stats.bad(first + i, msg)
-        return batch, good_idx, errors
+        return batch, p.good, p.errors
 
 
 def check_file(path: str | Path) -> Path:

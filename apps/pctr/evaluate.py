@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.metrics import auc_logloss
 
 from .data import ReadStats, count_lines, iter_chunks, parse_split, split_bounds
 from .predict import load_predictor
-from .train import auc_logloss
 
 
 def evaluate_run(

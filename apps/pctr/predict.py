@@ -1,10 +1,11 @@
 """Inference API used by `mariana pctr eval` and the serving module.
 
 ``load_predictor(run_dir) -> Predictor`` reads only the exported files (``model.safetensors`` with the
-metadata JSON: schema = format + hashing, model shape); nothing is unpickled.
+metadata JSON: schema = format + hashing, model shape); nothing is unpickled. The weights file is
+memory-mapped (`load_exported`) and the embedding table is adopted as loaded, never copied.
 
 Predictor:
-- ``.format``: ``'criteo' | 'libfm'``; ``.version``: str
+- ``.format``: ``'criteo' | 'libfm'``; ``.version``: the exported weights' digest
 - ``.parse(lines: list[str]) -> (Batch, errors: dict[int, str])``: records in the training format WITHOUT
   the label (criteo: 39 tab-separated fields; libfm: ``id:value ...``); invalid lines are left out and
   reported by index.
@@ -73,9 +74,6 @@ class Predictor:
     def parse(self, lines: list[str]) -> tuple[Batch, dict[int, str]]:
         batch, _, errors = self.encoder.encode(list(lines), has_label=False)
         return batch, errors
-
-    def parse_labelled(self, lines: list[str]) -> tuple[Batch, list[int], dict[int, str]]:
-        return self.encoder.encode(list(lines), has_label=True)
 
     def parse_json(self, instances: list[dict]) -> tuple[Batch, dict[int, str]]:
         lines, bad = [], {}

@@ -23,8 +23,20 @@ class VisionConfig(TrainConfig):
     stage_balance: str = opt(
         "params", "how to cut the model into stages: params, time, or block indices '3,6'"
     )
-    # Held-out data may move between a run and its resume (only the scores depend on it).
-    RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = TrainConfig.RESUME_MAY_CHANGE | {"eval_data", "eval_limit"}
+    pipeline_schedule: str = opt(
+        "1f1b",
+        "pipeline schedule (torch.distributed.pipelining) with --model-parallel > 1: 1f1b (one forward, one "
+        "backward: at most K micro-batches' activations alive) or gpipe (all forwards, then all backwards); "
+        "same gradients",
+        ["1f1b", "gpipe"],
+    )
+    # Held-out data may move between a run and its resume (only the scores depend on it); the pipeline
+    # schedule may change too.
+    RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = TrainConfig.RESUME_MAY_CHANGE | {
+        "eval_data",
+        "eval_limit",
+        "pipeline_schedule",  # the same gradients in another order of work
+    }
 
     eval_data: str = opt(
         "", "held-out images (.tar or folder) evaluated at the end (and every --eval-every steps)", path=True
@@ -73,7 +85,20 @@ class VisionConfig(TrainConfig):
                 )
         if self.cache_gb <= 0:
             raise MarianaError(f"--cache-gb must be > 0, got {self.cache_gb}")
+        self._check_flags_apply()
         self._validate_model()
+
+    def _check_flags_apply(self) -> None:
+        """A flag that would change nothing in this configuration is refused, not silently ignored."""
+        defaults = VisionConfig()
+        if self.model_parallel == 1:
+            for name in ("micro_batches", "stage_balance", "pipeline_schedule"):
+                if getattr(self, name) != getattr(defaults, name):
+                    raise MarianaError(
+                        f"--{name.replace('_', '-')} applies to pipeline jobs only (--model-parallel > 1)"
+                    )
+        elif self.compile:
+            raise MarianaError("--compile applies to --model-parallel 1 only (pipeline stages run eagerly)")
 
     def _validate_model(self) -> None:
         """``--model`` and ``--stage-balance`` checked in the launching process, before any worker starts
@@ -123,7 +148,7 @@ PRESETS = {
         optimizer="sgd",
         weight_decay=5e-4,
     ),
-    # the CPU accuracy recipe: one epoch, ~50 s on 2 idle cores, ~72 % top-1 on CIFAR-10 test-dev
+    # the CPU accuracy recipe: one epoch (time and top-1 measured in apps/vision/README.md)
     "small": VisionConfig(
         model="cifar-fast",
         batch_size=128,

@@ -17,7 +17,7 @@ Two input paths:
 - ``DecodedImages``: decode every image once (batched ``decode_jpeg``, on the GPU when available) into one
   uint8 tensor ``[N, 3, S, S]``; epochs then only index it. Used when the data set fits in memory
   (CIFAR-10 at 32 px is 150 MB), and it removes JPEG decoding from the per-step cost on a 2-core CPU.
-- ``StreamingImages`` + ``make_stream_loader``: a torch DataLoader whose workers read and decode
+- ``StreamingImages`` (read by ``train.StreamLoader``): a torch DataLoader whose workers read and decode
   (``decode_image``, resize/crop to ``S``) and return uint8 batches in pinned memory; the trainer copies
   them with ``non_blocking=True`` and a prefetching iterator overlaps the copy with compute. With
   ``decode='cuda'`` the workers only read bytes and decoding happens batched on the GPU.
@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import os
 import tarfile
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from mariana.platform.core.errors import DataError
+from mariana.platform.core.prefetch import Prefetcher  # noqa: F401  (re-exported)
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".JPG", ".JPEG", ".PNG")
 # ImageNet channel statistics in 0..1 units; CIFAR's differ by < 0.03, not worth a second set.
@@ -337,71 +337,7 @@ def augment_batch(x: torch.Tensor, generator: torch.Generator | None = None, pad
     return torch.where(flip.view(b, 1, 1, 1), x.flip(3), x)
 
 
-def v2_augment(size: int):
-    """The torchvision.transforms.v2 pipeline used by the streaming path on GPU batches (flip + crop);
-    exposed for users who prefer the library transforms over `augment_batch`."""
-    from torchvision.transforms import v2
-
-    return v2.Compose(
-        [v2.RandomCrop(size, padding=size // 8, padding_mode="reflect"), v2.RandomHorizontalFlip()]
-    )
-
-
 # ------------------------------------------------------------------------------------------- prefetching
-class Prefetcher:
-    """Wrap a batch iterator: a background thread pulls the next ``depth`` batches (reading/decoding in
-    DataLoader workers continues meanwhile) and copies them to ``device`` with ``non_blocking=True`` on a
-    side CUDA stream, so host->device copies overlap the current step's compute. ``transform(batch)``
-    (e.g. batched nvJPEG decoding of raw bytes) also runs in that thread, on the side stream."""
-
-    def __init__(self, it: Iterator, device: torch.device, depth: int = 2, transform=None):
-        import queue
-
-        self.device, self.q, self.transform = device, queue.Queue(maxsize=depth), transform
-        self.stream = torch.cuda.Stream() if device.type == "cuda" else None
-        self._done = object()
-        self._err: BaseException | None = None
-        self.t = threading.Thread(target=self._run, args=(it,), daemon=True)
-        self.t.start()
-
-    def _move(self, batch):
-        if isinstance(batch, torch.Tensor):
-            return batch.to(self.device, non_blocking=True)
-        if isinstance(batch, tuple | list):
-            return type(batch)(self._move(b) for b in batch)
-        return batch
-
-    def _run(self, it):
-        try:
-            for batch in it:
-                if self.stream is not None:
-                    with torch.cuda.stream(self.stream):
-                        batch = self._move(batch)
-                        if self.transform is not None:
-                            batch = self.transform(batch)
-                    ev = torch.cuda.Event()
-                    ev.record(self.stream)
-                    self.q.put((batch, ev))
-                else:
-                    self.q.put((self.transform(batch) if self.transform is not None else batch, None))
-        except BaseException as e:  # surface loader errors in the consumer thread
-            self._err = e
-        self.q.put(self._done)
-
-    def __iter__(self):
-        while True:
-            item = self.q.get()
-            if item is self._done:
-                if self._err is not None:
-                    raise self._err
-                return
-            batch, ev = item
-            if ev is not None:
-                torch.cuda.current_stream().wait_event(ev)
-                _record_stream(batch, torch.cuda.current_stream())
-            yield batch
-
-
 def gpu_decode_batch(size: int, device: torch.device):
     """A `Prefetcher` transform: ``(list of encoded images, labels, bad paths)`` -> ``(uint8 [B',3,S,S] on
     device, labels [B'], bad paths)``, decoding with batched ``decode_jpeg`` on ``device``; failures are
@@ -420,15 +356,6 @@ def gpu_decode_batch(size: int, device: torch.device):
         return imgs, y, bad
 
     return transform
-
-
-def _record_stream(batch, stream) -> None:
-    """Tell the caching allocator the batch (allocated on the copy stream) is used on ``stream``."""
-    if isinstance(batch, torch.Tensor):
-        batch.record_stream(stream)
-    elif isinstance(batch, tuple | list):
-        for b in batch:
-            _record_stream(b, stream)
 
 
 def image_bytes_ok(data: bytes) -> bool:
@@ -451,5 +378,4 @@ __all__ = [
     "normalize",
     "open_source",
     "subset_indices",
-    "v2_augment",
 ]

@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.metrics import topk_correct
 from mariana.platform.core.rundir import eval_result_path
 from mariana.platform.dp.dist import resolve_device
 
 from .data import StreamingImages, collate_stream, normalize, open_source
 from .predict import load_classifier
-from .train import topk_correct
 
 
 def evaluate_run(

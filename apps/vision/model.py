@@ -61,7 +61,7 @@ class Residual(nn.Module):
 def cifar_fast(num_classes: int = 10, width: int = 32) -> nn.Sequential:
     """A small ResNet-ish net for 32 px images (~0.6 M params at width 32): prep conv, three pooling
     stages (two with a residual pair), global max-pool, linear. Input float ``[B,3,32,32]``, output
-    logits ``[B, num_classes]``. Trains to > 60 % CIFAR-10 top-1 in a few CPU minutes."""
+    logits ``[B, num_classes]``. Small enough to train on CIFAR-10 in CPU minutes (apps/vision/README.md)."""
     w = width
     return nn.Sequential(
         OrderedDict(

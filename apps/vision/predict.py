@@ -2,12 +2,11 @@
 
 clf = load_classifier("runs/vision")          # RUN/model.safetensors + its metadata; no pickle
 clf.classify_bytes(jpeg_bytes, k=5)           # -> [("cat", 0.83), ("dog", 0.09), ...]
-clf.version                                   # "cifar-fast-3f2a9c1e7b4d": model name + weights digest
+clf.version                                   # "3f2a9c1e7b4d05aa": the exported weights' digest
 """
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
@@ -20,8 +19,8 @@ from .model import build_model
 
 class Classifier:
     """An exported vision model ready for inference on ``device``: ``classes``, ``image_size``,
-    ``version`` (model name + the first 12 hex digits of the weights file's SHA-256, so the same weights
-    always report the same version)."""
+    ``version`` (the exported weights' digest, `mariana.platform.core.export.weights_digest`: the same
+    weights always report the same version)."""
 
     def __init__(
         self,
@@ -77,22 +76,17 @@ def load_classifier(run_dir: str | Path, device: str | torch.device = "cpu") -> 
     normalisation) written by ``mariana vision train``."""
     device = torch.device(device)
     state, meta = load_exported(run_dir)
-    weights = Path(run_dir) / "model.safetensors" if Path(run_dir).is_dir() else Path(run_dir)
-    version = f"{meta.get('model', 'vision')}-{hashlib.sha256(weights.read_bytes()).hexdigest()[:12]}"
     if meta.get("app") != "vision":
         made_by = f"`mariana {meta['app']} train`" if meta.get("app") else "no known app"
         raise MarianaError(
             f"{run_dir}: not a vision model (it was exported by {made_by}; expected a `mariana vision train` run)"
         )
-    model = build_model(
-        meta["model"], len(meta["classes"]), int(meta["image_size"]), float(meta.get("dropout", 0.5))
-    )
+    arch = meta.get("arch") or meta["model"]
+    model = build_model(arch, len(meta["classes"]), int(meta["image_size"]), float(meta.get("dropout", 0.5)))
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
-        raise MarianaError(
-            f"{run_dir}: weights do not match model {meta['model']!r}: {str(e)[:300]}"
-        ) from None
+        raise MarianaError(f"{run_dir}: weights do not match model {arch!r}: {str(e)[:300]}") from None
     return Classifier(
         model.to(device),
         meta["classes"],
@@ -100,5 +94,5 @@ def load_classifier(run_dir: str | Path, device: str | torch.device = "cpu") -> 
         meta["mean"],
         meta["std"],
         device,
-        version,
+        meta["version"],
     )

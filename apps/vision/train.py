@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import export_model
+from mariana.platform.core.metrics import topk_correct
 from mariana.platform.core.rundir import start_run
 from mariana.platform.dp.sampler import IndexBatchLoader, ShardedBatchSampler
 
@@ -80,7 +81,7 @@ class StreamLoader:
 
     def iterate(self, epoch: int, start: int = 0):
         it = self.inner.iterate(epoch, start)
-        return iter(Prefetcher(it, self.device, depth=3, transform=self.transform))
+        return iter(Prefetcher(it, depth=3, device=self.device, transform=self.transform))
 
 
 class PipelineLoader:
@@ -101,14 +102,6 @@ class PipelineLoader:
 
 
 # ------------------------------------------------------------------------------------------------ pieces
-def topk_correct(logits: torch.Tensor, y: torch.Tensor, k: int = 5) -> tuple[int, int]:
-    """(top-1 correct, top-k correct) counts for logits [B, C] and labels [B]."""
-    k = min(k, logits.shape[1])
-    top = logits.topk(k, dim=1).indices
-    hit = top == y.view(-1, 1)
-    return int(hit[:, 0].sum()), int(hit.any(dim=1).sum())
-
-
 def decode_device(cfg: VisionConfig, device: torch.device) -> torch.device:
     if cfg.decode == "cuda" or (cfg.decode == "auto" and device.type == "cuda"):
         if not torch.cuda.is_available():
@@ -251,27 +244,39 @@ def _train(cfg: VisionConfig, ctx) -> dict[str, Any]:
 
     loss_fn = lambda logits, y: F.cross_entropy(logits.float(), y, label_smoothing=cfg.label_smoothing)  # noqa: E731
 
+    meta = {
+        "app": "vision",
+        "model": cfg.model,
+        "classes": classes,
+        "image_size": cfg.image_size,
+        "mean": list(MEAN),
+        "std": list(STD),
+        "dropout": cfg.dropout,
+        "config": {k_: v for k_, v in vars(cfg).items()},
+        "train_images": n_train,
+    }
+
+    def export(state: dict[str, torch.Tensor], eval_metrics: dict) -> None:
+        if ctx.is_main:
+            export_model(
+                run.path,
+                state,
+                app="vision",
+                arch=cfg.model,
+                config=meta["config"],
+                metrics=eval_metrics,
+                extra=meta,
+            )
+
     if k == 1:
-        final, state = _train_data_parallel(
-            cfg, ctx, run, model, loss_fn, data if use_cache else None, src, eval_data, skipped
+        final = _train_data_parallel(
+            cfg, ctx, run, model, loss_fn, data if use_cache else None, src, eval_data, skipped, export
         )
     else:
-        final, state = _train_pipeline(cfg, ctx, run, model, loss_fn, data, eval_data)
+        final = _train_pipeline(cfg, ctx, run, model, loss_fn, data, eval_data, export)
     final["skipped_images"] = len(skipped)
     final["params"] = num_params(model)
     if ctx.is_main:
-        meta = {
-            "app": "vision",
-            "model": cfg.model,
-            "classes": classes,
-            "image_size": cfg.image_size,
-            "mean": list(MEAN),
-            "std": list(STD),
-            "dropout": cfg.dropout,
-            "config": {k_: v for k_, v in vars(cfg).items()},
-            "train_images": n_train,
-        }
-        export_model(run.path, state, meta)
         if skipped:
             run.write_final({"skipped": [{"path": p, "reason": r} for p, r in skipped]}, "skipped.json")
         run.write_final(final)
@@ -279,9 +284,15 @@ def _train(cfg: VisionConfig, ctx) -> dict[str, Any]:
     return final
 
 
-def _train_data_parallel(cfg, ctx, run, model, loss_fn, data, src, eval_data, skipped):
-    from mariana.platform.core.loop import Trainer, unwrap
+def _train_data_parallel(cfg, ctx, run, model, loss_fn, data, src, eval_data, skipped, export):
+    from mariana.platform.core.evaluator import evaluator_from
+    from mariana.platform.core.loop import Trainer
+    from mariana.platform.core.steps import ModuleStep, unwrap
+    from mariana.platform.core.warmstart import warm_start
     from mariana.platform.dp.ddp import apply_data_parallel
+
+    if cfg.init_from:
+        warm_start(model, cfg.init_from, "vision")
 
     if data is not None:
         sampler = ShardedBatchSampler(len(data), cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
@@ -315,20 +326,32 @@ def _train_data_parallel(cfg, ctx, run, model, loss_fn, data, src, eval_data, sk
     eval_fn = None
     if eval_data is not None:
         eval_fn = lambda m: evaluate_cached(m, eval_data, cfg, rank=ctx.rank, world=ctx.world_size)  # noqa: E731
-    trainer = Trainer(cfg, wrapped, None, None, loader, step_fn, ctx, run, eval_fn)
-    final = trainer.fit()
-    return final, unwrap(wrapped).state_dict()
+    trainer = Trainer(
+        cfg,
+        ModuleStep(cfg, wrapped, step_fn, ctx),
+        loader,
+        ctx,
+        run,
+        evaluator=evaluator_from(cfg, eval_fn, "top1"),
+        exporter=lambda metrics, step: export(unwrap(wrapped).state_dict(), metrics),
+    )
+    return trainer.fit()
 
 
-def _train_pipeline(cfg, ctx, run, model, loss_fn, data, eval_data):
-    from mariana.platform.core.loop import autocast_for
+def _train_pipeline(cfg, ctx, run, model, loss_fn, data, eval_data, export):
+    from mariana.platform.core.evaluator import evaluator_from
+    from mariana.platform.core.loop import Trainer
+    from mariana.platform.core.steps import autocast_for
+    from mariana.platform.core.warmstart import warm_start
     from mariana.platform.dp.dist import ParallelDims
     from mariana.platform.pipeline import parallelize_pipeline
-    from mariana.platform.pipeline.trainer import PipelineTrainer
+    from mariana.platform.pipeline.step import PipelineStep
 
     k = cfg.model_parallel
     if not ctx.distributed:
         raise MarianaError(f"--model-parallel {k} needs --workers >= {k} (one process per stage)")
+    if cfg.init_from:
+        warm_start(model, cfg.init_from, "vision")
     mesh = ParallelDims(world_size=ctx.world_size, mp=k).build_mesh(ctx.device.type)
     blocks = as_blocks(model)
     balance: Any = cfg.stage_balance
@@ -347,6 +370,7 @@ def _train_pipeline(cfg, ctx, run, model, loss_fn, data, eval_data):
         sample,
         cfg.grad_comm,
         autocast=lambda: autocast_for(cfg, ctx.device),
+        schedule=cfg.pipeline_schedule,
     )
     log.info(
         "pipeline: stage %d/%d blocks %s (%d params), gradient group ranks %s",
@@ -379,14 +403,27 @@ def _train_pipeline(cfg, ctx, run, model, loss_fn, data, eval_data):
         c1, c5, n = counts.tolist()
         return {"top1": 100.0 * c1 / max(1, n), "top5": 100.0 * c5 / max(1, n), "images": n}
 
-    trainer = PipelineTrainer(cfg, pp, loader, ctx, run, eval_fn if eval_data is not None else None, prepare)
+    step = PipelineStep(cfg, pp, ctx, run, prepare)
+
+    def export_merged(metrics: dict, _step: int) -> None:
+        merged = step.full_state_dict()  # collective: every stage sends its part to rank 0
+        if ctx.is_main:
+            fresh = build_model(cfg.model, len(data.classes), cfg.image_size, cfg.dropout)
+            as_blocks(fresh).load_state_dict(merged)
+            export(fresh.state_dict(), metrics)
+
+    trainer = Trainer(
+        cfg,
+        step,
+        loader,
+        ctx,
+        run,
+        evaluator=evaluator_from(cfg, eval_fn if eval_data is not None else None, "top1"),
+        exporter=export_merged,
+        desc="train (pipeline)",
+    )
     final = trainer.fit()
-    state = {}
-    if ctx.is_main:
-        merged = trainer.merged_state_dict()
-        fresh = build_model(cfg.model, len(data.classes), cfg.image_size, cfg.dropout)
-        as_blocks(fresh).load_state_dict(merged)
-        state = fresh.state_dict()
+    final.update(step.summary())
     if not math.isfinite(final.get("train_loss", 0.0)):
         log.warning("training loss is not finite")
-    return final, state
+    return final

@@ -1,7 +1,9 @@
 """The ``mariana`` command: one entry point with a subcommand group per application.
 
-Each command module provides ``register(subparsers)``; leaf parsers set ``func(args, argv) -> int``.
-Modules import only the standard library at import time, so ``mariana --help`` is fast.
+The applications come from the registry (`mariana.platform.core.registry`: each app's ``AppSpec.cli``),
+followed by the platform's own commands. Each command module provides ``register(subparsers)``; leaf
+parsers set ``func(args, argv) -> int``. Modules import only the standard library at import time, so
+``mariana --help`` is fast.
 A `MarianaError` (bad flag value, bad config file, missing data) prints one line and exits with 2.
 """
 
@@ -13,11 +15,8 @@ import sys
 
 from ..core.errors import MarianaError
 
-COMMAND_MODULES = [
-    "mariana.platform.mlpjob.cli",
-    "mariana.apps.asr.cli",
-    "mariana.apps.vision.cli",
-    "mariana.apps.pctr.cli",
+# The platform's commands, listed after the applications' groups.
+PLATFORM_COMMANDS = [
     "mariana.serving.cli",
     "mariana.platform.jobs.cli",
     "mariana.platform.tune.cli",
@@ -47,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version", version=version_text(), help="print the versions of mariana and torch"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    from ..core.registry import all_apps
+
+    for name in [spec.cli for spec in all_apps()] + PLATFORM_COMMANDS:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:

@@ -34,13 +34,21 @@ def opt(
     choices: typing.Sequence[Any] | None = None,
     cli: bool = True,
     path: bool = False,
+    epoch_ok: bool = False,
 ):
     """A config field with a help string (shown by ``--help``) and optional allowed values.
 
     ``choices``: the allowed values, enforced for flags, TOML files and presets alike (`check_choices`).
     ``path=True``: a file-system path; `resolve_config` makes a non-empty value absolute, so
-    ``RUN/config.toml`` names the same files whatever directory a later command runs in."""
-    meta = {"help": help, "choices": tuple(choices) if choices else None, "cli": cli, "path": path}
+    ``RUN/config.toml`` names the same files whatever directory a later command runs in.
+    ``epoch_ok=True``: an int field that also takes the word ``epoch`` (stored as -1)."""
+    meta = {
+        "help": help,
+        "choices": tuple(choices) if choices else None,
+        "cli": cli,
+        "path": path,
+        "epoch_ok": epoch_ok,
+    }
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -60,6 +68,7 @@ class TrainConfig:
             "out", "config", "preset", "resume",  # where the run is and how the values were given
             "epochs", "max_steps",  # how long to train (the LR schedule follows the new length)
             "log_every", "eval_every", "ckpt_every", "progress",  # reporting
+            "early_stop", "init_from",  # when to stop; the warm start only matters before the first step
             "timeout", "max_restarts", "rdzv_endpoint", "rdzv_id",  # fault handling and rendezvous
             "device", "amp", "grad_comm", "num_workers",  # where and how fast, not what
         }
@@ -97,7 +106,25 @@ class TrainConfig:
     clip_grad: float = opt(0.0, "clip the global gradient norm to this value; 0 disables")
     grad_accum: int = opt(1, "micro-steps accumulated per optimizer step")
     log_every: int = opt(10, "optimizer steps between metrics.jsonl records")
-    eval_every: int = opt(0, "optimizer steps between evaluations; 0 evaluates only at the end")
+    eval_every: int = opt(
+        0,
+        "evaluate every N optimizer steps, or 'epoch' at the end of every epoch; 0 only at the end",
+        epoch_ok=True,
+    )
+    monitor: str = opt(
+        "",
+        "evaluation metric that picks the best model and drives --early-stop (e.g. auc, logloss, wer, top1; "
+        "its direction is known); empty: the app's headline metric",
+    )
+    early_stop: int = opt(
+        0, "stop after this many evaluations in a row without a better --monitor value; 0 never stops early"
+    )
+    init_from: str = opt(
+        "",
+        "warm start: initial weights from a run directory or model.safetensors (not --resume: a new run "
+        "with fresh optimizer state and schedule)",
+        path=True,
+    )
     ckpt_every: int = opt(0, "optimizer steps between checkpoints; 0 checkpoints only at the end")
     seed: int = opt(0, "random seed (model init, shuffling, augmentation)")
     resume: bool = opt(False, "continue from the last checkpoint in --out")
@@ -112,7 +139,11 @@ class TrainConfig:
         for name in ("workers", "nnodes", "epochs", "batch_size", "grad_accum", "log_every"):
             if getattr(self, name) < 1:
                 raise MarianaError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "eval_every", "ckpt_every", "max_restarts", "num_workers", "warmup_steps"):
+        if self.eval_every < -1:
+            raise MarianaError(
+                f"--eval-every must be a number of steps >= 0 or 'epoch', got {self.eval_every}"
+            )
+        for name in ("max_steps", "ckpt_every", "max_restarts", "num_workers", "warmup_steps", "early_stop"):
             if getattr(self, name) < 0:
                 raise MarianaError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "weight_decay", "clip_grad", "momentum"):
@@ -121,6 +152,14 @@ class TrainConfig:
                 raise MarianaError(f"--{_flag(name)} must be a finite number >= 0, got {value}")
         if not (math.isfinite(self.timeout) and self.timeout > 0):
             raise MarianaError(f"--timeout must be > 0 seconds, got {self.timeout}")
+        if self.monitor:
+            from .evaluator import higher_is_better
+
+            higher_is_better(self.monitor)  # an unknown metric name is refused before any worker starts
+        if self.init_from and not os.path.exists(self.init_from):
+            raise MarianaError(f"--init-from {self.init_from}: no such run directory or model file")
+        if self.optimizer != "sgd" and self.momentum != 0.9:
+            raise MarianaError(f"--momentum applies to --optimizer sgd only (this job uses {self.optimizer})")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise MarianaError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
 
@@ -220,7 +259,22 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
             metavar = "{" + ",".join(str(c) for c in f.metadata["choices"]) + "}"
             if typing.get_origin(_base_type(tp)[0]) is list:  # "a,b": argparse cannot check the parts
                 del kwargs["choices"]
-        parser.add_argument(f"--{_flag(f.name)}", type=_parse_flag(tp, f.name), metavar=metavar, **kwargs)
+        parse = _parse_flag(tp, f.name)
+        if f.metadata.get("epoch_ok"):
+            parse, metavar = _epoch_or(parse), "{N,epoch}"
+        parser.add_argument(f"--{_flag(f.name)}", type=parse, metavar=metavar, **kwargs)
+
+
+def _epoch_or(parse):
+    def parse_epoch(text: str):
+        return -1 if text.strip().lower() == "epoch" else parse(text)
+
+    parse_epoch.__name__ = "int or 'epoch'"
+    return parse_epoch
+
+
+def _field(cls_or_cfg: Any, name: str) -> dataclasses.Field:
+    return {f.name: f for f in fields(cls_or_cfg)}[name]
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -284,6 +338,8 @@ def apply_values(cfg: C, values: dict[str, Any], source: str) -> C:
         name = key.replace("-", "_")
         if name not in known:
             raise MarianaError(f"{source}: unknown field {key!r} (known fields: {', '.join(sorted(known))})")
+        if value == "epoch" and _field(cfg, name).metadata.get("epoch_ok"):
+            value = -1
         updates[name] = coerce(hints[name], value, f"{source}: field {key!r}")
         check_choice(cfg, name, updates[name], f"{source}: field {key!r}")
     return dataclasses.replace(cfg, **updates)  # type: ignore[type-var]

@@ -1,17 +1,31 @@
-"""Model export: weights as safetensors plus a JSON description, loadable without pickled classes.
+"""Model export, one format for every app: ``RUN/model.safetensors`` + ``RUN/model.json``.
 
-``RUN/model.safetensors`` holds the state dict (CPU, contiguous) with the metadata JSON embedded under the
-``mariana`` key; ``RUN/model.json`` repeats the metadata for people and tools. Loading never executes code.
+The weights file holds the state dict (CPU, contiguous) with the metadata JSON embedded under the
+``mariana`` key; ``model.json`` repeats the metadata for people and tools. Loading never executes code.
+
+The metadata always has:
+
+- ``app``: the app that trained it (``AppSpec.name``); ``arch``: the model architecture ("deepfm",
+  "cifar-fast", "dnn-ctc", "click-mlp", ...);
+- ``config``: the resolved training config (a dict); ``metrics``: final scalar metrics (may be empty);
+- ``created``: ISO-8601 UTC time of the export;
+- ``version``: `weights_digest` of the weights: the same weights always have the same version, whatever
+  run or time produced them (the model version serving reports);
+
+plus the app's own keys (vocabulary, classes, schema, ...) at the top level.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import save_file as st_save_file
 
 from .atomic import atomic_write_path, atomic_write_text
@@ -19,11 +33,53 @@ from .errors import MarianaError
 
 WEIGHTS = "model.safetensors"
 META = "model.json"
+REQUIRED_KEYS = ("app", "arch", "config", "created", "metrics", "version")
+_HASH_CHUNK = 64 << 20  # bytes hashed per update: a multi-GB table is never copied
 
 
-def export_model(run_dir: str | Path, state_dict: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+def weights_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
+    """First 16 hex digits of the SHA-256 over every tensor's name, dtype, shape and bytes (in name
+    order), computed tensor by tensor straight from the tensors' memory (nothing concatenated)."""
+    h = hashlib.sha256()
+    for name in sorted(state_dict):
+        t = state_dict[name].detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        head = f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{tuple(t.shape)}\0{t.nbytes}\0".encode()
+        h.update(len(head).to_bytes(8, "little") + head)
+        if t.numel():
+            mem = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            for i in range(0, len(mem), _HASH_CHUNK):
+                h.update(mem[i : i + _HASH_CHUNK])
+    return h.hexdigest()[:16]
+
+
+def _plain_config(config: Any) -> dict:
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return dataclasses.asdict(config)
+    return dict(config)
+
+
+def _scalar_metrics(metrics: Mapping[str, Any] | None) -> dict:
+    """The scalar entries (numbers, strings, booleans) of a final-metrics dict."""
+    return {k: v for k, v in (metrics or {}).items() if isinstance(v, int | float | str | bool)}
+
+
+def export_model(
+    run_dir: str | Path,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    app: str,
+    arch: str,
+    config: Any,
+    metrics: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
     """Write ``RUN/model.safetensors`` and ``RUN/model.json`` atomically; returns the weights path.
 
+    ``config`` is the resolved config (dataclass or dict); ``metrics`` keeps its scalar entries; ``extra``
+    (the app's own keys) is merged at the top level, where the keys above (``app``, ``version``, ...) win.
     Tensors are moved to CPU and de-aliased (safetensors refuses shared storage); a tensor that already
     owns its storage is written as is and streamed to the file (a multi-GB embedding table is not copied)."""
     run_dir = Path(run_dir)
@@ -38,6 +94,15 @@ def export_model(run_dir: str | Path, state_dict: dict[str, torch.Tensor], meta:
         else:
             owned.add(key)
         tensors[k] = v
+    meta = {
+        **(extra or {}),
+        "app": app,
+        "arch": arch,
+        "config": _plain_config(config),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "metrics": _scalar_metrics(metrics),
+        "version": weights_digest(tensors),
+    }
     meta_text = json.dumps(meta, sort_keys=True, default=str)
     path = atomic_write_path(
         run_dir / WEIGHTS, lambda tmp: st_save_file(tensors, tmp, metadata={"mariana": meta_text})
@@ -50,22 +115,36 @@ def load_exported(
     run_dir: str | Path, device: str | torch.device = "cpu"
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Read an exported model: (state dict on ``device``, metadata dict). ``run_dir`` may also be the
-    ``.safetensors`` file itself. ``meta["app"]`` names the app that trained it (taken from ``job`` for
-    runs that only have that key), so a wrong ``--model`` can be named in an error message."""
+    ``.safetensors`` file itself.
+
+    The file is memory-mapped (safetensors ``safe_open``), never read whole into one buffer, and each tensor
+    is copied out of the mapping into memory the process owns, one at a time: peak memory is the model
+    once (plus page cache), and a file overwritten in place later (``cp`` onto a served model) cannot
+    fault the process (SIGBUS) through a stale mapping. ``meta["app"]`` names the app that trained it
+    (taken from ``job`` for old runs that only have that key), so a wrong ``--model`` can be named in an
+    error message; ``meta["version"]`` is the weights' digest (computed here for exports older than it)."""
+    from safetensors import safe_open
+
     path = Path(run_dir)
     if path.is_dir():
         path = path / WEIGHTS
     if not path.is_file():
         raise MarianaError(f"no exported model at {path} (train first, or point --model at a run directory)")
-    data = path.read_bytes()
+    on_cpu = torch.device(device).type == "cpu"
+    tensors = {}
     try:
-        tensors = st_load(data)
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = json.loads((f.metadata() or {}).get("mariana", "{}"))
+            for k in f.keys():  # noqa: SIM118  -- safe_open is not iterable
+                t = f.get_tensor(k)  # a view of the mapped file
+                tensors[k] = t.clone() if on_cpu else t.to(device)
+                del t
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise MarianaError(f"{path}: not a readable safetensors model file ({e})") from None
-    if "app" not in meta and meta.get("job"):  # runs that name their app "job" (mlp, asr)
+    if not isinstance(meta, dict):
+        raise MarianaError(f"{path}: not a readable safetensors model file (metadata is not an object)")
+    if "app" not in meta and meta.get("job"):  # old runs that name their app "job" (mlp, asr)
         meta["app"] = meta["job"]
-    return {k: v.to(device) for k, v in tensors.items()}, meta
+    if not meta.get("version"):
+        meta["version"] = weights_digest(tensors)
+    return tensors, meta

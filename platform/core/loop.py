@@ -1,10 +1,16 @@
-"""The one training loop every data-parallel job uses.
+"""The one training loop every job runs on.
 
-`Trainer.fit` runs optimizer steps over a `BatchLoader` with gradient accumulation (DDP ``no_sync`` on
-all but the last micro-step), bf16 autocast on GPU, gradient clipping, an LR schedule, periodic
-evaluation and checkpoints, a tqdm bar on rank 0, and ``metrics.jsonl`` records. With ``cfg.resume`` (or
-when torchrun restarts the worker group) it continues from the last checkpoint exactly: model, optimizer,
-scheduler, data position ``(epoch, batch)`` and RNG states.
+`Trainer` is built from small components (after torchtitan): a **step** supplied by the parallel strategy
+(`steps.ModuleStep` for one process and DDP, the pipeline step, the pCTR local and parameter-server steps),
+a **checkpointer**, a **metrics logger** (``metrics.jsonl`` + the progress bar), an **evaluator** with its
+early stopper (`evaluator.Evaluator`) and an **exporter** (the app's function that writes
+``RUN/model.safetensors``). The loop itself only counts: optimizer steps, the data position
+``(epoch, batch)``, when to log, evaluate, checkpoint and stop.
+
+With ``cfg.resume`` (or when torchrun restarts the worker group) it continues from the last checkpoint
+exactly: the step's state (model, optimizers, schedules, tables), the data position, the evaluator's best
+value and every rank's RNG states. When an evaluator monitors a metric, the exported model is the best
+evaluated one and ``metrics.json`` records its step (``best_step``).
 """
 
 from __future__ import annotations
@@ -15,23 +21,25 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from .config import TrainConfig
 from .errors import MarianaError
+from .evaluator import Evaluator
 from .faults import FaultInjector
-from .optim import build_optimizer, build_scheduler
 from .rundir import RunDir
+from .steps import TrainStep, autocast_for, move_to, unwrap  # noqa: F401  (re-exported)
 
 log = logging.getLogger("mariana")
 
-StepFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, int]]
-EvalFn = Callable[[torch.nn.Module], dict[str, float]]
+Exporter = Callable[[dict[str, float], int], None]
 
 
 class BatchLoader(Protocol):
@@ -44,102 +52,149 @@ class BatchLoader(Protocol):
         ...
 
 
-def move_to(batch: Any, device: torch.device) -> Any:
-    """Recursively move tensors in tuples/lists/dicts to ``device`` (non-blocking from pinned memory)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: move_to(v, device) for k, v in batch.items()}
-    if isinstance(batch, list | tuple):
-        return type(batch)(move_to(v, device) for v in batch)
-    return batch
-
-
-def autocast_for(cfg: TrainConfig, device: torch.device):
-    use = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
-    if not use:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
-        model = getattr(model, "module", None) or model._orig_mod
-    return model
-
-
 def total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
     """Optimizer steps of the run: ``--max-steps``, or ``--epochs`` x full accumulation groups per epoch.
     MarianaError if one epoch has no complete optimizer step (too little data for the batch size)."""
-    if batches_per_epoch < cfg.grad_accum:
+    accum = getattr(cfg, "grad_accum", 1)
+    if batches_per_epoch < accum:
         raise MarianaError(
-            f"one epoch has {batches_per_epoch} batches per worker, fewer than --grad-accum {cfg.grad_accum}: "
+            f"one epoch has {batches_per_epoch} batches per worker, fewer than --grad-accum {accum}: "
             f"the training data is too small for --batch-size {cfg.batch_size} x --workers {cfg.workers}; "
             "use a smaller --batch-size or fewer --workers"
         )
-    return cfg.max_steps or cfg.epochs * (batches_per_epoch // cfg.grad_accum)
+    return cfg.max_steps or cfg.epochs * (batches_per_epoch // accum)
+
+
+class Checkpointer:
+    """Writes and reads ``RUN/checkpoints/step_N``: the Trainer's progress and the step's state in
+    ``state.pt`` (rank 0), extra files the step writes itself, every rank's RNG state; ``latest`` moves
+    only once all ranks wrote (`save_checkpoint`)."""
+
+    def __init__(self, run: RunDir, ctx, keep: int = 2):
+        self.run, self.ctx, self.keep = run, ctx, keep
+
+    def save(self, step: TrainStep, progress: dict[str, Any]) -> None:
+        n = progress["step"]
+        folder = self.run.ckpt_dir / f"step_{n:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        state = step.checkpoint_state(folder)
+        payload = {**state, **progress} if self.ctx.is_main else None
+        save_checkpoint(self.run, n, payload, self.ctx.rank, self.ctx.barrier, self.keep)
+        if self.ctx.is_main:
+            log.debug("checkpoint at step %d written to %s", n, self.run.ckpt_dir)
+
+    def load(self, step: TrainStep) -> dict[str, Any]:
+        state, rng = load_checkpoint(self.run, self.ctx.rank)
+        folder = self.run.ckpt_dir / (self.run.ckpt_dir / "latest").read_text().strip()
+        step.restore(state, folder)
+        if rng is not None:
+            set_rng_state(rng)
+        return state
+
+
+class MetricsLogger:
+    """``metrics.jsonl`` records (rank 0) and the progress bar; train records carry loss, samples/s,
+    step time, communication time and bytes, learning rate(s)."""
+
+    def __init__(self, run: RunDir, ctx, total: int, initial: int, enabled: bool, desc: str):
+        self.run, self.ctx = run, ctx
+        # a worker's stderr is a pipe that the launcher shows on the terminal (rank 0 only); one process
+        # draws the bar only on a terminal (no bar frames in job-service logs or captured output)
+        visible = sys.stderr.isatty() or "TORCHELASTIC_RUN_ID" in os.environ
+        on_tty_or_forced = enabled and ctx.is_main and visible
+        self.bar = tqdm(
+            total=total,
+            initial=initial,
+            disable=not on_tty_or_forced,
+            desc=desc,
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=1.0,
+            file=sys.stderr,
+        )
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.ctx.is_main:
+            self.run.log_metrics(record)
+
+    def postfix(self, **kw) -> None:
+        self.bar.set_postfix(**kw)
+
+    def redirect(self):
+        """Console log lines print above the bar, not through it."""
+        return logging_redirect_tqdm([log]) if not self.bar.disable else contextlib.nullcontext()
 
 
 class Trainer:
+    """Runs ``step`` over ``loader`` until ``--max-steps``/``--epochs`` or early stopping.
+
+    ``evaluator``: when to evaluate, the monitored metric, patience; ``exporter(metrics, step)`` writes the
+    model (called on every rank; the app decides which rank writes); ``checkpointer``: default
+    `Checkpointer` (the parameter-server step brings one that checkpoints the servers)."""
+
     def __init__(
         self,
         cfg: TrainConfig,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        scheduler: Any | None,
+        step: TrainStep,
         loader: BatchLoader,
-        step_fn: StepFn,
         ctx,
         run: RunDir,
-        eval_fn: EvalFn | None = None,
+        evaluator: Evaluator | None = None,
+        exporter: Exporter | None = None,
+        checkpointer: Checkpointer | None = None,
+        desc: str = "train",
+        total: int | None = None,
     ):
-        self.cfg, self.model, self.loader, self.step_fn = cfg, model, loader, step_fn
-        self.ctx, self.run, self.eval_fn = ctx, run, eval_fn
-        self.total_steps = total_steps(cfg, loader.batches_per_epoch)
-        self.optimizer = optimizer or build_optimizer(cfg, model.parameters())
-        self.scheduler = scheduler or build_scheduler(cfg, self.optimizer, self.total_steps)
-        self.step, self.epoch, self.pos = 0, 0, 0
+        self.cfg, self.step_obj, self.loader, self.ctx, self.run = cfg, step, loader, ctx, run
+        self.evaluator, self.exporter, self.desc = evaluator, exporter, desc
+        self.checkpointer = checkpointer or Checkpointer(run, ctx)
+        self.total_steps = total if total is not None else total_steps(cfg, loader.batches_per_epoch)
+        self.accum = getattr(cfg, "grad_accum", 1)
+        step.setup(self.total_steps)
+        self.step, self.epoch, self.pos, self.samples = 0, 0, 0, 0
+        self.history: list[dict[str, Any]] = []
+        self.exported_step = -1
         self.faults = FaultInjector()
         if ctx.watchdog is not None:
             ctx.watchdog.report_dir = run.log_dir
 
     # --- checkpoints -----------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def progress(self) -> dict[str, Any]:
         return {
-            "model": unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "data": {"epoch": self.epoch, "batch": self.pos},
+            "trainer": {
+                "samples": self.samples,
+                "history": self.history,
+                "exported_step": self.exported_step,
+                "evaluator": self.evaluator.state_dict() if self.evaluator else None,
+            },
         }
 
     def save(self) -> None:
         self.ctx.set_phase("checkpoint")
-        save_checkpoint(
-            self.run,
-            self.step,
-            self.state_dict() if self.ctx.is_main else None,
-            self.ctx.rank,
-            self.ctx.barrier,
-        )
-        if self.ctx.is_main:
-            log.debug("checkpoint at step %d written to %s", self.step, self.run.ckpt_dir)
+        self.checkpointer.save(self.step_obj, self.progress())
 
-    def maybe_resume(self) -> None:
+    def maybe_resume(self) -> bool:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        if not (self.cfg.resume or restarted):
-            return
-        if not self.run.has_checkpoint():
+        if getattr(self.checkpointer, "resume_from_servers", False):
+            state = self.checkpointer.load(self.step_obj)  # the servers know where to continue
+            if state is None:
+                return False
+        elif not (self.cfg.resume or restarted):
+            return False
+        elif not self.run.has_checkpoint():
             if self.cfg.resume and not restarted:
                 raise MarianaError(f"--resume: no checkpoint in {self.run.ckpt_dir}")
-            return  # restarted before the first checkpoint: start over
-        state, rng = load_checkpoint(self.run, self.ctx.rank)
-        unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+            return False  # restarted before the first checkpoint: start over
+        else:
+            state = self.checkpointer.load(self.step_obj)
         self.step, self.epoch, self.pos = state["step"], state["data"]["epoch"], state["data"]["batch"]
-        if rng is not None:
-            set_rng_state(rng)
+        t = state.get("trainer") or {}
+        self.samples, self.history = int(t.get("samples", 0)), list(t.get("history", []))
+        self.exported_step = int(t.get("exported_step", -1))
+        if self.evaluator is not None and t.get("evaluator"):
+            self.evaluator.load_state_dict(t["evaluator"])
         if self.ctx.is_main:
             log.info(
                 "resumed from step %d (epoch %d, batch %d)%s",
@@ -148,130 +203,174 @@ class Trainer:
                 self.pos,
                 " after a worker restart" if restarted else "",
             )
+        return True
+
+    def batch_epoch(self) -> int:
+        """The epoch of the last batch taken (at an epoch boundary: the epoch that just ended)."""
+        return self.epoch - 1 if (self.pos == 0 and self.step > 0) else self.epoch
 
     # --- evaluation ------------------------------------------------------------------------------------
-    def evaluate(self) -> dict[str, float]:
-        if self.eval_fn is None:
+    def evaluate(self, reason: str) -> dict[str, float]:
+        """Run the evaluator now, log ``eval_*`` records, export on a new best; returns the metrics."""
+        ev = self.evaluator
+        if ev is None:
             return {}
         if self.ctx.watchdog is not None:
-            self.ctx.watchdog.disarm()  # evaluation has no collectives and may be long
-        self.model.eval()
-        with torch.no_grad(), autocast_for(self.cfg, self.ctx.device):
-            metrics = self.eval_fn(unwrap(self.model))
-        self.model.train()
-        return {k: float(v) for k, v in metrics.items()}
+            self.ctx.watchdog.disarm()  # evaluation has no collectives of the step's kind and may be long
+        self.ctx.set_phase("eval")
+        metrics = {k: float(v) for k, v in self.step_obj.evaluate(ev.fn).items()}
+        best = ev.record(self.step, metrics)
+        best = self._agree(best)
+        record = {
+            "step": self.step,
+            "epoch": self.batch_epoch(),
+            **{f"eval_{k}": v for k, v in metrics.items()},
+        }
+        self.history.append(record)
+        self.logger.write(record)
+        if self.ctx.is_main:
+            shown = " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+            log.info(
+                "step %d (%s): eval %s%s", self.step, reason, shown, " (best)" if best and ev.monitor else ""
+            )
+        if best and ev.monitor and self.exporter is not None:
+            self.exporter({f"eval_{k}": v for k, v in metrics.items()}, self.step)
+            self.exported_step = self.step
+        return metrics
+
+    def _agree(self, flag: bool) -> bool:
+        """Rank 0's decision on every rank (evaluations may differ in the last bits between ranks)."""
+        if not self.ctx.distributed:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.ctx.device)
+        dist.broadcast(t, 0)
+        return bool(t.item())
 
     # --- the loop --------------------------------------------------------------------------------------
-    def _next_batch(self, it: Iterator[Any] | None) -> tuple[Any, Iterator[Any]]:
+    def _batches(self) -> Iterator[Any]:
+        """The data stream from the current position on; advances ``epoch``/``pos``."""
         while True:
-            if it is None:
-                it = iter(self.loader.iterate(self.epoch, self.pos))
+            it = iter(self.loader.iterate(self.epoch, self.pos))
             try:
-                batch = next(it)
-                self.pos += 1
-                return batch, it
-            except StopIteration:
-                self.epoch, self.pos, it = self.epoch + 1, 0, None
-
-    def _global_mean(self, value: torch.Tensor) -> float:
-        if self.ctx.distributed:
-            value = value.clone()
-            dist.all_reduce(value)
-            value /= self.ctx.world_size
-        return float(value)
+                for batch in it:
+                    self.pos += 1
+                    yield batch
+                    if self.pos >= self.loader.batches_per_epoch:
+                        break
+            finally:
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()  # e.g. a prefetching thread
+            self.epoch, self.pos = self.epoch + 1, 0
 
     def fit(self) -> dict[str, Any]:
-        cfg, ctx, model = self.cfg, self.ctx, self.model
-        self.maybe_resume()
-        model.train()
-        comm = getattr(model, "comm_stats", None)
-        bar = tqdm(
-            total=self.total_steps,
-            initial=self.step,
-            disable=not (ctx.is_main and cfg.progress),
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-            mininterval=1.0,
-            file=sys.stderr,
-        )
-        it = None
+        cfg, ctx = self.cfg, self.ctx
+        resumed = self.maybe_resume()
+        self.logger = MetricsLogger(self.run, ctx, self.total_steps, self.step, cfg.progress, self.desc)
+        stream = self._batches()
         loss_sum = torch.zeros((), device=ctx.device)
         interval_samples, interval_steps, last_log = 0, 0, time.perf_counter()
-        start_time, start_step, total_samples = time.perf_counter(), self.step, 0
+        start_time, start_step, run_samples = time.perf_counter(), self.step, 0
         last_loss = float("nan")
         eval_metrics: dict[str, float] = {}
-        while self.step < self.total_steps:
-            self.faults.maybe_fire(self.step + 1)
-            ctx.beat(self.step + 1, "data")
-            for micro in range(cfg.grad_accum):
-                batch, it = self._next_batch(it)
-                batch = move_to(batch, ctx.device)
-                ctx.set_phase("compute")
-                sync = micro == cfg.grad_accum - 1 or not hasattr(model, "no_sync")
-                with contextlib.nullcontext() if sync else model.no_sync():
-                    with autocast_for(cfg, ctx.device):
-                        loss, n = self.step_fn(model, batch)
-                    (loss / cfg.grad_accum).backward()
-                loss_sum += loss.detach().float() / cfg.grad_accum
+        stopped_early = False
+        with self.logger.redirect(), self.logger.bar:
+            if self.evaluator is not None and not resumed and getattr(cfg, "init_from", ""):
+                eval_metrics = self.evaluate("warm start")  # the starting point, for comparison
+            while self.step < self.total_steps and not stopped_early:
+                self.faults.maybe_fire(self.step + 1)
+                ctx.beat(self.step + 1, "data")
+                epoch_before = self.epoch
+                micro = [next(stream) for _ in range(self.accum)]
+                loss, n = self.step_obj.train_step(micro)
+                loss_sum += loss
                 interval_samples += n
-            ctx.set_phase("optim")
-            if cfg.clip_grad > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.step += 1
-            interval_steps += 1
-            bar.update(1)
+                self.step += 1
+                interval_steps += 1
+                self.logger.bar.update(1)
+                # the epoch ended when the last batch taken was its last one
+                epoch_ended = self.pos >= self.loader.batches_per_epoch or self.epoch > epoch_before
+                if self.pos >= self.loader.batches_per_epoch:
+                    self.epoch, self.pos = self.epoch + 1, 0
+                    stream.close()
+                    stream = self._batches()
 
-            if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                if ctx.device.type == "cuda":
-                    torch.cuda.synchronize()
-                now = time.perf_counter()
-                last_loss = self._global_mean(loss_sum / interval_steps)
-                samples = interval_samples * ctx.world_size
-                total_samples += samples
-                comm_s, comm_bytes = comm.take() if comm is not None else (0.0, 0)
-                record = {
-                    "step": self.step,
-                    "epoch": self.epoch,
-                    "loss": last_loss,
-                    "samples_per_s": samples / (now - last_log),
-                    "step_time_s": (now - last_log) / interval_steps,
-                    "comm_time_s": comm_s / interval_steps,
-                    "comm_bytes": comm_bytes // interval_steps,
-                    "lr": self.scheduler.get_last_lr()[0],
-                }
-                if ctx.is_main:
-                    self.run.log_metrics(record)
-                    bar.set_postfix(loss=f"{last_loss:.4f}", sps=f"{record['samples_per_s']:.0f}")
-                loss_sum.zero_()
-                interval_samples, interval_steps, last_log = 0, 0, time.perf_counter()
-            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total_steps:
-                eval_metrics = self.evaluate()
-                if ctx.is_main:
-                    self.run.log_metrics(
-                        {"step": self.step, **{f"eval_{k}": v for k, v in eval_metrics.items()}}
-                    )
-                    log.info("step %d eval %s", self.step, eval_metrics)
-            if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step < self.total_steps:
-                self.save()
-        bar.close()
-        wall = time.perf_counter() - start_time
-        self.save()
-        eval_metrics = self.evaluate()
+                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                    if ctx.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    now = time.perf_counter()
+                    last_loss = self.step_obj.mean_loss(loss_sum, interval_steps)
+                    samples = interval_samples * self.step_obj.data_parallel
+                    run_samples += samples
+                    comm_s, comm_bytes = self.step_obj.comm_stats()
+                    record = {
+                        "step": self.step,
+                        "epoch": self.batch_epoch(),
+                        "loss": last_loss,
+                        "samples_per_s": samples / max(1e-9, now - last_log),
+                        "step_time_s": (now - last_log) / interval_steps,
+                        "comm_time_s": comm_s / interval_steps,
+                        "comm_bytes": comm_bytes // interval_steps,
+                        **self.step_obj.lrs(),
+                    }
+                    self.logger.write(record)
+                    self.logger.postfix(loss=f"{last_loss:.4f}", sps=f"{record['samples_per_s']:.0f}")
+                    loss_sum.zero_()
+                    interval_samples, interval_steps, last_log = 0, 0, time.perf_counter()
+                if self.evaluator is not None and self.step < self.total_steps:
+                    if self.evaluator.due(self.step, epoch_ended):
+                        eval_metrics = self.evaluate("epoch end" if epoch_ended else "scheduled")
+                        stopped_early = self._agree(self.evaluator.should_stop)
+                        if stopped_early and ctx.is_main:
+                            log.info(
+                                "early stop at step %d: no %s improvement in %d evaluations (best %.4f at step %d)",
+                                self.step,
+                                self.evaluator.monitor,
+                                self.evaluator.patience,
+                                self.evaluator.best,
+                                self.evaluator.best_step,
+                            )
+                if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step < self.total_steps:
+                    self.save()
+            stream.close()
+            wall = time.perf_counter() - start_time
+            if interval_steps:  # a loss not yet logged (early stop between log points)
+                last_loss = self.step_obj.mean_loss(loss_sum, interval_steps)
+                run_samples += interval_samples * self.step_obj.data_parallel
+            self.samples += run_samples
+            if self.evaluator is not None and self.evaluator.last_step != self.step:
+                eval_metrics = self.evaluate("end")
+            elif self.evaluator is not None and self.history:
+                eval_metrics = {k[5:]: v for k, v in self.history[-1].items() if k.startswith("eval_")}
+            self.save()
+        if self.exporter is not None and (self.evaluator is None or not self.evaluator.monitor):
+            self.exporter({f"eval_{k}": v for k, v in eval_metrics.items()}, self.step)
+            self.exported_step = self.step
+        elif self.exporter is not None and self.exported_step < 0:
+            self.exporter({f"eval_{k}": v for k, v in eval_metrics.items()}, self.step)  # nothing was better
+            self.exported_step = self.step
         final = {
             "steps": self.step,
+            "epochs_completed": self.epoch,
             "train_loss": last_loss,
-            "samples_per_s": total_samples / wall if wall > 0 and self.step > start_step else 0.0,
+            "samples_per_s": run_samples / wall if wall > 0 and self.step > start_step else 0.0,
             "wall_time_s": wall,
             "world_size": ctx.world_size,
+            "stopped_early": stopped_early,
+            "exported_step": self.exported_step,
             **{f"eval_{k}": v for k, v in eval_metrics.items()},
+            **(self.evaluator.summary() if self.evaluator else {}),
         }
         if ctx.is_main:
-            self.run.log_metrics({"step": self.step, **{f"eval_{k}": v for k, v in eval_metrics.items()}})
             self.run.write_final(final)
         if ctx.watchdog is not None:
             ctx.watchdog.disarm()
         return final
+
+
+def checkpoint_folder(run: RunDir) -> Path:
+    """The folder ``latest`` names (MarianaError if there is none)."""
+    latest = run.ckpt_dir / "latest"
+    if not latest.is_file():
+        raise MarianaError(f"no checkpoint in {run.ckpt_dir}")
+    return run.ckpt_dir / latest.read_text().strip()

@@ -48,11 +48,6 @@ class RunDir:
         with open(self.metrics_jsonl, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def read_metrics(self) -> list[dict[str, Any]]:
-        if not self.metrics_jsonl.is_file():
-            return []
-        return [json.loads(line) for line in self.metrics_jsonl.read_text().splitlines() if line.strip()]
-
     def write_final(self, metrics: dict[str, Any], name: str = "metrics.json") -> None:
         atomic_write_text(self.path / name, json.dumps(metrics, indent=2, sort_keys=True) + "\n")
 

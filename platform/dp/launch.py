@@ -1,10 +1,22 @@
-"""Start a job's worker processes through torchrun's launcher (torch.distributed.run).
+"""The platform's one launcher: N local processes through torchrun's agent (torch.distributed.run).
 
-``mariana <app> train --workers N ...`` runs in a plain process first; `launch_if_needed` re-executes the
-same command line as ``python -m mariana.platform.cli <argv>`` in N torchrun workers. Inside a worker it
-returns None and training proceeds. Single node: c10d rendezvous on a free loopback port (``--standalone``).
-Multi-node: every node runs the same command with ``--nnodes M --rdzv-endpoint HOST:PORT`` (or runs
-``torchrun ... -m mariana.platform.cli <app> train ...`` directly); torchrun's c10d rendezvous joins them.
+Every multi-process job starts here: the data-parallel jobs (`launch_if_needed`, called by
+``mariana <app> train --workers N``) and the parameter-server jobs (`mariana.platform.ps.master.run_job`,
+S servers + W workers). `launch` runs torchrun's agent in this process with
+
+- c10d rendezvous on a free loopback port (``--standalone``), or on a given ``HOST:PORT`` endpoint with a
+  rendezvous id for several nodes (every node runs the same command with ``--nnodes M``; or run
+  ``torchrun ... -m mariana.platform.cli <app> train ...`` directly);
+- ``max_restarts``: the agent restarts the whole process group after a failure;
+- output: every process writes to ``RUN/logs/rank-R.log`` (`workerio`), the agent to
+  ``RUN/logs/launcher.log``; only ``console_rank``'s progress bar and console lines reach the terminal;
+- a failure ends in one console line per cause, naming the failed process and why
+  (``mariana: error: worker rank 1 failed: ValueError: ... (see RUN/logs/rank-1.log)``), plus the hang
+  watchdog's stalled ranks; exit code 2 when every failed process reported bad input, else 1;
+- Ctrl-C (or SIGTERM) stops the processes and raises KeyboardInterrupt (the CLI prints
+  ``mariana: interrupted``, exit 130).
+
+Inside a process the launcher started, `in_worker` is true and the command trains instead of launching.
 """
 
 from __future__ import annotations
@@ -12,9 +24,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-
-from ..core.config import TrainConfig
 
 CLI_MODULE = "mariana.platform.cli"
 
@@ -24,24 +35,35 @@ def in_worker() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def needs_launcher(cfg: TrainConfig) -> bool:
+def needs_launcher(cfg) -> bool:
+    """A data-parallel job runs under the launcher with several workers or nodes, or to be restarted."""
     return cfg.workers > 1 or cfg.nnodes > 1 or cfg.max_restarts > 0
 
 
-def torchrun_args(cfg: TrainConfig, argv: list[str], module: str = CLI_MODULE) -> list[str]:
-    args = [
-        "--nnodes",
-        str(cfg.nnodes),
-        "--nproc-per-node",
-        str(cfg.workers),
-        "--max-restarts",
-        str(cfg.max_restarts),
-    ]
-    args += ["--monitor-interval", "0.5"]
-    if cfg.nnodes == 1 and not cfg.rdzv_endpoint:
-        args += ["--standalone"]
+def torchrun_args(
+    nproc_per_node: int,
+    argv: list[str],
+    *,
+    nnodes: int = 1,
+    max_restarts: int = 0,
+    rdzv_endpoint: str = "",
+    rdzv_id: str = "",
+    module: str = CLI_MODULE,
+) -> list[str]:
+    """torchrun's command line: ``nproc_per_node`` processes running ``python -m module argv``."""
+    args = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node)]
+    args += ["--max-restarts", str(max_restarts), "--monitor-interval", "0.5"]
+    if nnodes == 1 and not rdzv_endpoint:
+        args += ["--standalone"]  # c10d on a free loopback port, a fresh rendezvous id
     else:
-        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", cfg.rdzv_endpoint, "--rdzv-id", cfg.rdzv_id]
+        args += [
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            rdzv_endpoint,
+            "--rdzv-id",
+            rdzv_id or "mariana",
+        ]
     return [*args, "-m", module, *argv]
 
 
@@ -67,18 +89,22 @@ def _quiet_launcher_logs(run_dir: Path) -> None:
     console: the launcher prints its own one-line summary."""
     import logging
 
-    handler = logging.FileHandler(run_dir / "logs" / "launcher.log")
+    path = str(run_dir / "logs" / "launcher.log")
+    handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
         lg = logging.getLogger(name)
         lg.propagate = False
+        for old in [h for h in lg.handlers if getattr(h, "baseFilename", None) == path]:
+            lg.removeHandler(old)  # a second launch in this process: one handler per file
+            old.close()
         lg.addHandler(handler)
 
 
 def run_torchrun(args: list[str], run_dir: str | Path, nproc_per_node: int, console_rank: int = 0):
-    """Run torchrun's launcher in this process with ``args`` (its command line); returns None on success
+    """Run torchrun's agent in this process with ``args`` (its command line); returns None on success
     or the ``ChildFailedError`` of a failed job. Ctrl-C (or SIGTERM) stops the workers and raises
-    KeyboardInterrupt (the CLI prints ``mariana: interrupted``, exit 130).
+    KeyboardInterrupt.
 
     Workers get ``OMP_NUM_THREADS`` (unless set) and the run directory, so their output goes to
     ``RUN/logs/rank-R.log`` (see `workerio`); ``console_rank`` keeps its progress bar on the terminal."""
@@ -106,13 +132,16 @@ def run_torchrun(args: list[str], run_dir: str | Path, nproc_per_node: int, cons
     return None
 
 
-def report_failure(e, run_dir: str | Path) -> int:
-    """Print one console line per cause of a failed job (``e``: torchrun's ChildFailedError); returns
-    the exit code: 2 when every failed worker reported bad input, else 1."""
+def report_failure(
+    e, run_dir: str | Path, max_restarts: int = 0, name: Callable[[int], str] | None = None
+) -> int:
+    """Print one console line per cause of a failed job (``e``: torchrun's ChildFailedError; ``name``:
+    rank -> how to name that process, default ``worker rank R``); returns the exit code: 2 when every
+    failed process reported bad input, else 1."""
     from .workerio import failure_lines
 
     codes = {int(r): f.exitcode for r, f in e.failures.items()}
-    lines, all_user = failure_lines(run_dir, codes)
+    lines, all_user = failure_lines(run_dir, codes, name)
     for line in lines:
         print(f"mariana: error: {line}", file=sys.stderr)
     for rep in stall_reports(run_dir):
@@ -121,19 +150,60 @@ def report_failure(e, run_dir: str | Path) -> int:
             f"stalled rank(s): {rep['stalled_ranks']} (see {run_dir}/logs/)",
             file=sys.stderr,
         )
+    if max_restarts > 0 and not all_user:
+        print(f"mariana: error: the job still failed after {max_restarts} restart(s)", file=sys.stderr)
     return 2 if all_user else 1
 
 
-def launch_if_needed(cfg: TrainConfig, argv: list[str], module: str = CLI_MODULE) -> int | None:
-    """In the user's process: run ``argv`` under torchrun and return the job's exit code.
-    In a worker (or when one plain process suffices): return None, the caller trains in-process."""
-    if in_worker() or not needs_launcher(cfg):
-        return None
+def launch(
+    nproc_per_node: int,
+    argv: list[str],
+    run_dir: str | Path,
+    *,
+    what: str = "",
+    nnodes: int = 1,
+    max_restarts: int = 0,
+    rdzv_endpoint: str = "",
+    rdzv_id: str = "",
+    console_rank: int = 0,
+    name: Callable[[int], str] | None = None,
+    module: str = CLI_MODULE,
+) -> int:
+    """Run ``python -m module argv`` in ``nproc_per_node`` processes on this node (x ``nnodes``) under
+    torchrun and return the job's exit code (0, or `report_failure`'s after printing the cause).
+    ``what``: the processes, for the one line announcing the launch; ``name``: see `report_failure`."""
+    what = what or f"{nproc_per_node} worker(s) x {nnodes} node(s)"
     print(
-        f"mariana: launching {cfg.workers} worker(s) x {cfg.nnodes} node(s) through torchrun "
-        f"(max restarts {cfg.max_restarts}); logs in {cfg.out}/logs/",
+        f"mariana: launching {what} through torchrun (max restarts {max_restarts}); logs in {run_dir}/logs/",
         file=sys.stderr,
         flush=True,
     )
-    failure = run_torchrun(torchrun_args(cfg, argv, module), cfg.out, cfg.workers)
-    return 0 if failure is None else report_failure(failure, cfg.out)
+    args = torchrun_args(
+        nproc_per_node,
+        argv,
+        nnodes=nnodes,
+        max_restarts=max_restarts,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id,
+        module=module,
+    )
+    failure = run_torchrun(args, run_dir, nproc_per_node, console_rank)
+    return 0 if failure is None else report_failure(failure, run_dir, max_restarts, name)
+
+
+def launch_if_needed(cfg, argv: list[str], module: str = CLI_MODULE) -> int | None:
+    """A data-parallel job (``cfg``: a `TrainConfig`). In the user's process: run ``argv`` under the
+    launcher and return the job's exit code. In a worker (or when one plain process suffices): return
+    None, the caller trains in-process."""
+    if in_worker() or not needs_launcher(cfg):
+        return None
+    return launch(
+        cfg.workers,
+        argv,
+        cfg.out,
+        nnodes=cfg.nnodes,
+        max_restarts=cfg.max_restarts,
+        rdzv_endpoint=cfg.rdzv_endpoint,
+        rdzv_id=cfg.rdzv_id,
+        module=module,
+    )

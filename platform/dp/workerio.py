@@ -87,16 +87,18 @@ def _warnings_to(stream):
     return show
 
 
-def failure_lines(run_dir: str | Path, exit_codes: dict[int, int]) -> tuple[list[str], bool]:
+def failure_lines(run_dir: str | Path, exit_codes: dict[int, int], name=None) -> tuple[list[str], bool]:
     """One console line per distinct cause of a failed job, and whether every cause is a user error.
 
-    ``exit_codes``: global rank -> exit code of the failed workers (negative = killed by that signal)."""
+    ``exit_codes``: global rank -> exit code of the failed workers (negative = killed by that signal);
+    ``name``: rank -> how the line names the process (default ``worker rank R``)."""
     import signal
 
     lines: list[str] = []
     all_user = bool(exit_codes)
     for rank in sorted(exit_codes):
         code = exit_codes[rank]
+        who = name(rank) if name else f"worker rank {rank}"
         rel_log = Path(run_dir) / "logs" / f"rank-{rank}.log"
         try:
             rec = json.loads(error_file(run_dir, rank).read_text())
@@ -106,7 +108,7 @@ def failure_lines(run_dir: str | Path, exit_codes: dict[int, int]) -> tuple[list
             line = str(rec["message"])
         elif rec:
             all_user = False
-            line = f"worker rank {rank} failed: {rec['message']} (see {rel_log})"
+            line = f"{who} failed: {rec['message']} (see {rel_log})"
         else:
             all_user = False
             if code < 0:
@@ -116,7 +118,7 @@ def failure_lines(run_dir: str | Path, exit_codes: dict[int, int]) -> tuple[list
                     why = f"was killed by signal {-code}"
             else:
                 why = f"exited with code {code}"
-            line = f"worker rank {rank} {why} (see {rel_log})"
+            line = f"{who} {why} (see {rel_log})"
         if line not in lines:
             lines.append(line)
     return lines, all_user

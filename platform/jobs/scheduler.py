@@ -5,10 +5,10 @@ State machine (only forward): ``queued -> running -> succeeded | failed | cancel
 id) with the same argv plus ``--resume`` when the run has a checkpoint (same run directory, so training
 continues from it; without one the run starts again).
 
-Slots: a job asks for ``--workers`` slots (``--workers + --servers`` for pctr), default 1. The sum over
-running jobs never exceeds ``slots``; the queue is served strictly in order (priority desc, id asc), so a
-big job at the head is not starved by smaller ones behind it. A job asking for more than the whole budget
-is refused at submit.
+Slots: a job asks for ``--workers`` slots plus the values of its app's ``AppSpec.extra_slots`` flags (e.g.
+parameter servers), default 1. The sum over running jobs never exceeds ``slots``; the queue is served
+strictly in order (priority desc, id asc), so a big job at the head is not starved by smaller ones behind
+it. A job asking for more than the whole budget is refused at submit.
 
 Every ``tick`` (about twice a second, on the service's background thread) reads running jobs' files into
 the database (LogStore), finalises those whose process ended, escalates cancels (SIGTERM, then SIGKILL
@@ -54,9 +54,12 @@ def slots_of(argv: list[str]) -> int:
         except ValueError:
             return default  # the job reports the bad value itself
 
+    from mariana.platform.core.registry import find_app
+
     n = intval("--workers", 1)
-    if argv and argv[0] == "pctr":
-        n += intval("--servers", 0)
+    spec = find_app(argv[0]) if argv else None
+    for flag in spec.extra_slots if spec else ():  # e.g. parameter servers besides the workers
+        n += intval(flag, 0)
     return max(1, n)
 
 

@@ -36,7 +36,6 @@ from .db import CounterRecord, Database, Job, JobEvent, MetricRecord, default_ur
 from .scheduler import Scheduler
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost", "testclient"}
-SERVE_FLAGS = {"pctr": "--pctr", "asr": "--asr", "vision": "--vision"}  # `mariana serve` flag per app
 
 
 class SubmitRequest(BaseModel):
@@ -226,11 +225,13 @@ def create_app(home: str | Path, db_url: str | None = None, slots: int | None = 
         """Start ``mariana serve --<app> RUN`` for the job's exported model on a free loopback port."""
         with db.read() as s:
             job = get_job(s, job_id)
-        flag = SERVE_FLAGS.get(job.app)
-        if flag is None:
-            raise HTTPException(
-                400, f"{job.app} models cannot be served (`mariana serve` serves pctr, asr, vision)"
-            )
+        from mariana.platform.core.registry import find_app, serving_apps
+
+        spec = find_app(job.app)
+        if spec is None or not spec.servable:
+            served = ", ".join(s.name for s in serving_apps())
+            raise HTTPException(400, f"{job.app} models cannot be served (`mariana serve` serves {served})")
+        flag = f"--{spec.name}"
         if not (Path(job.run_dir) / "model.safetensors").is_file():
             raise HTTPException(400, f"job {job_id} has no exported model (RUN/model.safetensors) yet")
         with servers_lock:

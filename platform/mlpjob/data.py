@@ -1,7 +1,9 @@
-"""libFM reader for the smoke-test job: ``label id:value id:value ...`` (label 1, 0 or -1).
+"""libFM data of the smoke-test job: ``label id:value id:value ...`` (label 1, 0 or -1).
 
-Rows become (label in {0,1}, padded id matrix). Malformed lines are skipped and counted with their line
-numbers; a file with no valid row is an error naming the file.
+Read with the platform's one libFM parser (`mariana.platform.core.libfm`, shared with pCTR); rows become
+(label in {0,1}, padded id matrix; the values are not used: every feature is one-hot). Malformed lines and
+lines without a feature are skipped and counted with their line numbers (blank lines are ignored); a file
+with no valid row is an error naming the file.
 """
 
 from __future__ import annotations
@@ -13,33 +15,51 @@ import numpy as np
 import torch
 
 from ..core.errors import DataError
+from ..core.libfm import parse_lines
 
 log = logging.getLogger("mariana")
 
+CHUNK = 8192  # lines parsed at once
+
 
 def read_libfm(path: str | Path, limit: int = 0, max_skipped_report: int = 5):
-    """Returns (labels float32 [N], ids int64 [N, F] padded with -1, skipped line numbers)."""
+    """Returns (labels float32 [N], ids int64 [N, F] padded with -1, skipped line numbers); ``limit``: at
+    most that many rows (0: all)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: not a file (expected a libFM file: 'label id:value ...' per line)")
-    labels, rows, skipped = [], [], []
+    labels, ids, skipped = [], [], []
+    n = 0
+
+    def parse(buf: list[tuple[int, str]]) -> None:
+        nonlocal n
+        p = parse_lines([line for _, line in buf])
+        bad = {buf[i][0] for i in p.errors}
+        has_feature = p.known.any(1) if p.known.shape[1] else np.zeros(len(p), dtype=bool)
+        bad.update(buf[p.good[j]][0] for j in np.flatnonzero(~has_feature))
+        keep = np.flatnonzero(has_feature)
+        if limit:
+            keep = keep[: limit - n]
+            if n + len(keep) >= limit:  # lines after the last row kept are not read
+                last = buf[p.good[keep[-1]]][0] if len(keep) else 0
+                bad = {x for x in bad if x < last}
+        skipped.extend(sorted(bad))
+        labels.append(p.labels[keep])
+        ids.append(np.where(p.known, p.ids, -1)[keep])
+        n += len(keep)
+
+    buf: list[tuple[int, str]] = []
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
-            if limit and len(rows) >= limit:
+            if limit and n >= limit:
                 break
-            parts = line.split()
-            if not parts:
-                continue
-            try:
-                label = float(parts[0])
-                ids = [int(p.split(":", 1)[0]) for p in parts[1:]]
-                if label not in (1.0, 0.0, -1.0) or not ids or min(ids) < 0:
-                    raise ValueError
-            except ValueError:
-                skipped.append(lineno)
-                continue
-            labels.append(1.0 if label > 0 else 0.0)
-            rows.append(ids)
+            if line.strip():
+                buf.append((lineno, line))
+            if len(buf) >= CHUNK:
+                parse(buf)
+                buf = []
+        if buf and not (limit and n >= limit):
+            parse(buf)
     if skipped:
         log.warning(
             "%s: skipped %d malformed line(s), e.g. line(s) %s",
@@ -47,13 +67,16 @@ def read_libfm(path: str | Path, limit: int = 0, max_skipped_report: int = 5):
             len(skipped),
             skipped[:max_skipped_report],
         )
-    if not rows:
+    if not n:
         raise DataError(f"{path}: no valid libFM rows")
-    width = max(map(len, rows))
-    ids = np.full((len(rows), width), -1, dtype=np.int64)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = r
-    return np.asarray(labels, dtype=np.float32), ids, skipped
+    width = max(int((a >= 0).sum(1).max()) for a in ids if len(a))  # the widest row kept
+    out = np.full((n, width), -1, dtype=np.int64)
+    i = 0
+    for a in ids:
+        w = min(width, a.shape[1])
+        out[i : i + len(a), :w] = a[:, :w]
+        i += len(a)
+    return np.concatenate(labels).astype(np.float32), out, skipped
 
 
 class ClickRows(torch.utils.data.Dataset):

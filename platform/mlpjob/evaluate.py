@@ -7,11 +7,11 @@ import os
 
 import numpy as np
 import torch
-from sklearn.metrics import log_loss, roc_auc_score
 
 from ..core.atomic import atomic_write_text
 from ..core.errors import MarianaError
 from ..core.export import load_exported
+from ..core.metrics import auc_logloss
 from ..core.rundir import eval_result_path
 from .data import ClickRows, read_libfm, split_bounds
 from .model import ClickMLP
@@ -28,10 +28,7 @@ def predict(model: ClickMLP, rows: ClickRows, batch: int = 8192) -> np.ndarray:
 
 
 def metrics(model: ClickMLP, rows: ClickRows) -> dict[str, float]:
-    p = predict(model, rows)
-    y = rows.labels.numpy()
-    auc = roc_auc_score(y, p) if 0 < y.sum() < len(y) else float("nan")
-    return {"auc": float(auc), "logloss": float(log_loss(y, np.clip(p, 1e-7, 1 - 1e-7), labels=[0, 1]))}
+    return auc_logloss(rows.labels.numpy(), predict(model, rows))
 
 
 def evaluate_run(model_dir: str, data: str, split: str = "all") -> dict:

@@ -6,9 +6,12 @@ import dataclasses
 
 import torch
 
+from ..core.evaluator import evaluator_from
 from ..core.export import export_model
-from ..core.loop import Trainer, unwrap
+from ..core.loop import Trainer
 from ..core.rundir import start_run
+from ..core.steps import ModuleStep, unwrap
+from ..core.warmstart import warm_start
 from ..dp.ddp import apply_data_parallel
 from ..dp.dist import init_distributed, teardown
 from ..dp.sampler import IndexBatchLoader, ShardedBatchSampler
@@ -37,21 +40,34 @@ def train(cfg: MlpConfig) -> dict:
             len(labels) - len(train_rows) - len(val_rows),
             ctx.world_size,
         )
-        model = apply_data_parallel(
-            ClickMLP(cfg.buckets, cfg.embed_dim, cfg.hidden, cfg.layers), ctx, grad_comm=cfg.grad_comm
-        )
+        net = ClickMLP(cfg.buckets, cfg.embed_dim, cfg.hidden, cfg.layers)
+        if cfg.init_from:
+            warm_start(net, cfg.init_from, "mlp")
+        model = apply_data_parallel(net, ctx, grad_comm=cfg.grad_comm)
         sampler = ShardedBatchSampler(len(train_rows), cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
         loader = IndexBatchLoader(train_rows, sampler, num_workers=cfg.num_workers)
+
+        def export(eval_metrics: dict, step: int) -> None:
+            if ctx.is_main:
+                export_model(
+                    run.path,
+                    unwrap(model).state_dict(),
+                    app="mlp",
+                    arch="click-mlp",
+                    config=dataclasses.asdict(cfg),
+                    metrics=eval_metrics,
+                )
+
         trainer = Trainer(
-            cfg, model, None, None, loader, step_fn, ctx, run, eval_fn=lambda m: metrics(m, val_rows)
+            cfg,
+            ModuleStep(cfg, model, step_fn, ctx),
+            loader,
+            ctx,
+            run,
+            evaluator=evaluator_from(cfg, lambda m: metrics(m, val_rows), "auc"),
+            exporter=export,
         )
         final = trainer.fit()
-        if ctx.is_main:
-            export_model(
-                run.path,
-                unwrap(model).state_dict(),
-                {"app": "mlp", "job": "mlp", "config": dataclasses.asdict(cfg)},
-            )
         return final
     finally:
         teardown(ctx)

@@ -2,7 +2,8 @@
 
 Mesh ``(dp=G, mp=K)`` named ``("dp", "mp")`` (`mariana.platform.dp.dist.ParallelDims.build_mesh`): global
 rank ``r = g*K + s`` holds stage ``s`` of group ``g``. Activations and their gradients cross stage
-boundaries along ``mp`` (point-to-point, `schedule.GPipeSchedule`); after the backward pass each rank
+boundaries along ``mp`` (point-to-point: torch.distributed.pipelining's GPipe or 1F1B schedule,
+`schedule.TorchSchedule`, or the hand-written `schedule.GPipeSchedule`); after the backward pass each rank
 all-reduces its stage's gradients over its ``dp`` group only, i.e. among the G ranks that hold the same
 stage (one flat buffer per step, optionally sent in bf16/fp16).
 
@@ -12,6 +13,7 @@ a list of K stage modules) and gets back a `PipelineParallel` holding this rank'
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -21,10 +23,12 @@ from mariana.platform.core.errors import MarianaError
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .schedule import GPipeSchedule
+from .schedule import GPipeSchedule, TorchSchedule
 from .stages import balanced_boundaries, block_costs_time, split_blocks
 
 _WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SCHEDULES = ("1f1b", "gpipe", "p2p")  # torch.distributed.pipelining 1F1B / GPipe; the hand-written GPipe
+log = logging.getLogger("mariana")
 
 
 class PipelineParallel:
@@ -32,8 +36,12 @@ class PipelineParallel:
 
     Attributes: ``stage`` (nn.Module on ``device``), ``stage_index``, ``n_stages``, ``dp_index``, ``dp_size``,
     ``dp_ranks`` (global ranks that hold the same stage and share its gradients), ``mp_ranks`` (the
-    global ranks of this rank's pipeline, stage order), ``comm_seconds``/``comm_bytes`` (gradient
-    all-reduce cost since the last `take_comm`)."""
+    global ranks of this rank's pipeline, stage order), ``n_microbatches``, ``schedule_name`` (the training
+    schedule asked for: ``1f1b``/``gpipe`` from torch.distributed.pipelining, ``p2p`` the hand-written
+    GPipe), ``schedule`` (the hand-written `GPipeSchedule`: inference (`forward`) and the training batches
+    the torch schedules cannot take, see `TorchSchedule.supports`), ``last_schedule`` (which one ran the
+    last training batch), ``comm_seconds``/``comm_bytes`` (gradient all-reduce cost since the last
+    `take_comm`)."""
 
     def __init__(
         self,
@@ -46,7 +54,10 @@ class PipelineParallel:
         loss_fn: Callable,
         grad_comm: str = "fp32",
         autocast=None,
+        schedule: str = "1f1b",
     ):
+        if schedule not in SCHEDULES:
+            raise MarianaError(f"unknown pipeline schedule {schedule!r}: use {', '.join(SCHEDULES)}")
         self.stage, self.stage_index, self.n_stages = stage, stage_index, n_stages
         self.mesh, self.device = mesh, device
         self.grad_comm = grad_comm
@@ -62,9 +73,25 @@ class PipelineParallel:
         self.dp_size = len(self.dp_ranks)
         prev = self.mp_ranks[stage_index - 1] if stage_index > 0 else None
         nxt = self.mp_ranks[stage_index + 1] if stage_index < n_stages - 1 else None
+        self.n_microbatches, self.schedule_name = n_microbatches, schedule
         self.schedule = GPipeSchedule(
             stage, stage_index, n_stages, prev, nxt, n_microbatches, loss_fn, device, autocast
         )
+        self.torch_schedule = None
+        if schedule != "p2p" and n_stages > 1:
+            self.torch_schedule = TorchSchedule(
+                schedule,
+                stage,
+                stage_index,
+                n_stages,
+                self.mp_group,
+                n_microbatches,
+                loss_fn,
+                device,
+                autocast,
+            )
+        self.last_schedule = ""
+        self._warned: set[int] = set()
         self.comm_seconds, self.comm_bytes = 0.0, 0
         if self.dp_size > 1:  # identical replicas: like DDP, start every group from dp rank 0's weights
             for t in [*stage.parameters(), *stage.buffers()]:
@@ -88,11 +115,32 @@ class PipelineParallel:
     def eval(self):
         return self.train(False)
 
-    def train_step(self, inputs, targets, batch_size: int) -> torch.Tensor | None:
+    def run_schedule(self, inputs, targets, batch_size: int) -> torch.Tensor | None:
         """Pipelined forward/backward of one batch (``inputs`` needed on the first stage, ``targets`` on
-        the last; ``batch_size`` on all), then the gradient all-reduce over ``dp``. Returns the mean loss
-        on the last stage, None elsewhere. The caller steps its optimizer afterwards."""
-        loss = self.schedule.train_step(inputs, targets, batch_size)
+        the last; ``batch_size`` on all); gradients accumulate into the stage's ``.grad``. Returns the
+        batch's mean loss on the last stage, None elsewhere. Every stage picks the same schedule (the choice
+        depends only on the batch size, the micro-batch count and the number of stages)."""
+        ts = self.torch_schedule
+        if ts is not None and ts.supports(batch_size):
+            self.last_schedule = f"{ts.kind} (torch.distributed.pipelining)"
+            return ts.train_step(inputs, targets, batch_size)
+        if ts is not None and batch_size not in self._warned:
+            self._warned.add(batch_size)
+            log.info(
+                "pipeline: batch of %d in %d micro-batches over %d stages: torch's %s schedule needs "
+                "micro-batches >= stages and equal micro-batches; using the hand-written GPipe schedule",
+                batch_size,
+                min(self.n_microbatches, batch_size),
+                self.n_stages,
+                ts.kind,
+            )
+        self.last_schedule = "gpipe (hand-written p2p)"
+        return self.schedule.train_step(inputs, targets, batch_size)
+
+    def train_step(self, inputs, targets, batch_size: int) -> torch.Tensor | None:
+        """`run_schedule`, then the gradient all-reduce over ``dp``. Returns the mean loss on the last
+        stage, None elsewhere. The caller steps its optimizer afterwards."""
+        loss = self.run_schedule(inputs, targets, batch_size)
         self.sync_gradients()
         return loss
 
@@ -135,6 +183,7 @@ def parallelize_pipeline(
     sample: torch.Tensor | None = None,
     grad_comm: str = "fp32",
     autocast=None,
+    schedule: str = "1f1b",
 ) -> PipelineParallel:
     """Place this rank's stage of ``model_or_stages`` on ``device`` and return its `PipelineParallel`.
 
@@ -142,7 +191,8 @@ def parallelize_pipeline(
     ``balance`` (see `stages.split_blocks`), or a list of exactly K stage modules. Every rank passes the
     same (identically initialised) model; only this rank's stage is moved to ``device`` and the rest is
     dropped by the caller. ``mesh``: 2-D DeviceMesh ``("dp", "mp")``, or None for one process (K=1).
-    ``loss_fn(logits, targets)`` returns the mean loss; ``n_microbatches``: M per batch."""
+    ``loss_fn(logits, targets)`` returns the mean loss; ``n_microbatches``: M per batch; ``schedule``:
+    ``1f1b`` or ``gpipe`` (torch.distributed.pipelining) or ``p2p`` (the hand-written GPipe)."""
     k = mesh["mp"].size() if mesh is not None else 1
     s = mesh["mp"].get_local_rank() if mesh is not None else 0
     if isinstance(model_or_stages, nn.Sequential):
@@ -162,4 +212,4 @@ def parallelize_pipeline(
     if n_microbatches < 1:
         raise MarianaError(f"--micro-batches must be >= 1, got {n_microbatches}")
     stage = stages[s].to(device)
-    return PipelineParallel(stage, s, k, mesh, device, n_microbatches, loss_fn, grad_comm, autocast)
+    return PipelineParallel(stage, s, k, mesh, device, n_microbatches, loss_fn, grad_comm, autocast, schedule)

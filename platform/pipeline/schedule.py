@@ -1,6 +1,16 @@
-"""GPipe micro-batch schedule over torch.distributed point-to-point ops.
+"""Pipeline schedules: torch.distributed.pipelining's GPipe and 1F1B (`TorchSchedule`, training) and a
+hand-written GPipe over torch.distributed point-to-point ops (`GPipeSchedule`: inference, and the training
+batches torch's schedules cannot take).
 
-One step on stage s of K (previous stage on rank ``prev``, next on rank ``next``), M micro-batches:
+`TorchSchedule` runs ``ScheduleGPipe`` (all forwards, then all backwards) or ``Schedule1F1B`` (after K-s
+warm-up forwards stage s alternates one backward and one forward, so at most K micro-batches' activations
+are alive instead of M) on torch's ``PipelineStage``, with two fixes for gloo/CPU and exact resumes (see
+`_Stage`) and contiguous stage outputs (`_AutocastStage`). torch fixes micro-batch shapes at the first step
+and needs M >= K micro-batches: a batch of B with B % M != 0, or M < K, runs on `GPipeSchedule` instead
+(same gradients).
+
+`GPipeSchedule`, one step on stage s of K (previous stage on rank ``prev``, next on rank ``next``), M
+micro-batches:
 
     forward  m = 0..M-1:  x_m = recv(prev) (stage 0: input chunk m);  y_m = stage(x_m);  isend(y_m, next)
                           (last stage: loss_m = loss_fn(y_m, target chunk m) * n_m / B)
@@ -11,20 +21,24 @@ and is computed on stage s+1: the stages work concurrently apart from the fill/d
 micro-batches. The loss is the mean over the whole batch, so the gradients equal those of the unsplit model
 on the full batch (exactly so for layers without batch statistics; BatchNorm sees micro-batches).
 
-All forwards precede all backwards (GPipe rather than 1F1B): between any two neighbouring stages traffic
-then flows in one direction at a time and every rank posts its P2P ops in the same order as its peer, which
-keeps NCCL (one ordered stream per communicator) free of send/send deadlocks without batching the ops.
+All forwards precede all backwards: between any two neighbouring stages traffic then flows in one
+direction at a time and every rank posts its P2P ops in the same order as its peer, which keeps NCCL (one
+ordered stream per communicator) free of send/send deadlocks without batching the ops.
 
 Each tensor is preceded by a small int64 header (dtype code, ndim, shape) so stages need no shape
-inference and the last, smaller batch of an epoch just works.
+inference and any batch size (the last, smaller batch of an evaluation) just works.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.uint8]
 _HDR = 10  # dtype, ndim, up to 8 dims
@@ -102,8 +116,6 @@ class GPipeSchedule:
         return self.index == self.n_stages - 1
 
     def _ctx(self):
-        import contextlib
-
         return self.autocast() if self.autocast is not None else contextlib.nullcontext()
 
     def _chunks(self, t: torch.Tensor | None, n_mb: int, what: str) -> list[torch.Tensor]:
@@ -167,3 +179,125 @@ class GPipeSchedule:
                 self.p2p.send(y, self.next, TAG_ACT)
         self.p2p.wait_all()
         return torch.cat(outs) if self.is_last else None
+
+
+# ------------------------------------------------------------------ torch.distributed.pipelining schedules
+class _AutocastStage(nn.Module):
+    """The stage as torch's `PipelineStage` runs it: under the job's autocast, with a contiguous output.
+
+    torch sends a stage's output tensor as it is laid out in memory and receives it into a freshly allocated
+    contiguous buffer, so a channels-last activation would arrive scrambled; ``.contiguous()`` (differentiable)
+    is what `P2P.send` does for the hand-written schedule."""
+
+    def __init__(self, stage: nn.Module, autocast=None):
+        super().__init__()
+        self.stage, self.autocast = stage, autocast
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.autocast() if self.autocast is not None else contextlib.nullcontext():
+            return self.stage(x).contiguous()
+
+
+class _Stage(PipelineStage):
+    """torch's `PipelineStage` with two fixes for this framework.
+
+    - Communicator warm-up: torch 2.9.1 sends an int64 scalar to each neighbour, which receives it into a
+      float32 ``[1]`` buffer; NCCL does not notice, gloo aborts ("Received data size doesn't match"). The
+      warm-up here sends a float32 ``[1]`` tensor.
+    - Runtime shape inference runs one forward of the stage on zeros; in train mode that would update
+      BatchNorm running statistics and draw dropout masks from the RNG (which a resumed run would then
+      draw again). It runs in eval mode with the RNG state restored afterwards."""
+
+    def _get_init_p2p_neighbors_ops(self) -> list:
+        ops = super()._get_init_p2p_neighbors_ops()
+        for op in ops:
+            if op.op is dist.isend:
+                op.tensor = torch.zeros(1, device=self.device)
+        return ops
+
+    def _shape_inference(self, args, kwargs=None):
+        devices = [self.device] if self.device.type == "cuda" else []
+        was_training = self.submod.training
+        self.submod.eval()
+        try:
+            with torch.random.fork_rng(devices=devices):
+                return super()._shape_inference(args, kwargs)
+        finally:
+            self.submod.train(was_training)
+
+
+class TorchSchedule:
+    """GPipe or 1F1B for one stage from `torch.distributed.pipelining` (``ScheduleGPipe``/``Schedule1F1B``).
+
+    Same contract as `GPipeSchedule.train_step`: gradients accumulate into the stage's ``.grad`` (the loss of
+    micro-batch m is weighted by n_m / B, torch's own gradient scaling is off), the batch's mean loss comes
+    back on the last stage. torch fixes the micro-batch shapes at a schedule's first step (runtime shape
+    inference, then preallocated receive buffers), so there is one torch schedule per batch size, and a
+    batch torch cannot take (`supports`: fewer micro-batches than stages, or a batch size the micro-batch
+    count does not divide) is the caller's to run on the hand-written schedule. ``group``: the pipeline's
+    process group (stage s is its group rank s)."""
+
+    KINDS = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+    def __init__(
+        self,
+        kind: str,
+        stage: nn.Module,
+        stage_index: int,
+        n_stages: int,
+        group,
+        n_microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        device: torch.device,
+        autocast=None,
+    ):
+        if kind not in self.KINDS:
+            raise ValueError(f"unknown torch pipeline schedule {kind!r} (gpipe or 1f1b)")
+        self.kind, self.index, self.n_stages, self.group = kind, stage_index, n_stages, group
+        self.m, self.loss_fn, self.device, self.autocast = n_microbatches, loss_fn, device, autocast
+        self.module = _AutocastStage(stage, autocast)
+        self._schedules: dict[int, Any] = {}
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.n_stages - 1
+
+    def supports(self, batch_size: int) -> bool:
+        return self.n_stages > 1 and self.m >= self.n_stages and batch_size % self.m == 0
+
+    def _schedule(self, batch_size: int):
+        sched = self._schedules.get(batch_size)
+        if sched is None:
+            stage = _Stage(self.module, self.index, self.n_stages, self.device, group=self.group)
+
+            def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+                with self.autocast() if self.autocast is not None else contextlib.nullcontext():
+                    return self.loss_fn(logits, targets) * (targets.shape[0] / batch_size)
+
+            sched = self.KINDS[self.kind](stage, self.m, loss_fn=loss, scale_grads=False)
+            self._schedules[batch_size] = sched
+        return sched
+
+    def train_step(
+        self, inputs: torch.Tensor | None, targets: torch.Tensor | None, batch_size: int
+    ) -> torch.Tensor | None:
+        sched = self._schedule(batch_size)
+        losses: list[torch.Tensor] = []
+        if self.is_first:
+            if inputs is None:
+                raise ValueError("pipeline stage 0 needs the input batch")
+            sched.step(inputs)
+        elif self.is_last:
+            if targets is None:
+                raise ValueError(f"pipeline stage {self.index} needs the targets")
+            sched.step(target=targets, losses=losses)
+        else:
+            sched.step()
+        sched._stage.clear_runtime_states()  # drop the kept output chunks and activations until the next step
+        if not self.is_last:
+            return None
+        return torch.stack([loss.detach().float() for loss in losses]).sum()

@@ -1,33 +1,25 @@
-"""The master of a parameter-server job: starts the S servers + W workers through torchrun's launcher
-(torch.distributed.run), supervises them, and collects the workers' counters.
+"""The master of a parameter-server job: starts the S servers + W workers through the platform's one
+launcher (`mariana.platform.dp.launch.launch`, torchrun's agent), supervises them, and collects the
+processes' counters.
 
 - Failure of any process (a worker or a server, e.g. SIGKILL) makes torchrun stop the group and start it
   again (up to ``max_restarts`` times). TensorPipe RPC groups have a fixed membership, so the group restarts
   as a whole: the servers reload the last consistent checkpoint (``RUN/checkpoints/latest``), each worker
   resumes at the first step its shards have not applied, and training continues to the end.
+- A job that still fails is reported like every launched job: one console line per cause, here naming the
+  process by its role (``mariana: error: worker 1 (rank 3) was killed by SIGKILL (see RUN/logs/rank-3.log)``).
 - Counters: every worker appends JSON lines to ``RUN/counters/worker-W.jsonl`` (step, samples/s, loss,
-  validation AUC, pull/push wait); the master merges the last record of each and the restart count into
-  ``RUN/counters.json``.
+  validation AUC, pull/push wait), every server writes ``RUN/counters/server-S.json`` (pulls, pushes,
+  ``restored_from``: the checkpoint step it restarted from, ``attempt``); the master merges the last record
+  of each worker, the servers' counters and the restart count into ``RUN/counters.json``.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-
-
-def torchrun_argv(
-    nprocs: int, argv: list[str], max_restarts: int, nnodes: int = 1, rdzv: str = "", rdzv_id="ps"
-):
-    args = ["--nnodes", str(nnodes), "--nproc-per-node", str(nprocs), "--max-restarts", str(max_restarts)]
-    args += ["--monitor-interval", "0.5"]
-    if nnodes == 1 and not rdzv:
-        args += ["--standalone"]
-    else:
-        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", rdzv_id]
-    return [*args, "-m", "mariana.platform.cli", *argv]
 
 
 def collect_counters(run_dir: str | Path) -> dict:
@@ -48,7 +40,19 @@ def collect_counters(run_dir: str | Path) -> dict:
         out["restarts"] = max(out["restarts"], max(r.get("attempt", 0) for r in recs))
     for p in sorted((run_dir / "counters").glob("server-*.json")):
         out.setdefault("servers", {})[p.stem] = json.loads(p.read_text())
+        out["restarts"] = max(out["restarts"], int(out["servers"][p.stem].get("attempt", 0)))
     return out
+
+
+def role_name(num_servers: int) -> Callable[[int], str]:
+    """rank -> ``server S (rank R)`` / ``worker W (rank R)`` (ranks ``0..S-1`` are the servers)."""
+
+    def name(rank: int) -> str:
+        if rank < num_servers:
+            return f"server {rank} (rank {rank})"
+        return f"worker {rank - num_servers} (rank {rank})"
+
+    return name
 
 
 def run_job(
@@ -60,37 +64,31 @@ def run_job(
     rdzv="",
     rdzv_id="ps",
     console_rank: int = 0,
+    num_servers: int | None = None,
 ) -> int:
-    """Run the job under torchrun; returns 0 on success, 1 if it failed after all restarts (2 if every
-    failed process reported bad input). ``console_rank``: the global rank whose progress bar and console
-    log lines reach the terminal (e.g. the first worker, rank S); the others write only to their logs."""
+    """Run the job's ``nprocs`` processes on this node under the launcher; returns 0 on success, 1 if it
+    failed after all restarts (2 if every failed process reported bad input). ``console_rank``: the global
+    rank whose progress bar and console log lines reach the terminal (e.g. the first worker, rank S); the
+    others write only to their logs. ``num_servers``: S, to name failed processes by role."""
     from ..core.atomic import atomic_write_text
-    from ..dp.launch import run_torchrun
-    from ..dp.workerio import failure_lines
+    from ..dp.launch import launch
 
-    print(
-        f"mariana: parameter-server job: {nprocs} process(es) on this node through torchrun "
-        f"(max restarts {max_restarts})",
-        file=sys.stderr,
-        flush=True,
-    )
     t0 = time.time()
-    rc = 0
-    # Ctrl-C raises KeyboardInterrupt here (the CLI prints `mariana: interrupted`, exit 130); process
-    # output goes to RUN/logs/rank-R.log, the console gets one line per cause of a failure.
-    failure = run_torchrun(
-        torchrun_argv(nprocs, argv, max_restarts, nnodes, rdzv, rdzv_id), run_dir, nprocs, console_rank
+    what = f"{nprocs} process(es) x {nnodes} node(s)"
+    if num_servers:
+        what = f"{num_servers} server(s) + {nprocs * nnodes - num_servers} worker(s)"
+    rc = launch(
+        nprocs,
+        argv,
+        run_dir,
+        what=f"a parameter-server job: {what}",
+        nnodes=nnodes,
+        max_restarts=max_restarts,
+        rdzv_endpoint=rdzv,
+        rdzv_id=rdzv_id,
+        console_rank=console_rank,
+        name=role_name(num_servers) if num_servers else None,
     )
-    if failure is not None:
-        codes = {int(r): f.exitcode for r, f in failure.failures.items()}
-        lines, all_user = failure_lines(run_dir, codes)
-        print(
-            f"mariana: error: the job failed after {max_restarts} restart(s); exit codes by rank: {codes}",
-            file=sys.stderr,
-        )
-        for line in lines:
-            print(f"mariana: error: {line}", file=sys.stderr)
-        rc = 2 if all_user else 1
     counters = collect_counters(run_dir)
     counters["wall_s"] = round(time.time() - t0, 2)
     if Path(run_dir).is_dir():

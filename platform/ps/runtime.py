@@ -44,10 +44,15 @@ def role_from_env(num_servers: int, num_workers: int) -> Role:
             f"the job has {world} processes but --servers {num_servers} + --workers {num_workers} "
             f"= {num_servers + num_workers}"
         )
+    from ..core.faults import set_role
+
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if rank < num_servers:
-        return Role("server", rank, rank, world, num_servers, num_workers, attempt)
-    return Role("worker", rank - num_servers, rank, world, num_servers, num_workers, attempt)
+        role = Role("server", rank, rank, world, num_servers, num_workers, attempt)
+    else:
+        role = Role("worker", rank - num_servers, rank, world, num_servers, num_workers, attempt)
+    set_role(role.kind, role.index)  # MARIANA_FAULT may name it as server=S / worker=W
+    return role
 
 
 _STORE = None  # rank 0's per-attempt rendezvous store; must outlive the RPC session

@@ -88,14 +88,23 @@ class ParamServer:
             if any(w == worker for w, _, _ in bucket):
                 return False
             bucket.append((worker, grads, dense_grad))
-            if len(bucket) == self.num_workers:
-                self._apply_sync(step, self.buffer.pop(step))
-                self.applied = step
-                self.cond.notify_all()
+            self._apply_ready()
         return True
 
+    def _apply_ready(self) -> None:
+        """Apply the buffered synchronous steps, in order, whose every worker pushed or is done (a worker
+        that stopped early, e.g. by early stopping, no longer holds the others back). Holds ``cond``."""
+        while self.applied + 1 in self.buffer:
+            step = self.applied + 1
+            have = {w for w, _, _ in self.buffer[step]}
+            if not all(w in have or w in self.done for w in range(self.num_workers)):
+                return
+            self._apply_sync(step, self.buffer.pop(step))
+            self.applied = step
+            self.cond.notify_all()
+
     def _apply_sync(self, step: int, bucket: list) -> None:
-        scale = 1.0 / self.num_workers
+        scale = 1.0 / len(bucket)  # the mean over the workers that took part
         names = {name for _, grads, _ in bucket for name, _, _ in grads}
         for name in sorted(names):
             rows = torch.cat([r for _, grads, _ in bucket for n, r, _ in grads if n == name])
@@ -129,6 +138,8 @@ class ParamServer:
     def worker_done(self, worker: int) -> None:
         with self.cond:
             self.done.add(worker)
+            if self.staleness == 0:
+                self._apply_ready()
             self.cond.notify_all()
 
     def wait_all_done(self) -> None:
@@ -148,10 +159,19 @@ class ParamServer:
             sd["dense"] = self.dense.state_dict()
         return sd
 
-    def save_shard(self, folder: str) -> str:
-        """Write this shard's file; pushes wait meanwhile, so the file is one consistent state."""
+    def save_shard(self, folder: str, step: int = -1) -> str:
+        """Write this shard's file; pushes wait meanwhile, so the file is one consistent state.
+
+        Bulk-synchronous: worker 0 asks for checkpoint ``step`` after pushing its step ``step - 1``
+        (0-based); while the other workers' pushes of that step are still on their way, wait for them, so
+        that every shard holds steps ``0..step-1`` (no later step can be applied before worker 0 goes on).
+        Shards saved one step apart would, after a restore, replay that step on the lagging shard from the
+        other shard's newer state and end with a different model than an uninterrupted run."""
         from ..core.atomic import atomic_torch_save
 
+        if self.staleness == 0 and step > 0:
+            with self.cond:
+                self.cond.wait_for(lambda: (step - 1) not in self.buffer or self.stop.is_set())
         path = Path(folder) / f"shard-{self.index}.pt"
         with self.shard.frozen():
             atomic_torch_save(self.state_dict(copy=False), path)
@@ -184,10 +204,10 @@ class ParamServer:
             folder = self.ckpt_dir / name
             folder.mkdir(parents=True, exist_ok=True)
             futs = [
-                rpc.rpc_async(server_name(i), _save_shard, args=(str(folder),))
+                rpc.rpc_async(server_name(i), _save_shard, args=(str(folder), step))
                 for i in range(1, self.num_servers)
             ]
-            self.save_shard(str(folder))
+            self.save_shard(str(folder), step)
             for f in futs:
                 f.wait()
             atomic_write_text(self.ckpt_dir / "latest", name + "\n")
@@ -239,8 +259,8 @@ def _resume_step(worker):
     return _PS.resume_step(worker)
 
 
-def _save_shard(folder):
-    return _PS.save_shard(folder)
+def _save_shard(folder, step=-1):
+    return _PS.save_shard(folder, step)
 
 
 def _checkpoint(step):

@@ -124,7 +124,9 @@ def _tune(args, argv) -> int:
 
 
 def register(sub) -> None:
-    from .apps import APPS
+    from mariana.platform.core.registry import tunable_apps
+
+    from .apps import tunable
 
     saved = sub._parser_class
     sub._parser_class = _PassThroughParser
@@ -141,12 +143,13 @@ def register(sub) -> None:
         )
     finally:
         sub._parser_class = saved
-    p.add_argument("app", choices=sorted(APPS), help="the application whose `train` is tuned")
+    p.add_argument("app", choices=sorted(tunable()), help="the application whose `train` is tuned")
     p.add_argument("--space", required=True, help="search space TOML ([params.NAME] tables and [fixed])")
     p.add_argument("--trials", type=int, default=20, help="trials to finish (complete, pruned or failed)")
     p.add_argument("--parallel", type=int, default=1, help="trials in flight at once")
     p.add_argument("--out", required=True, help="study directory (an existing one is continued)")
-    p.add_argument("--monitor", default="", help="metric to optimise (default: auc, top1, wer per app)")
+    defaults = ", ".join(f"{s.name}: {s.tune.monitor}" for s in tunable_apps())
+    p.add_argument("--monitor", default="", help=f"metric to optimise (default: the app's own; {defaults})")
     p.add_argument("--direction", choices=sorted(DIRECTIONS), default=None,
                    help="max or min (default: the app's, e.g. min for wer)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=0.0,

@@ -1,0 +1,53 @@
+"""REST routes of the ASR app, mounted by ``mariana serve`` through the app's spec (`spec.py`).
+
+``POST /v1/asr/transcribe`` multipart ``file`` = WAV -> ``{"transcript": str, "model_version": v}``.
+
+Module-level imports are FastAPI only: a server without an ASR model never imports the model code.
+"""
+
+import logging
+
+from fastapi import APIRouter, File, UploadFile
+from mariana.platform.core.errors import MarianaError
+from mariana.serving.context import error
+
+log = logging.getLogger("mariana.serving")
+
+PATH = "/v1/asr/transcribe"
+WAV_MAGIC = (b"RIFF", b"RIFX", b"RF64")
+
+
+def is_wav(data: bytes) -> bool:
+    return len(data) >= 12 and data[:4] in WAV_MAGIC and data[8:12] == b"WAVE"
+
+
+def router(ctx) -> APIRouter:
+    """The ASR routes for ``ctx`` (a `mariana.serving.context.AppContext`)."""
+    r = APIRouter(tags=["asr"])
+    ctx.upload_body(PATH)
+
+    @r.post(
+        PATH,
+        summary="transcribe a WAV upload (multipart field 'file')",
+        responses={404: {"description": "no ASR model served"}, 415: {"description": "not a WAV file"}},
+    )
+    async def asr_transcribe(file: UploadFile = File(..., description="WAV audio")) -> dict:
+        if not ctx.served:
+            return ctx.not_served()
+        data = await file.read()
+        if not data:
+            return error(422, "file: empty upload")
+        if not is_wav(data):
+            return error(415, "file: not a WAV file (expected a RIFF/WAVE header)")
+        loaded = ctx.slot.current
+        try:
+            text = await ctx.run(loaded.obj.transcribe_wav_bytes, data)
+        except MarianaError as e:
+            return error(422, f"file: {e}")
+        except Exception as e:  # noqa: BLE001  -- undecodable audio must not become a 500
+            # The detail goes to the server log; the client gets a plain message, not an internal one.
+            log.warning("asr: upload rejected: %s: %s", type(e).__name__, e)
+            return error(422, "file: audio could not be decoded or transcribed (expected a WAV file)")
+        return {"transcript": text, "model_version": loaded.version}
+
+    return r

@@ -1,0 +1,209 @@
+"""The parameter-server mode of `mariana pctr train`: one torchrun process per server or worker.
+
+Servers hold the sharded table (and, server 0, the dense parameters and their optimiser); each worker
+runs the one platform `Trainer` with a `PSWorkerStep` (pull -> compute -> push, asynchronous or with
+bounded staleness) and the servers' checkpoints (`ServerCheckpointer`). Worker 0 evaluates, keeps the best
+model (dumped from the servers) and, once every worker is done, writes the final checkpoint and metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import torch
+from mariana.platform.core.metrics import auc_logloss
+from mariana.platform.core.rundir import RunDir, setup_logging
+from mariana.platform.ps.memory import keep_freed_memory
+
+from .configs import PctrConfig
+from .model import build_model
+from .optim import row_config
+from .step import TABLE, PSWorkerStep, ServerCheckpointer, build_dense_only, predict_batches, write_counter
+from .train import Setup, WorkerData, export, make_trainer
+
+log = logging.getLogger("mariana")
+
+
+def run_ps_process(cfg: PctrConfig) -> int:
+    """Body of one torchrun process of a parameter-server job (role from RANK)."""
+    from mariana.platform.ps.runtime import role_from_env, rpc_session
+
+    role = role_from_env(cfg.servers, cfg.workers)
+    keep_freed_memory()
+    run = RunDir(cfg.out)
+    setup_logging(run, rank=role.rank)
+    torch.set_num_threads(1)
+    if role.kind == "server":
+        return _serve(cfg, role, run, rpc_session)
+    return _work(cfg, role, run, rpc_session)
+
+
+def _serve(cfg, role, run, rpc_session) -> int:
+    from mariana.platform.core.faults import FaultInjector
+    from mariana.platform.ps.dense import DenseStore, flatten
+    from mariana.platform.ps.server import ParamServer, install
+    from mariana.platform.ps.shard import EmbeddingShard
+
+    st = Setup(cfg)
+    shard = EmbeddingShard([st.spec], role.index, role.num_servers, row_config(cfg), cfg.seed)
+    dense = None
+    if role.index == 0:
+        torch.manual_seed(cfg.seed)
+        m = build_dense_only(cfg, st.schema)  # the same dense initialisation as in-process training
+        dense = DenseStore(flatten(m.dense_parameters()), cfg.optimizer, cfg.lr)
+        del m
+    server = ParamServer(
+        role.index, role.num_servers, role.num_workers, shard, dense, cfg.staleness, run.ckpt_dir
+    )
+    restored = server.restore_latest()
+    if restored is not None:
+        log.info(
+            "server %d: restored shard from checkpoint step %d (attempt %d)",
+            role.index,
+            restored,
+            role.attempt,
+        )
+    fault = FaultInjector("push")  # MARIANA_FAULT's server=S:push=N entries (see platform/core/faults.py)
+    if fault.at:
+        orig = server.push
+
+        def push(*a, **k):
+            fault.maybe_fire(server.counters["pushes"] + 1)
+            return orig(*a, **k)
+
+        server.push = push
+    install(server)
+    with rpc_session(role, cfg.timeout):
+        server.serve()
+    (run.path / "counters" / f"server-{role.index}.json").write_text(
+        json.dumps({**server.counters, "restored_from": restored, "attempt": role.attempt}) + "\n"
+    )
+    return 0
+
+
+def _work(cfg, role, run, rpc_session) -> int:
+    from mariana.platform.dp.dist import DistContext
+    from mariana.platform.ps.dense import unflatten_into
+    from mariana.platform.ps.worker import PSClient
+
+    st = Setup(cfg)
+    a, b = st.bounds["train"]
+    data = WorkerData(
+        cfg.data, st.encoder, a, b, cfg.batch_size, role.index, role.num_workers, cfg.seed, cfg.shuffle
+    )
+    total = st.total_steps(data.steps_per_epoch)
+    cpu = torch.device("cpu")
+    val, val_labels = st.val_batches(cpu)
+    with rpc_session(role, cfg.timeout):
+        client = PSClient(role.num_servers, role.index, cfg.staleness, cfg.timeout)
+        step = PSWorkerStep(cfg, st.schema, client, role, run)
+        t0 = time.perf_counter()
+
+        def validate(s: PSWorkerStep) -> dict[str, float]:
+            m = auc_logloss(val_labels, predict_batches(s.model, val, client, cpu))
+            write_counter(
+                run,
+                role.index,
+                {
+                    "step": s.t,
+                    "val_auc": m["auc"],
+                    "val_logloss": m["logloss"],
+                    "samples_per_s": s.n / (time.perf_counter() - t0),
+                    "attempt": role.attempt,
+                },
+            )
+            return m
+
+        def export_best(metrics: dict, at_step: int) -> None:
+            if role.index != 0:
+                return
+            tables, dense_flat = client.dump({TABLE: st.spec.num_rows})
+            unflatten_into(dense_flat, step.model.dense_parameters())
+            weight, seen = tables[TABLE]
+            full = build_model(cfg, st.schema, table=weight)
+            full.load_dense_state_dict(step.model.state_dict())
+            export(run, st, full, weight, seen, {"metrics": {**metrics, "step": at_step}})
+
+        ctx = DistContext(rank=role.index, device=cpu)  # no process group: workers talk to servers only
+        trainer = make_trainer(
+            cfg,
+            step,
+            data,
+            ctx,
+            run,
+            validate if len(val_labels) else None,
+            export_best,
+            total,
+            ServerCheckpointer(client, role.index, total, data.steps_per_epoch),
+        )
+        if role.index != 0:
+            trainer.exporter = None  # worker 0 keeps the model
+        final = trainer.fit()
+        client.done()
+        if role.index == 0:
+            client.wait_all_done()
+            client.checkpoint(total)
+            # the final model once every worker is done: worker 0's own last evaluation may predate the
+            # other workers' last pushes (asynchronous SGD)
+            tables, dense_flat = client.dump({TABLE: st.spec.num_rows})
+            unflatten_into(dense_flat, step.model.dense_parameters())
+            weight, seen = tables[TABLE]
+            full = build_model(cfg, st.schema, table=weight)
+            full.load_dense_state_dict(step.model.state_dict())
+            end = auc_logloss(val_labels, predict_batches(full, val, _TableClient(weight), cpu))
+            ev = trainer.evaluator
+            mon = ev.monitor if ev is not None and ev.monitor else "auc"
+            keep_best = (
+                ev is not None
+                and ev.best is not None
+                and trainer.exported_step >= 0
+                and not (end[mon] >= ev.best if ev.maximize else end[mon] <= ev.best)
+            )
+            if keep_best:
+                best = next((h for h in trainer.history if h["step"] == ev.best_step), {})
+                chosen = {
+                    "auc": best.get("eval_auc", float("nan")),
+                    "logloss": best.get("eval_logloss", float("nan")),
+                }
+            else:
+                chosen = end
+                export(
+                    run,
+                    st,
+                    full,
+                    weight,
+                    seen,
+                    {"metrics": {"eval_auc": end["auc"], "eval_logloss": end["logloss"], "step": total}},
+                )
+                final["exported_step"] = final["steps"]
+            final.update(
+                {
+                    "val_auc": chosen["auc"],
+                    "val_logloss": chosen["logloss"],
+                    "final_val_auc": end["auc"],
+                    "epochs": trainer.history,
+                    "mode": "parameter-server",
+                    "servers": role.num_servers,
+                    "workers": role.num_workers,
+                    "staleness": cfg.staleness,
+                    "worker0_samples_per_s": final.get("samples_per_s", 0.0),
+                    "skipped_lines": data.stats.skipped,
+                    "skipped_examples": {str(k): v for k, v in list(data.stats.errors.items())[:10]},
+                    "server_counters": client.server_counters,
+                }
+            )
+            run.write_final(final)
+            client.finish_servers()
+    return 0
+
+
+class _TableClient:
+    """Pull from a full in-memory table (scores the assembled model)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def pull(self, reqs, step=-1, want_dense=False):
+        return {n: self.weight.index_select(0, r) for n, r in reqs.items()}, None

@@ -1,0 +1,372 @@
+"""The pCTR training step, in one process and as a parameter-server worker (the Trainer's step objects).
+
+Both run the same math: the unique rows of a batch are pulled (from a local shard or from the servers),
+the model runs on them (`CTRModel.forward_parts`), and the gradient of exactly those rows is pushed back and
+applied by the row optimiser; dense parameters use a torch optimiser (locally, or on server 0).
+
+`LocalStep`: the table lives in this process (CPU or CUDA), checkpoints hold everything the next step
+depends on. `PSWorkerStep`: rows and dense parameters live on the servers; checkpoints are the servers'
+(`ServerCheckpointer`), a restarted worker resumes at the step the servers say.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.optim import build_scheduler, lr_factor
+from mariana.platform.core.rundir import RunDir
+from mariana.platform.core.steps import autocast_for
+
+from .configs import PctrConfig
+from .data import Batch
+from .model import CTRModel, build_model
+from .optim import build_dense, row_config
+
+TABLE = "table"
+
+
+def gather_rows(client, ids: torch.Tensor, step: int, device, want_dense: bool = False):
+    """Pull the unique rows of ``ids [B, F]``: (unique ids [U], inverse [B, F], rows leaf [U, K], dense)."""
+    uniq, inv = torch.unique(ids, return_inverse=True)
+    pulled, dense = client.pull({TABLE: uniq}, step, want_dense)
+    rows = pulled[TABLE].to(device, non_blocking=True)
+    return uniq, inv, rows, dense
+
+
+def build_dense_only(cfg: PctrConfig, schema) -> CTRModel:
+    """The model with a 1-row-per-field table stub, for processes whose rows live on parameter servers.
+    Its dense layers start as in-process training's: they are created before the table (see CTRModel)."""
+    return build_model(cfg, type(schema)(schema.format, schema.num_fields, 1, schema.num_dense))
+
+
+def train_step(
+    model: CTRModel,
+    client,
+    batch: Batch,
+    step: int,
+    device,
+    dense_opt=None,
+    remote_dense=False,
+    autocast=None,
+    clip_grad: float = 0.0,
+    l2_emb: float = 0.0,
+    weight_decay: float = 0.0,
+):
+    """One pull -> forward/backward -> push. Returns the mean log-loss (float tensor).
+
+    ``l2_emb > 0`` adds ``l2_emb * row`` to the gradient of every row the batch looks up (once per unique
+    row, whatever its count in the batch): the gradient of ``(l2_emb / 2) * ||row||^2`` over the batch's
+    rows. ``weight_decay > 0`` adds ``weight_decay * p`` to the gradient of every dense parameter (the
+    gradient of ``(weight_decay / 2) * ||p||^2``, coupled L2 as FuxiCTR's ``net_regularizer``). Both are
+    added before ``clip_grad`` and the optimisers, on workers exactly as in one process.
+
+    ``clip_grad > 0`` scales the step's whole gradient (dense parameters and the batch's rows together)
+    so that its L2 norm is at most ``clip_grad``.
+
+    The batch's looked-up rows enter autograd as two leaves, ``w [B, F]`` and ``e [B, F, dim]``; their
+    gradients are summed per unique row with one ``index_add_`` into ``[U, 1 + dim]`` (cheaper on CPU than
+    the embedding backward over a ``[U, K]`` leaf). ``autocast`` (a context factory) wraps the forward."""
+    uniq, inv, rows, dense_flat = gather_rows(client, batch.ids, step, device, want_dense=remote_dense)
+    if remote_dense and dense_flat is not None:
+        from mariana.platform.ps.dense import unflatten_into
+
+        unflatten_into(dense_flat, model.dense_parameters())
+    w = rows[:, 0][inv].requires_grad_(True)  # [B, F]
+    e = F.embedding(inv, rows[:, 1:].contiguous()).requires_grad_(True)  # [B, F, dim]
+    with autocast() if autocast is not None else contextlib.nullcontext():
+        vals = None if bool((batch.vals == 1).all()) else batch.vals  # one-hot data: skip the products
+        logits = model.forward_parts(w, e, vals, batch.dense)
+    loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+    params = model.dense_parameters()
+    for p in params:
+        p.grad = None
+    loss.backward()
+    flat_inv = inv.reshape(-1)
+    U = rows.shape[0]
+
+    def per_row(g, width):  # [B, F(, d)] -> [U, width], summed over repeats (zeros if unused)
+        if g is None:
+            return rows.new_zeros(U, width)
+        return rows.new_zeros(U, width).index_add_(0, flat_inv, g.reshape(flat_inv.numel(), width))
+
+    row_grad = torch.cat([per_row(w.grad, 1), per_row(e.grad, rows.shape[1] - 1)], 1)
+    if l2_emb > 0:
+        row_grad.add_(rows, alpha=l2_emb)
+    if weight_decay > 0:
+        with torch.no_grad():
+            for p in params:
+                if p.grad is None:
+                    p.grad = p.detach() * weight_decay
+                else:
+                    p.grad.add_(p.detach(), alpha=weight_decay)
+    if clip_grad > 0:
+        clip_([row_grad, *(p.grad for p in params if p.grad is not None)], clip_grad)
+    dense_grad = None
+    if remote_dense:
+        from mariana.platform.ps.dense import flatten
+
+        dense_grad = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in params]).cpu()
+    client.push({TABLE: (uniq, row_grad)}, dense_grad, step)
+    if dense_opt is not None:
+        dense_opt.step()
+    return loss.detach()
+
+
+@torch.no_grad()
+def clip_(grads: list[torch.Tensor], max_norm: float) -> None:
+    """Scale ``grads`` in place so that their joint L2 norm is at most ``max_norm`` (as
+    ``torch.nn.utils.clip_grad_norm_`` does for parameters)."""
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+
+
+@torch.no_grad()
+def predict_batches(model: CTRModel, batches, client, device, seen=None, rows_per_field=None) -> np.ndarray:
+    """Probabilities for each batch (rows from ``client``; unseen rows -> OOV row if ``seen`` given)."""
+    model.eval()
+    out = []
+    for b in batches:
+        b = b.to(device)
+        ids = b.ids
+        if seen is not None:
+            ids = torch.where(seen[ids], ids, ids - ids % rows_per_field)
+        uniq, inv, rows, _ = gather_rows(client, ids, -1, device)
+        out.append(torch.sigmoid(model.forward_rows(F.embedding(inv, rows), b.vals, b.dense)).float().cpu())
+    model.train()
+    return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.float32)
+
+
+def write_counter(run: RunDir, worker: int, rec: dict) -> None:
+    """Append one record to ``RUN/counters/worker-W.jsonl`` (the job service and the web UI read them)."""
+    d = run.path / "counters"
+    d.mkdir(exist_ok=True)
+    with open(d / f"worker-{worker}.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+class LocalStep:
+    """`TrainStep` of one-process training: the model's ``table.weight`` is the local shard's table.
+
+    ``evaluate(fn)`` calls ``fn(self)`` (``self.model``, ``self.client``, ``self.device`` score the
+    validation rows); the dense learning rate follows ``--schedule``/``--warmup-steps`` and the table's
+    learning rate the same factor."""
+
+    data_parallel = 1
+
+    def __init__(self, cfg: PctrConfig, setup, device: torch.device):
+        from mariana.platform.ps.shard import EmbeddingShard, init_rows
+        from mariana.platform.ps.worker import LocalClient
+
+        self.cfg, self.device = cfg, device
+        self.model = build_model(cfg, setup.schema, table=init_rows(setup.spec, cfg.seed)).to(device)
+        self.rows_opt = row_config(cfg)
+        self.shard = EmbeddingShard(
+            [setup.spec], 0, 1, self.rows_opt, cfg.seed, device, {TABLE: self.model.table.weight.data}
+        )
+        self.client = LocalClient(self.shard)
+        self.dense_opt = build_dense(cfg, self.model.dense_parameters())
+        self.amp = functools.partial(autocast_for, cfg, device)
+        self.t, self.total, self.sched = 0, 1, None
+        self._lrs = {"lr": cfg.lr, "sparse_lr": cfg.sparse_lr}
+
+    def setup(self, total_steps: int) -> None:
+        self.total = total_steps
+        self.sched = build_scheduler(self.cfg, self.dense_opt, total_steps)
+
+    def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, int]:
+        cfg = self.cfg
+        factor = lr_factor(self.t, self.total, cfg.warmup_steps, cfg.schedule)
+        self.shard.opt = replace(self.rows_opt, lr=cfg.sparse_lr * factor)
+        self._lrs = {"lr": self.dense_opt.param_groups[0]["lr"], "sparse_lr": self.shard.opt.lr}
+        loss, n = torch.zeros((), device=self.device), 0
+        for batch in micro_batches:
+            batch = batch.to(self.device)
+            loss = loss + train_step(
+                self.model,
+                self.client,
+                batch,
+                self.t,
+                self.device,
+                self.dense_opt,
+                autocast=self.amp,
+                clip_grad=cfg.clip_grad,
+                l2_emb=cfg.l2_emb,
+                weight_decay=cfg.weight_decay,
+            )
+            n += len(batch)
+        self.sched.step()
+        self.t += 1
+        return loss, n
+
+    def mean_loss(self, loss_sum: torch.Tensor, steps: int) -> float:
+        return float(loss_sum) / max(1, steps)
+
+    def evaluate(self, fn) -> dict[str, float]:
+        return fn(self)
+
+    def checkpoint_state(self, folder: Path) -> dict[str, Any]:
+        """The model (its ``table.weight`` is the table itself), the dense optimiser and schedule, the
+        table's row-optimiser state and ``seen`` flags, the step counter of the table's schedule."""
+        return {
+            "model": self.model.state_dict(),
+            "dense_opt": self.dense_opt.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "rows": {"state": dict(self.shard.state[TABLE]), "seen": self.shard.seen[TABLE]},
+            "t": self.t,
+        }
+
+    def restore(self, state: dict[str, Any], folder: Path) -> None:
+        """Copy a checkpoint into the live objects (in place: the shard and the model share the table).
+        MarianaError naming the checkpoint if it does not fit this model."""
+        try:
+            self.model.load_state_dict(state["model"])
+            self.dense_opt.load_state_dict(state["dense_opt"])
+            self.sched.load_state_dict(state["scheduler"])
+            self.load_row_state(state["rows"])
+            self.t = int(state["t"])
+        except (KeyError, RuntimeError, ValueError) as e:
+            raise MarianaError(
+                f"checkpoint in {folder} does not fit this model: {str(e).splitlines()[0]}"
+            ) from None
+
+    def load_row_state(self, rows: dict[str, Any]) -> None:
+        live = self.shard.state[TABLE]
+        if sorted(live) != sorted(rows["state"]):
+            raise ValueError(f"row optimiser state {sorted(rows['state'])}, expected {sorted(live)}")
+        for k, v in rows["state"].items():
+            live[k].copy_(v)
+        self.shard.seen[TABLE].copy_(rows["seen"])
+
+    def lrs(self) -> dict[str, float]:
+        return dict(self._lrs)
+
+    def comm_stats(self) -> tuple[float, int]:
+        return 0.0, 0
+
+    def table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table [rows, 1 + dim], seen [rows] bool) for export."""
+        return self.model.table.weight.data, self.shard.seen[TABLE]
+
+
+class PSWorkerStep:
+    """`TrainStep` of a parameter-server worker: pull rows (and, from server 0, the dense parameters),
+    compute, push the rows' and the dense gradients; the servers apply them. ``evaluate(fn)`` first waits
+    for this worker's pushes and pulls the current dense parameters."""
+
+    data_parallel = 1
+
+    def __init__(self, cfg: PctrConfig, schema, client, role, run: RunDir):
+        self.cfg, self.client, self.role, self.run = cfg, client, role, run
+        self.device = torch.device("cpu")
+        torch.manual_seed(cfg.seed)
+        self.model = build_dense_only(cfg, schema)  # rows come from the servers
+        self.amp = functools.partial(autocast_for, cfg, self.device)
+        self.t, self.n, self.loss_sum, self.loss_n = 0, 0, 0.0, 0
+        import time
+
+        self.t0 = time.perf_counter()
+
+    def setup(self, total_steps: int) -> None:
+        pass
+
+    def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, int]:
+        import time
+
+        (batch,) = micro_batches
+        loss = train_step(
+            self.model,
+            self.client,
+            batch,
+            self.t,
+            self.device,
+            remote_dense=True,
+            autocast=self.amp,
+            clip_grad=self.cfg.clip_grad,
+            l2_emb=self.cfg.l2_emb,
+            weight_decay=self.cfg.weight_decay,
+        )
+        self.t += 1
+        self.n += len(batch)
+        self.loss_sum += float(loss)
+        self.loss_n += 1
+        if self.t % self.cfg.log_every == 0:
+            write_counter(
+                self.run,
+                self.role.index,
+                {
+                    "step": self.t,
+                    "loss": self.loss_sum / max(1, self.loss_n),
+                    "samples_per_s": self.n / (time.perf_counter() - self.t0),
+                    "pull_s": self.client.pull_s,
+                    "push_wait_s": self.client.push_wait_s,
+                    "attempt": self.role.attempt,
+                },
+            )
+            self.loss_sum, self.loss_n = 0.0, 0
+        return loss, len(batch)
+
+    def mean_loss(self, loss_sum: torch.Tensor, steps: int) -> float:
+        return float(loss_sum) / max(1, steps)
+
+    def pull_dense(self) -> None:
+        from mariana.platform.ps.dense import unflatten_into
+
+        self.client.wait()
+        # bulk-synchronous: a pull for step t waits until every server applied step t - 1 of all workers,
+        # so the evaluation sees the state after this worker's steps whatever the timing
+        at = self.t if self.cfg.staleness == 0 else -1
+        _, dense_flat = self.client.pull({TABLE: torch.zeros(0, dtype=torch.int64)}, at, True)
+        unflatten_into(dense_flat, self.model.dense_parameters())
+
+    def evaluate(self, fn) -> dict[str, float]:
+        self.pull_dense()
+        return fn(self)
+
+    def checkpoint_state(self, folder: Path) -> dict[str, Any]:  # the servers hold the state
+        return {}
+
+    def restore(self, state: dict[str, Any], folder: Path) -> None:
+        self.t = int(state["step"])
+
+    def lrs(self) -> dict[str, float]:
+        return {"lr": self.cfg.lr, "sparse_lr": self.cfg.sparse_lr}
+
+    def comm_stats(self) -> tuple[float, int]:
+        return self.client.pull_s, 0
+
+
+class ServerCheckpointer:
+    """Checkpoints of a parameter-server job: worker 0 asks the servers to write their shards (the
+    servers' own atomic protocol, `ParamServer.checkpoint`); on start every worker asks the servers at
+    which step to continue (0 on a fresh job). The final checkpoint is written after all workers are done
+    (by the job's end), not here."""
+
+    resume_from_servers = True
+
+    def __init__(self, client, worker: int, total: int, steps_per_epoch: int):
+        self.client, self.worker, self.total, self.spe = client, worker, total, steps_per_epoch
+
+    def save(self, step: PSWorkerStep, progress: dict[str, Any]) -> None:
+        n = progress["step"]
+        if self.worker == 0 and n < self.total:
+            self.client.checkpoint(n)
+
+    def load(self, step: PSWorkerStep) -> dict[str, Any] | None:
+        n = self.client.resume_step()
+        if n <= 0:
+            return None
+        epoch, pos = divmod(n, self.spe)
+        state = {"step": n, "data": {"epoch": epoch, "batch": pos}}
+        step.restore(state, Path("."))
+        return state

@@ -1,0 +1,145 @@
+"""The platform's one libSVM/libFM parser: ``label id:value id:value ...`` per line.
+
+Used by the platform's click MLP (`mariana.platform.mlpjob.data.read_libfm`) and by pCTR's streaming
+encoder (`mariana.apps.pctr.data.Encoder`). `parse_lines` turns a chunk of lines into arrays, vectorised
+with numpy when every line of the chunk is valid (one C-level conversion per chunk) and line by line
+otherwise, so that every malformed line is reported with its reason:
+
+- label (when ``has_label``): ``1`` = click, ``0`` or ``-1`` = no click (any spelling ``float`` reads,
+  e.g. ``1.0``); anything else is an error;
+- features: ``id:value`` tokens, ``id`` a non-negative integer, ``value`` a float; the k-th token is
+  field k. A line may have no feature (every field missing); an empty line is an error;
+- ``num_fields``: at most that many features per line (more is an error); None: no limit, the arrays are
+  as wide as the widest valid line of the chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class LibfmRows:
+    """The valid lines of a chunk: ``labels`` float32 [n] in {0, 1} (zeros without labels); ``ids`` int64
+    [n, F] feature ids (0 where missing); ``vals`` float32 [n, F] (0 where missing); ``known`` bool [n, F]
+    (the line has field k); ``good``: their indices in the chunk; ``errors``: index -> why a line was
+    skipped."""
+
+    labels: np.ndarray
+    ids: np.ndarray
+    vals: np.ndarray
+    known: np.ndarray
+    good: list[int]
+    errors: dict[int, str] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def parse_lines(lines: list[str], num_fields: int | None = None, has_label: bool = True) -> LibfmRows:
+    """Parse ``lines`` (see the module docstring); malformed lines are left out and named in ``errors``."""
+    fast = _parse_fast(lines, num_fields, has_label)
+    return fast if fast is not None else _parse_checked(lines, num_fields, has_label)
+
+
+def _parse_fast(lines: list[str], F: int | None, has_label: bool) -> LibfmRows | None:
+    """Vectorised parse of a chunk whose lines are all valid (numpy converts every token in one call);
+    None if any line is not, so that errors are always reported per line by `_parse_checked`."""
+    toks = [ln.split() for ln in lines]
+    n = len(toks)
+    if n == 0:
+        return None
+    lens = np.fromiter(map(len, toks), dtype=np.int64, count=n)
+    nfeat = lens - 1 if has_label else lens
+    if lens.min() < 1 or (F is not None and nfeat.max() > F):
+        return None
+    if F is None:
+        F = int(nfeat.max())
+    try:  # C-level conversions over the whole chunk (map over builtins, no Python loop per field)
+        if has_label:
+            lab = np.fromiter(map(float, [t[0] for t in toks]), dtype=np.float64, count=n)
+            if not np.isin(lab, (1.0, 0.0, -1.0)).all():
+                return None
+            feats = [x for t in toks for x in t[1:]]
+        else:
+            lab = np.zeros(n)
+            feats = [x for t in toks for x in t]
+        pairs = " ".join(feats).replace(":", " ").split()
+        m = len(feats)
+        if len(pairs) != 2 * m:  # a token without ':' or with several
+            return None
+        ident = np.fromiter(map(int, pairs[0::2]), dtype=np.int64, count=m)
+        value = np.fromiter(map(float, pairs[1::2]), dtype=np.float32, count=m)
+    except (ValueError, OverflowError):
+        return None
+    if len(ident) and ident.min() < 0:
+        return None
+    row = np.repeat(np.arange(n), nfeat)
+    col = np.arange(len(ident)) - np.repeat(np.cumsum(nfeat) - nfeat, nfeat)
+    ids = np.zeros((n, F), dtype=np.int64)
+    vals = np.zeros((n, F), dtype=np.float32)
+    known = np.zeros((n, F), dtype=bool)
+    ids[row, col] = ident
+    vals[row, col] = value
+    known[row, col] = True
+    return LibfmRows((lab > 0).astype(np.float32), ids, vals, known, list(range(n)))
+
+
+def _parse_checked(lines: list[str], F: int | None, has_label: bool) -> LibfmRows:
+    width = F if F is not None else max((len(ln.split()) for ln in lines), default=0)
+    errors: dict[int, str] = {}
+    good: list[int] = []
+    labels: list[float] = []
+    ids = np.zeros((len(lines), width), dtype=np.int64)
+    vals = np.zeros((len(lines), width), dtype=np.float32)
+    known = np.zeros((len(lines), width), dtype=bool)
+    n = 0
+    for i, line in enumerate(lines):
+        parts = line.split()
+        if not parts:
+            errors[i] = "empty line"
+            continue
+        try:
+            if has_label:
+                lab = float(parts[0])
+                if lab not in (1.0, 0.0, -1.0):
+                    raise ValueError(f"label must be 1, 0 or -1, got {parts[0][:20]!r}")
+                feats = parts[1:]
+            else:
+                feats = parts
+            if F is not None and len(feats) > F:
+                raise ValueError(f"{len(feats)} features, the model has {F} fields")
+            for k, tok in enumerate(feats):
+                a, sep, b = tok.partition(":")
+                if not sep:
+                    raise ValueError(f"feature {tok[:20]!r} is not id:value")
+                ident = int(a)
+                if ident < 0:
+                    raise ValueError(f"negative feature id {ident}")
+                ids[n, k] = ident
+                vals[n, k] = float(b)
+                known[n, k] = True
+        except ValueError as e:
+            msg = str(e)
+            errors[i] = (
+                msg if " " in msg and "invalid literal" not in msg else f"bad number in {line.strip()[:40]!r}"
+            )
+            ids[n] = 0
+            known[n] = False
+            vals[n] = 0
+            continue
+        labels.append(1.0 if (has_label and lab > 0) else 0.0)
+        good.append(i)
+        n += 1
+    if F is None:  # as wide as the widest valid line
+        width = int(known[:n].sum(1).max()) if n else 0
+    return LibfmRows(
+        np.asarray(labels, dtype=np.float32),
+        ids[:n, :width].copy(),
+        vals[:n, :width].copy(),
+        known[:n, :width].copy(),
+        good,
+        errors,
+    )

@@ -1,0 +1,88 @@
+"""What an app's REST routes get from the server: `AppContext`, plus the JSON error reply every route uses.
+
+``mariana serve`` calls each servable app's ``AppSpec.routes`` function with one `AppContext` and mounts
+the `fastapi.APIRouter` it returns. The context holds the app's `ModelSlot` (None when the command line gave
+no model of that app: the routes then answer `not_served`), the server config and metrics, and the app's
+inference thread; the routes declare through it how large their request bodies may be and which of them
+are micro-batched, which the server's middleware enforces and its lifespan starts and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import JSONResponse
+
+from .batcher import MicroBatcher
+
+if TYPE_CHECKING:
+    from .app import ServeConfig
+    from .metrics import Registry
+    from .models import ModelSlot
+
+
+def error(status: int, message: str, **extra) -> JSONResponse:
+    """The service's client-error reply: ``{"error": message, ...}`` with HTTP ``status``."""
+    return JSONResponse({"error": message, **extra}, status_code=status)
+
+
+class AppContext:
+    """One app's view of the server (see the module docstring)."""
+
+    def __init__(
+        self,
+        app: str,
+        cfg: ServeConfig,
+        metrics: Registry,
+        slot: ModelSlot | None = None,
+        executor: ThreadPoolExecutor | None = None,
+    ):
+        self.app, self.cfg, self.metrics, self.slot, self.executor = app, cfg, metrics, slot, executor
+        self.limits: dict[str, tuple[int, bool]] = {}  # path -> (largest body, JSON content type only)
+        self.batchers: dict[str, MicroBatcher] = {}  # path -> its micro-batcher
+
+    @property
+    def served(self) -> bool:
+        return self.slot is not None
+
+    def json_body(self, path: str) -> None:
+        """``path`` takes a JSON body (Content-Type application/json) of at most ``--max-body-bytes``."""
+        self.limits[path] = (self.cfg.max_body_bytes, True)
+
+    def upload_body(self, path: str) -> None:
+        """``path`` takes a file upload of at most ``--max-upload-bytes``."""
+        self.limits[path] = (self.cfg.max_upload_bytes, False)
+
+    def micro_batcher(self, path: str, fn: Callable[[list], tuple[list, Any]]) -> MicroBatcher:
+        """A `MicroBatcher` running ``fn`` on this app's inference thread for the requests of ``path``
+        (their arrival is announced to it, so it waits for requests already inside the server); its
+        batch sizes, latencies and queue depth go to the metrics under this app's label."""
+        labels = {"app": self.app}
+
+        def on_batch(n: int, seconds: float) -> None:
+            self.metrics.batch_size.observe(n, labels)
+            self.metrics.batch_latency.observe(seconds, labels)
+
+        batcher = MicroBatcher(
+            fn,
+            self.executor,
+            max_batch=self.cfg.max_batch,
+            max_wait_s=self.cfg.max_wait_ms / 1000.0,
+            max_queue=self.cfg.max_queue,
+            inline_max=self.cfg.inline_max,
+            on_batch=on_batch,
+            on_queue=lambda d: self.metrics.queue_depth.set(d, labels),
+        )
+        self.metrics.queue_depth.set(0, labels)
+        self.batchers[path] = batcher
+        return batcher
+
+    async def run(self, fn, *args):
+        """Run a (non-batched) model call on this app's inference thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def not_served(self) -> JSONResponse:
+        return error(404, f"{self.app} is not served here (start the server with --{self.app} RUN)")
