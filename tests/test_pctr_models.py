@@ -192,12 +192,12 @@ def test_l2_regularised_step_equals_autograd_of_the_regularised_loss(kind):
             torch.testing.assert_close(p.detach(), dense_ref[n], msg=n)
 
 
-def test_l2_flags_default_to_off_and_refuse_negative_values():
+def test_l2_flag_defaults_and_negative_values_are_refused():
     from mariana.apps.pctr.configs import PctrConfig
     from mariana.platform.core.errors import MarianaError
 
     cfg = PctrConfig()
-    assert cfg.l2_emb == 0.0 and cfg.weight_decay == 0.0
+    assert cfg.l2_emb == 0.01 and cfg.weight_decay == 0.0
     for kw in ({"l2_emb": -1.0}, {"l2_emb": float("nan")}, {"weight_decay": -0.1}):
         with pytest.raises(MarianaError, match="must be a finite number >= 0"):
             PctrConfig(**kw).validate()

@@ -56,12 +56,18 @@ def test_async_two_servers_two_workers_matches_single_process(frappe, tmp_path):
 
 
 def test_staleness_zero_equals_synchronous_sgd(frappe, tmp_path):
-    """Bulk-synchronous PS (W=2, batch B each) = one process with batch 2B, same order, same math."""
-    run_cli(lr_args(frappe, tmp_path / "sync", "--batch-size", "1024", "--no-shuffle"), check=True)
+    """Bulk-synchronous PS (W=2, batch B each) = one process with batch 2B, same order, same math.
+
+    Without --l2-emb: it regularises the rows each worker's batch looks up, so a row only one worker saw
+    gets half the L2 of the 2B batch after the servers average the two pushes."""
+    run_cli(
+        lr_args(frappe, tmp_path / "sync", "--batch-size", "1024", "--no-shuffle", "--l2-emb", "0"),
+        check=True,
+    )
     run_cli(
         lr_args(
             frappe, tmp_path / "bsp", "--batch-size", "512", "--servers", "2", "--workers", "2",
-            "--staleness", "0", "--no-shuffle",
+            "--staleness", "0", "--no-shuffle", "--l2-emb", "0",
         ),
         check=True,
     )  # fmt: skip

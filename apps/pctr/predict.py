@@ -56,7 +56,7 @@ class Predictor:
             m["dim"],
             hidden,
             m["cross_layers"],
-            0.0,
+            float(m.get("dropout", 0.0)),  # identity in eval mode, but it numbers the MLP's layers
             table=state.pop("table.weight"),  # adopted as is: no second full-size table
         )
         self.seen = state.pop("seen").bool().to(self.device)

@@ -14,7 +14,6 @@ evaluations (``--epochs`` is the cap), and the best model is exported.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -182,7 +181,6 @@ class Setup:
                 "dropout": self.cfg.dropout,
             },
             "config": cfg,
-            "version": time.strftime("%Y%m%d-%H%M%S") + f"-{self.cfg.model}",
             **(extra or {}),
         }
 
