@@ -3,7 +3,8 @@
 Measures, in one run:
 1. training throughput of the acoustic-DNN-shaped MLP (440 -> 7x2048 -> 12000, 50.7M parameters; or
    ``--narrow`` for 440 -> 7x1024 -> 3000) with a plain PyTorch loop (1 process x 1 thread: the reference),
-   Mariana's data-parallel framework with 1 worker, and with 2 workers x 1 thread each (torchrun + gloo);
+   Mariana's data-parallel framework with 1 worker, and with 2 workers x 1 thread each (torchrun + gloo),
+   against the like-for-like baseline on 2 cores: one plain process x 2 threads on the same global batch;
 2. fp32 vs bf16 gradient communication: bytes and all-reduce time per step;
 3. gloo all-reduce time against message size on loopback, with the ring model t = a + 2(N-1)/N * S/B
    fitted beside it;
@@ -174,6 +175,11 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     plain = train_steps(build_mlp(shape), torch.device("cpu"), args.batch, args.steps, shape)
+    # The like-for-like baseline of 2 workers on 2 cores: one process using both cores on their global batch.
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    plain2 = train_steps(build_mlp(shape), torch.device("cpu"), 2 * args.batch, args.steps, shape)
+    torch.set_num_threads(1)
     one = launch(1, common)
     two = launch(2, common)
     two_bf16 = launch(2, [*common, "--grad-comm", "bf16"])
@@ -182,6 +188,11 @@ def main() -> None:
 
     rows = [
         {"run": "plain PyTorch 1x1 thread", "samples/s": round(args.batch / plain, 1), "vs plain": "1.00x"},
+        {
+            "run": "plain PyTorch 1x2 threads, 2x batch",
+            "samples/s": round(2 * args.batch / plain2, 1),
+            "vs plain": f"{2 * plain / plain2:.2f}x",
+        },
         {
             "run": "mariana 1 worker",
             "samples/s": round(args.batch / one["sec_per_step"], 1),
@@ -234,6 +245,11 @@ def main() -> None:
     print(f"Data-parallel scaling, MLP {shape} = {n_params / 1e6:.1f}M parameters, batch {args.batch}/worker")
     print(table(rows, ["run", "samples/s", "vs plain", "comm MB/step", "comm s/step"]))
     print(
+        f"\nlike for like on 2 cores (global batch {2 * args.batch}): mariana 2 workers x 1 thread vs plain "
+        f"1 process x 2 threads: {plain2 / two['sec_per_step']:.2f}x (fp32 comm), "
+        f"{plain2 / two_bf16['sec_per_step']:.2f}x (bf16 comm)"
+    )
+    print(
         f"\nscaling 2 workers vs mariana 1 worker: {one['sec_per_step'] * 2 / two['sec_per_step']:.2f}x (fp32), "
         f"{one['sec_per_step'] * 2 / two_bf16['sec_per_step']:.2f}x (bf16 comm)"
     )
@@ -258,6 +274,8 @@ def main() -> None:
             "steps": args.steps,
             "throughput": rows,
             "scaling_2_vs_1": one["sec_per_step"] * 2 / two["sec_per_step"],
+            "two_workers_vs_plain_1x2_threads": plain2 / two["sec_per_step"],
+            "two_workers_bf16_vs_plain_1x2_threads": plain2 / two_bf16["sec_per_step"],
             "scaling_2_vs_1_bf16": one["sec_per_step"] * 2 / two_bf16["sec_per_step"],
             "allreduce_sweep": sweep_rows,
             "ring_fit": {"latency_s": alpha, "bus_bandwidth_Bps": bw},
