@@ -61,6 +61,23 @@ def run_cli(
     return proc
 
 
+def run_torchrun(script: str | Path, nproc: int, *args, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run ``script`` (a test's worker entry) in ``nproc`` processes under the real launcher
+    (``torchrun --standalone``: a free rendezvous port), from the repository root, in `cli_env`; asserts a
+    zero exit with the tail of stderr in the message."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         str(script), *map(str, args)],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
 def last_line(text: str) -> str:
     lines = [ln for ln in text.splitlines() if ln.strip()]
     return lines[-1] if lines else ""

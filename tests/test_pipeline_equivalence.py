@@ -9,7 +9,6 @@ Run as a script under torchrun, this file is the worker: ``python -m torch.distr
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -102,26 +101,9 @@ def test_split_keeps_block_names_and_function():
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [2, 3])
 def test_pipeline_schedules_match_unsplit_model(tmp_path, stages):
-    from helpers import cli_env
+    from helpers import run_torchrun
 
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(stages),
-            __file__,
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=cli_env(),  # the shared test environment: 1 thread per process, no stray torchrun variables
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_torchrun(__file__, stages, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(stages)]
 
     model = _model()

@@ -15,7 +15,6 @@ Run as a script under torchrun, this file is the worker: ``python -m torch.distr
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -105,27 +104,10 @@ def worker(out: Path) -> None:
 
 @pytest.mark.slow
 def test_pipeline_step_clipping_accumulation_and_merge(tmp_path):
-    from helpers import cli_env
+    from helpers import run_torchrun
     from mariana.platform.core.optim import build_optimizer
 
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            __file__,
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=cli_env(),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_torchrun(__file__, 2, tmp_path)
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
     assert r0["schedule"] == "1f1b (torch.distributed.pipelining)"

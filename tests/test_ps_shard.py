@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
-from helpers import ROOT, cli_env
+from helpers import ROOT, run_torchrun
 from mariana.platform.ps.rowopt import RowOptConfig, apply_rows, coalesce, init_state
 from mariana.platform.ps.server import ParamServer
 from mariana.platform.ps.shard import EmbeddingShard, TableSpec, init_rows, local_rows, split_by_shard
@@ -78,18 +76,7 @@ def test_row_rules_touch_only_given_rows_and_match_dense_math(rule):
 def test_rpc_pull_push_across_two_servers(tmp_path):
     """Real processes: rows requested by a worker come back from the right server in the right order;
     a push changes exactly the pushed rows on the servers that own them, and a replay is ignored."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "3",
-        str(ROOT / "tests" / "ps_pushpull_job.py"),
-        str(tmp_path),
-    ]
-    p = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stderr[-4000:]
+    run_torchrun(ROOT / "tests" / "ps_pushpull_job.py", 3, tmp_path)
     r = torch.load(tmp_path / "result.pt", weights_only=True)
     spec = TableSpec("t", 10, 3, init_std=1.0)
     full = init_rows(spec, seed=3)

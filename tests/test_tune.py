@@ -290,4 +290,4 @@ def test_shipped_spaces_name_only_flags_their_app_has(space: Path):
         trial = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed)).ask()
         values = {**loaded.fixed, **{n: p.suggest(trial) for n, p in loaded.params.items()}}
         cfg = resolve_config(cls, parser.parse_args(flag_args(values)), info.presets())
-        assert all(getattr(cfg, n) is not None for n in values)
+        assert flag_args({n: getattr(cfg, n) for n in values}) == flag_args(values)  # every value arrived

@@ -9,6 +9,6 @@ SPEC = AppSpec(
     routes="mariana.apps.asr.routes:router",
     serve_help="ASR run directory -> POST /v1/asr/transcribe",
     requires=("transcribe_wav_bytes",),
-    tune=TuneInfo("mariana.apps.asr.configs", "AsrConfig", "wer", "minimize"),
+    tune=TuneInfo("mariana.apps.asr.configs", "AsrConfig", "wer"),
     order=10,
 )

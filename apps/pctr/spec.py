@@ -9,7 +9,7 @@ SPEC = AppSpec(
     routes="mariana.apps.pctr.routes:router",
     serve_help="pCTR run directory -> POST /v1/pctr/predict",
     requires=("predict_lines",),
-    tune=TuneInfo("mariana.apps.pctr.configs", "PctrConfig", "auc", "maximize"),
+    tune=TuneInfo("mariana.apps.pctr.configs", "PctrConfig", "auc"),
     extra_slots=("--servers",),  # parameter-server processes run beside the --workers
     order=30,
 )

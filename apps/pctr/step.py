@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -273,16 +274,12 @@ class PSWorkerStep:
         self.model = build_dense_only(cfg, schema)  # rows come from the servers
         self.amp = functools.partial(autocast_for, cfg, self.device)
         self.t, self.n, self.loss_sum, self.loss_n = 0, 0, 0.0, 0
-        import time
-
         self.t0 = time.perf_counter()
 
     def setup(self, total_steps: int) -> None:
         pass
 
     def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, int]:
-        import time
-
         (batch,) = micro_batches
         loss = train_step(
             self.model,

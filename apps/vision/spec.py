@@ -9,6 +9,6 @@ SPEC = AppSpec(
     routes="mariana.apps.vision.routes:router",
     serve_help="vision run directory -> POST /v1/vision/classify",
     requires=("classify_bytes",),
-    tune=TuneInfo("mariana.apps.vision.configs", "VisionConfig", "top1", "maximize"),
+    tune=TuneInfo("mariana.apps.vision.configs", "VisionConfig", "top1"),
     order=20,
 )

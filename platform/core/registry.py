@@ -44,8 +44,7 @@ class TuneInfo:
 
     module: str  # the configs module (holds the config class and PRESETS)
     config_class: str
-    monitor: str  # default metric
-    direction: str  # "maximize" | "minimize"
+    monitor: str  # default metric (its direction comes from `evaluator.higher_is_better`)
 
     def config_cls(self) -> type:
         return getattr(importlib.import_module(self.module), self.config_class)

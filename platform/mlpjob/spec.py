@@ -6,6 +6,6 @@ from ..core.registry import AppSpec, TuneInfo
 SPEC = AppSpec(
     name="mlp",
     cli="mariana.platform.mlpjob.cli",
-    tune=TuneInfo("mariana.platform.mlpjob.configs", "MlpConfig", "auc", "maximize"),
+    tune=TuneInfo("mariana.platform.mlpjob.configs", "MlpConfig", "auc"),
     order=0,
 )

@@ -82,7 +82,22 @@ class P2P:
         self.pending.clear()
 
 
-class GPipeSchedule:
+class StagePosition:
+    """Where this rank's stage sits in the pipeline: ``index`` of ``n_stages``."""
+
+    index: int
+    n_stages: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.n_stages - 1
+
+
+class GPipeSchedule(StagePosition):
     """Runs one pipeline stage's part of a training or inference step (see module docstring).
 
     ``stage``: this rank's module; ``stage_index``/``n_stages``; ``prev_rank``/``next_rank``: global ranks of
@@ -106,14 +121,6 @@ class GPipeSchedule:
         self.m, self.loss_fn, self.device = n_microbatches, loss_fn, device
         self.autocast = autocast
         self.p2p = P2P(device)
-
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.n_stages - 1
 
     def _ctx(self):
         return self.autocast() if self.autocast is not None else contextlib.nullcontext()
@@ -226,7 +233,7 @@ class _Stage(PipelineStage):
             self.submod.train(was_training)
 
 
-class TorchSchedule:
+class TorchSchedule(StagePosition):
     """GPipe or 1F1B for one stage from `torch.distributed.pipelining` (``ScheduleGPipe``/``Schedule1F1B``).
 
     Same contract as `GPipeSchedule.train_step`: gradients accumulate into the stage's ``.grad`` (the loss of
@@ -257,14 +264,6 @@ class TorchSchedule:
         self.m, self.loss_fn, self.device, self.autocast = n_microbatches, loss_fn, device, autocast
         self.module = _AutocastStage(stage, autocast)
         self._schedules: dict[int, Any] = {}
-
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.n_stages - 1
 
     def supports(self, batch_size: int) -> bool:
         return self.n_stages > 1 and self.m >= self.n_stages and batch_size % self.m == 0

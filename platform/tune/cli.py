@@ -83,6 +83,7 @@ def _tune(args, argv) -> int:
     from pathlib import Path
 
     from mariana.platform.core.errors import MarianaError
+    from mariana.platform.core.evaluator import higher_is_better, metric_name
 
     from .apps import app_info
     from .runners import JobRunner, LocalRunner
@@ -97,10 +98,11 @@ def _tune(args, argv) -> int:
         raise MarianaError(f"--timeout must be >= 0 seconds (0: no limit), got {args.timeout}")
     space = load_space(args.space, info.config_cls())
     _check_train_flags(args.app, args.train_flags, space)
-    monitor = args.monitor or info.monitor
-    for p in ("val_", "eval_"):
-        monitor = monitor[len(p) :] if monitor.startswith(p) else monitor
-    direction = DIRECTIONS[args.direction] if args.direction else info.direction
+    monitor = metric_name(args.monitor or info.monitor)
+    if args.direction:
+        direction = DIRECTIONS[args.direction]
+    else:  # the Trainer's own table of metric directions (auc up, logloss/wer down, ...)
+        direction = "maximize" if higher_is_better(monitor) else "minimize"
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise MarianaError(f"--out {args.out}: exists and is not a directory")
@@ -151,7 +153,7 @@ def register(sub) -> None:
     defaults = ", ".join(f"{s.name}: {s.tune.monitor}" for s in tunable_apps())
     p.add_argument("--monitor", default="", help=f"metric to optimise (default: the app's own; {defaults})")
     p.add_argument("--direction", choices=sorted(DIRECTIONS), default=None,
-                   help="max or min (default: the app's, e.g. min for wer)")  # fmt: skip
+                   help="max or min (default: the metric's own, e.g. max for auc, min for logloss and wer)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=0.0,
                    help="seconds after which no new trial starts (running ones finish); 0: none")  # fmt: skip
     p.add_argument("--pruner", choices=["median", "hyperband", "none"], default="median",
