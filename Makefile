@@ -12,7 +12,13 @@ RUNS ?= runs/demo
 $(STAMP): requirements.txt pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
+	@# torch's wheel is large and PyPI downloads get cut off: resume partial downloads, and
+	@# retry the whole install (pip's cache keeps the wheels that did arrive).
+	@for i in 1 2 3 4; do \
+		$(PY) -m pip install -q --resume-retries 20 -r requirements.txt && break; \
+		[ $$i = 4 ] && { echo "pip install failed 4 times" >&2; exit 1; }; \
+		echo "pip install failed (attempt $$i of 4); retrying in 20 s" >&2; sleep 20; \
+	done
 	$(PY) -m pip install -q --no-deps -e .
 	@touch $(STAMP)
 
