@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from mariana.platform.core.errors import DataError
-from mariana.platform.core.libfm import parse_lines
+from mariana.platform.core.libfm import LibfmRows, block_lines, parse_block, parse_lines
+from mariana.platform.core.textblocks import lines_array, ordered_map, read_blocks
 
 from .configs import parse_split  # noqa: F401  (defined beside the flags: checked before torch loads)
 
@@ -141,8 +142,19 @@ class Encoder:
     ) -> tuple[Batch, list[int], dict[int, str]]:
         """Parse ``lines``. Returns (batch of the valid lines, their indices in ``lines``, index -> error)."""
         if self.schema.format == "criteo":
-            return self._criteo(lines, has_label, first_lineno, stats)
-        return self._libfm(lines, has_label, first_lineno, stats)
+            out = self._criteo(lines, has_label)
+        else:
+            out = self._libfm(parse_lines(lines, self.schema.num_fields, has_label))
+        _count(stats, out, first_lineno)
+        return out
+
+    def encode_block(self, block: bytes, has_label: bool = True) -> tuple[Batch, list[int], dict[int, str]]:
+        """`encode` of a block of whole lines (`mariana.platform.core.textblocks`): Arrow's kernels when
+        every line is ASCII and its numbers plain, else the per-line parser; the results are the same."""
+        if self.schema.format == "libfm":
+            return self._libfm(parse_block(block, self.schema.num_fields, has_label))
+        fast = self._criteo_arrow(block, has_label) if block.isascii() else None
+        return fast if fast is not None else self._criteo(block_lines(block), has_label)
 
     def _finish(self, raw: np.ndarray, known: np.ndarray) -> torch.Tensor:
         """raw uint64 [n, F] values (already hashed or small ints), known bool [n, F] -> rows [n, F]."""
@@ -151,7 +163,7 @@ class Encoder:
         local[~known] = 0
         return torch.from_numpy(local) + self.base
 
-    def _criteo(self, lines, has_label, first, stats):
+    def _criteo(self, lines, has_label):
         off = 1 if has_label else 0
         want = off + CRITEO_INTS + CRITEO_CATS
         errors: dict[int, str] = {}
@@ -195,6 +207,60 @@ class Encoder:
             cats = np.zeros((0, CRITEO_CATS), dtype=str)
         ints, int_known, labels, cats = ints[keep], int_known[keep], labels[keep], cats[keep]
         good_idx = [g for g, k in zip(good_idx, keep) if k]
+        cat_hash = _crc(cats) if len(cats) else np.zeros((0, CRITEO_CATS), np.uint64)
+        return self._criteo_batch(labels, ints, int_known, cat_hash, cats != ""), good_idx, errors
+
+    def _criteo_arrow(self, block: bytes, has_label: bool) -> tuple[Batch, list[int], dict[int, str]] | None:
+        """`_criteo` with Arrow's string kernels (same rows, ids and errors); None when a count is not
+        plain digits (the per-line parser then names the line)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        off = 1 if has_label else 0
+        want = off + CRITEO_INTS + CRITEO_CATS
+        parts = pc.split_pattern(pc.ascii_rtrim(lines_array(block), characters="\r\n"), "\t")
+        lens = pc.list_value_length(parts).to_numpy()
+        flat = pc.list_flatten(parts)
+        starts = parts.offsets.to_numpy()[:-1].astype(np.int64)
+        ok = (lens <= want) & (lens >= off + CRITEO_INTS + 1)
+        errors = {int(i): f"expected {want} tab-separated fields, got {lens[i]}" for i in np.flatnonzero(~ok)}
+        labels = np.zeros(len(lens), dtype=np.float32)
+        if has_label:
+            lab = flat.take(pa.array(starts))
+            is01 = pc.is_in(lab, value_set=pa.array(["0", "1"])).to_numpy(zero_copy_only=False)
+            bad = np.flatnonzero(ok & ~is01)
+            for i, tok in zip(bad, lab.take(pa.array(bad)).to_pylist()):
+                errors[int(i)] = f"label must be 0 or 1, got {tok[:20]!r}"
+            ok &= is01
+            labels = pc.equal(lab, "1").to_numpy(zero_copy_only=False).astype(np.float32)
+        rows = np.flatnonzero(ok)
+        n = len(rows)
+        k = np.arange(off, want)
+        idx = starts[rows, None] + k
+        present = k[None, :] < lens[rows, None]  # stripped trailing fields are missing
+        tok = flat.take(pa.array(idx.ravel(), mask=~present.ravel()))
+        known = pc.fill_null(pc.not_equal(tok, ""), False).to_numpy(zero_copy_only=False).reshape(n, len(k))
+        cols = np.arange(known.size).reshape(n, len(k))
+        int_known, cat_known = known[:, :CRITEO_INTS], known[:, CRITEO_INTS:]
+        int_tok = tok.take(pa.array(cols[:, :CRITEO_INTS][int_known]))
+        if len(int_tok) and not pc.all(pc.match_substring_regex(int_tok, r"^-?[0-9]+$")).as_py():
+            return None
+        ints = np.zeros((n, CRITEO_INTS), dtype=np.int64)
+        try:
+            ints[int_known] = pc.cast(int_tok, pa.int64()).to_numpy()
+        except pa.ArrowInvalid:  # out of int64's range
+            return None
+        codes = pc.dictionary_encode(tok.take(pa.array(cols[:, CRITEO_INTS:].ravel())))
+        # CRC32 of each distinct string, as `_crc` does (what was missing is masked by cat_known)
+        uniq = codes.dictionary.cast(pa.binary()).to_pylist()
+        h = np.fromiter(map(zlib.crc32, uniq), dtype=np.uint64, count=len(uniq))
+        cat_hash = h[pc.fill_null(codes.indices, 0).to_numpy()].reshape(n, CRITEO_CATS)
+        batch = self._criteo_batch(labels[rows], ints, int_known, cat_hash, cat_known)
+        return batch, rows.tolist(), dict(sorted(errors.items()))
+
+    def _criteo_batch(self, labels, ints, int_known, cat_hash, cat_known) -> Batch:
+        """Parsed Criteo rows -> `Batch`: ``labels`` [n], ``ints`` int64 [n, 13] (0 where missing),
+        ``cat_hash`` uint64 [n, 26] CRC32 of each categorical string, ``*_known`` bool masks."""
         pos = np.maximum(ints, 0).astype(np.float64)
         dense = np.log1p(pos).astype(np.float32)
         # log^2 bucketing of counts > 2 (negative values get their own small buckets)
@@ -202,32 +268,28 @@ class Encoder:
             ints > 2, np.floor(np.log(np.maximum(pos, 1.0)) ** 2).astype(np.int64) + 3, ints + 3
         )
         raw_int = bucket.astype(np.uint64)
-        cat_known = cats != ""
         salt = np.arange(CRITEO_CATS, dtype=np.uint64)[None, :] + np.uint64(1)
-        raw_cat = _mix(_crc(cats), salt) if len(cats) else np.zeros((0, CRITEO_CATS), np.uint64)
+        raw_cat = _mix(cat_hash, salt)
         ids = self._finish(np.concatenate([raw_int, raw_cat], 1), np.concatenate([int_known, cat_known], 1))
-        n = len(good_idx)
-        batch = Batch(
+        n = len(labels)
+        return Batch(
             ids, torch.ones(n, self.schema.num_fields), torch.from_numpy(dense), torch.from_numpy(labels)
         )
-        if stats is not None:
-            stats.rows += n
-            for i, msg in errors.items():
-                stats.bad(first + i, msg)
-        return batch, good_idx, errors
 
-    def _libfm(self, lines, has_label, first, stats):
-        """libFM lines through the platform's one parser (`mariana.platform.core.libfm`): vectorised per
-        chunk, per line (with each error's reason) when a line of the chunk is malformed."""
-        p = parse_lines(lines, self.schema.num_fields, has_label)
+    def _libfm(self, p: LibfmRows) -> tuple[Batch, list[int], dict[int, str]]:
+        """Rows of the platform's one libFM parser (`mariana.platform.core.libfm`) -> `Batch`."""
         n = len(p)
         rows = self._finish(p.ids.astype(np.uint64), p.known)
         batch = Batch(rows, torch.from_numpy(p.vals), torch.zeros(n, 0), torch.from_numpy(p.labels))
-        if stats is not None:
-            stats.rows += n
-            for i, msg in p.errors.items():
-                stats.bad(first + i, msg)
         return batch, p.good, p.errors
+
+
+def _count(stats: ReadStats | None, encoded: tuple[Batch, list[int], dict[int, str]], first: int) -> None:
+    """Add an encoded chunk's rows and skipped lines (``first``: the chunk's first 1-based line number)."""
+    if stats is not None:
+        stats.rows += len(encoded[0])
+        for i, msg in encoded[2].items():
+            stats.bad(first + i, msg)
 
 
 def check_file(path: str | Path) -> Path:
@@ -276,30 +338,25 @@ def iter_chunks(
     encoder: Encoder,
     start: int = 0,
     stop: int | None = None,
-    chunk: int = 8192,
+    chunk: int = 65536,
     stats: ReadStats | None = None,
     has_label: bool = True,
+    threads: int = 0,
 ) -> Iterator[Batch]:
-    """Stream the lines ``[start, stop)`` (0-based, by row order) of ``path`` as encoded chunks."""
-    buf: list[str] = []
-    first = start + 1
-    with open(check_file(path), encoding="utf-8", errors="replace") as f:
-        for i, line in enumerate(f):
-            if i < start:
-                continue
-            if stop is not None and i >= stop:
-                break
-            buf.append(line)
-            if len(buf) >= chunk:
-                b, _, _ = encoder.encode(buf, has_label, first, stats)
-                first += len(buf)
-                buf = []
-                if len(b):
-                    yield b
-    if buf:
-        b, _, _ = encoder.encode(buf, has_label, first, stats)
-        if len(b):
-            yield b
+    """Stream the lines ``[start, stop)`` (0-based, in file order) of ``path`` as encoded chunks of at most
+    ``chunk`` lines, parsed on ``threads`` threads in file order (0: as many as torch's intra-op threads,
+    the process's CPU budget; one per core by default, one per process under a multi-process launcher)."""
+    blocks = read_blocks(check_file(path), start, stop, max_lines=chunk)
+    threads = threads or torch.get_num_threads()
+
+    def encode(item: tuple[int, bytes]):
+        first, block = item
+        return first, encoder.encode_block(block, has_label)
+
+    for first, out in ordered_map(encode, blocks, threads):
+        _count(stats, out, first + 1)
+        if len(out[0]):
+            yield out[0]
 
 
 def iter_batches(chunks: Iterator[Batch], batch_size: int, drop_last: bool = False) -> Iterator[Batch]:

@@ -143,3 +143,71 @@ def _parse_checked(lines: list[str], F: int | None, has_label: bool) -> LibfmRow
         good,
         errors,
     )
+
+
+def block_lines(block: bytes) -> list[str]:
+    """A block of whole lines (`mariana.platform.core.textblocks`) as text lines, for the per-line
+    parsers; bytes that are not UTF-8 become U+FFFD, as when the file is read as text."""
+    return block.decode("utf-8", errors="replace").split("\n")[
+        : block.count(b"\n") + (not block.endswith(b"\n"))
+    ]
+
+
+def parse_block(block: bytes, num_fields: int | None = None, has_label: bool = True) -> LibfmRows:
+    """`parse_lines` of a block of whole lines, with Arrow's string kernels when every line of the block
+    is valid ASCII libFM (no Python object per token); otherwise exactly `parse_lines`."""
+    fast = _parse_arrow(block, num_fields, has_label) if block.isascii() else None
+    return fast if fast is not None else parse_lines(block_lines(block), num_fields, has_label)
+
+
+def _parse_arrow(block: bytes, F: int | None, has_label: bool) -> LibfmRows | None:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from .textblocks import lines_array
+
+    toks = pc.ascii_split_whitespace(pc.ascii_trim_whitespace(lines_array(block)))
+    lens = pc.list_value_length(toks).to_numpy()
+    n = len(lens)
+    nfeat = lens - 1 if has_label else lens
+    if n == 0 or lens.min() < 1 or (F is not None and nfeat.max() > F):
+        return None
+    if F is None:
+        F = int(nfeat.max())
+    flat = pc.list_flatten(toks)
+    starts = toks.offsets.to_numpy()[:-1].astype(np.int64)
+    try:
+        if has_label:
+            lab = pc.cast(flat.take(pa.array(starts)), pa.float64()).to_numpy()
+            if not np.isin(lab, (1.0, 0.0, -1.0)).all():
+                return None
+            is_feat = np.ones(len(flat), dtype=bool)
+            is_feat[starts] = False
+            feats = flat.filter(pa.array(is_feat))
+        else:
+            lab = np.zeros(n)
+            feats = flat
+        kv = pc.split_pattern(feats, ":")
+        if len(feats) and (pc.list_value_length(kv).to_numpy() != 2).any():  # no ':' or several
+            return None
+        pairs = pc.list_flatten(kv)
+        m = len(feats)
+        id_tok = pairs.take(pa.array(np.arange(0, 2 * m, 2)))
+        # only plain digits: what Python's int() and Arrow's cast read the same way
+        if m and not pc.all(pc.match_substring_regex(id_tok, r"^[0-9]+$")).as_py():
+            return None
+        ident = pc.cast(id_tok, pa.int64()).to_numpy()
+        # through float64 as Python's float() does, then float32 like the per-line parsers
+        value = pc.cast(pairs.take(pa.array(np.arange(1, 2 * m, 2))), pa.float64()).to_numpy()
+        value = value.astype(np.float32)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+    row = np.repeat(np.arange(n), nfeat)
+    col = np.arange(m) - np.repeat(np.cumsum(nfeat) - nfeat, nfeat)
+    ids = np.zeros((n, F), dtype=np.int64)
+    vals = np.zeros((n, F), dtype=np.float32)
+    known = np.zeros((n, F), dtype=bool)
+    ids[row, col] = ident
+    vals[row, col] = value
+    known[row, col] = True
+    return LibfmRows((lab > 0).astype(np.float32), ids, vals, known, list(range(n)))

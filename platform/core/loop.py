@@ -269,7 +269,7 @@ class Trainer:
         self.logger = MetricsLogger(self.run, ctx, self.total_steps, self.step, cfg.progress, self.desc)
         stream = self._batches()
         loss_sum = torch.zeros((), device=ctx.device)
-        interval_samples, interval_steps, last_log = 0, 0, time.perf_counter()
+        interval_samples, interval_steps, interval_wait, last_log = 0, 0, 0.0, time.perf_counter()
         start_time, start_step, run_samples = time.perf_counter(), self.step, 0
         last_loss = float("nan")
         eval_metrics: dict[str, float] = {}
@@ -281,7 +281,9 @@ class Trainer:
                 self.faults.maybe_fire(self.step + 1)
                 ctx.beat(self.step + 1, "data")
                 epoch_before = self.epoch
+                t_data = time.perf_counter()
                 micro = [next(stream) for _ in range(self.accum)]
+                interval_wait += time.perf_counter() - t_data  # the step waiting for input
                 loss, n = self.step_obj.train_step(micro)
                 loss_sum += loss
                 interval_samples += n
@@ -310,13 +312,15 @@ class Trainer:
                         "samples_per_s": samples / max(1e-9, now - last_log),
                         "step_time_s": (now - last_log) / interval_steps,
                         "comm_time_s": comm_s / interval_steps,
+                        "data_wait_s": interval_wait / interval_steps,
                         "comm_bytes": comm_bytes // interval_steps,
                         **self.step_obj.lrs(),
                     }
                     self.logger.write(record)
                     self.logger.postfix(loss=f"{last_loss:.4f}", sps=f"{record['samples_per_s']:.0f}")
                     loss_sum.zero_()
-                    interval_samples, interval_steps, last_log = 0, 0, time.perf_counter()
+                    interval_samples, interval_steps, interval_wait = 0, 0, 0.0
+                    last_log = time.perf_counter()
                 if self.evaluator is not None and self.step < self.total_steps:
                     if self.evaluator.due(self.step, epoch_ended):
                         eval_metrics = self.evaluate("epoch end" if epoch_ended else "scheduled")
