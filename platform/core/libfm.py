@@ -76,6 +76,13 @@ def _parse_fast(lines: list[str], F: int | None, has_label: bool) -> LibfmRows |
         return None
     if len(ident) and ident.min() < 0:
         return None
+    return _all_valid(lab, ident, value, nfeat, F)
+
+
+def _all_valid(lab: np.ndarray, ident: np.ndarray, value: np.ndarray, nfeat: np.ndarray, F: int) -> LibfmRows:
+    """A chunk whose lines are all valid: ``lab`` [n] labels as read, ``ident``/``value`` [m] the features
+    of all lines in order, ``nfeat`` [n] features per line -> `LibfmRows` of width ``F``."""
+    n = len(nfeat)
     row = np.repeat(np.arange(n), nfeat)
     col = np.arange(len(ident)) - np.repeat(np.cumsum(nfeat) - nfeat, nfeat)
     ids = np.zeros((n, F), dtype=np.int64)
@@ -202,12 +209,4 @@ def _parse_arrow(block: bytes, F: int | None, has_label: bool) -> LibfmRows | No
         value = value.astype(np.float32)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return None
-    row = np.repeat(np.arange(n), nfeat)
-    col = np.arange(m) - np.repeat(np.cumsum(nfeat) - nfeat, nfeat)
-    ids = np.zeros((n, F), dtype=np.int64)
-    vals = np.zeros((n, F), dtype=np.float32)
-    known = np.zeros((n, F), dtype=bool)
-    ids[row, col] = ident
-    vals[row, col] = value
-    known[row, col] = True
-    return LibfmRows((lab > 0).astype(np.float32), ids, vals, known, list(range(n)))
+    return _all_valid(lab, ident, value, nfeat, F)
