@@ -23,7 +23,6 @@ Usage: ``.venv/bin/python bench/parse_throughput.py`` -> bench/results/parse_thr
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from functools import partial
@@ -33,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import table, write_result  # noqa: E402
-from pctr_throughput import epoch_rates, generate, ours  # noqa: E402
+from pctr_throughput import epoch_rates, generate, ours, per_epoch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,18 +76,7 @@ def blocks(path: Path, enc, threads: int) -> tuple[list, object]:
 
 def data_wait_share(run: Path) -> list[float]:
     """Share of each epoch's step time the step spent waiting for its batch (RUN/metrics.jsonl)."""
-    wait: dict[int, float] = {}
-    total: dict[int, float] = {}
-    prev = 0
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if "data_wait_s" not in r:
-            continue
-        k = r["step"] - prev
-        prev = r["step"]
-        wait[r["epoch"]] = wait.get(r["epoch"], 0.0) + r["data_wait_s"] * k
-        total[r["epoch"]] = total.get(r["epoch"], 0.0) + r["step_time_s"] * k
-    return [wait[e] / total[e] for e in sorted(total)]
+    return [w / t for w, t in per_epoch(run, "data_wait_s", per="step")]
 
 
 def timed(fn, reps: int) -> tuple[float, object]:

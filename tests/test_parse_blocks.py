@@ -1,5 +1,5 @@
-"""The block reader (`mariana.platform.core.textblocks`), the Arrow parsers beside the per-line ones, and
-disjoint worker shards: same tensors, same skips and messages, every row once."""
+"""The block reader (`mariana.platform.core.textblocks`), and the Arrow parsers beside the per-line
+ones: same tensors, same skips and messages."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from mariana.apps.pctr.data import Batch, Encoder, ReadStats, Schema, infer_schema, iter_chunks
 from mariana.platform.core.libfm import _parse_arrow, parse_block, parse_lines
-from mariana.platform.core.textblocks import byte_shard, line_offsets, ordered_map, read_blocks
+from mariana.platform.core.textblocks import ordered_map, read_blocks
 
 
 @pytest.fixture
@@ -41,32 +41,6 @@ def test_read_blocks_yields_every_line_once_with_its_number(tmp_path, tail):
         assert got == list(enumerate(lines))
         part = _lines_of(read_blocks(path, 123, 321, max_lines=max_lines, block_bytes=block_bytes))
         assert part == list(enumerate(lines))[123:321]
-    assert line_offsets(path, [0, 1, 250, 499, 10_000]) == {
-        0: 0,
-        1: len(lines[0]) + 1,
-        250: sum(len(x) + 1 for x in lines[:250]),
-        499: sum(len(x) + 1 for x in lines[:499]),
-        10_000: path.stat().st_size,
-    }
-
-
-def test_byte_shards_split_lines_where_they_start_for_every_cut(tmp_path):
-    """Every cut point (inside a line, at its newline, right after it): the two ranges' lines are disjoint
-    and together the file's lines, in order; so are W workers' shards."""
-    lines = [b"a" * n for n in (3, 0, 5, 1, 8, 2, 0, 4)]
-    path = tmp_path / "f.txt"
-    path.write_bytes(b"\n".join(lines))
-    size = path.stat().st_size
-    for cut in range(size + 1):
-        for block_bytes in (1, 3, 1 << 20):
-            a = [x for _, x in _lines_of(read_blocks(path, byte_range=(0, cut), block_bytes=block_bytes))]
-            b = [x for _, x in _lines_of(read_blocks(path, byte_range=(cut, size), block_bytes=block_bytes))]
-            assert a + b == lines, (cut, block_bytes)
-    for W in (1, 2, 3, 5, 40):
-        got = []
-        for w in range(W):
-            got += [x for _, x in _lines_of(read_blocks(path, byte_range=byte_shard(path, w, W)))]
-        assert got == lines, W
 
 
 def test_ordered_map_keeps_order_on_threads():

@@ -2,13 +2,9 @@
 
 A line ends at ``\\n`` (a ``\\r`` before it belongs to the line and parsers strip it); line ``i`` is
 0-based, counted the way `count_lines` counts. `read_blocks` yields ``(first_line, bytes)`` blocks of
-whole lines between two line numbers or inside a byte range; `lines_array` views a block as an Arrow
-string array without copying; `ordered_map` runs a block parser on a thread pool and yields results in
-file order (Arrow and numpy release the GIL, so two cores parse two blocks at once).
-
-Byte-range shards (`byte_shard`): worker ``w`` of ``W`` owns the lines whose first byte lies in its
-``1/W`` of ``[lo, hi)``; a line that straddles a boundary belongs to the worker where it starts, so the
-workers' lines are disjoint and cover the range exactly once.
+whole lines between two line numbers; `lines_array` views a block as an Arrow string array without
+copying; `ordered_map` runs a block parser on a thread pool and yields results in file order (Arrow and
+numpy release the GIL, so two cores parse two blocks at once).
 """
 
 from __future__ import annotations
@@ -39,48 +35,28 @@ def read_blocks(
     stop: int | None = None,
     max_lines: int = 65536,
     block_bytes: int = 2 << 20,
-    byte_range: tuple[int, int] | None = None,
 ) -> Iterator[tuple[int, bytes]]:
     """Yield ``(first_line, block)``: whole lines ``[start, stop)`` of ``path`` (0-based line numbers),
-    each block at most ``max_lines`` lines and about ``block_bytes`` bytes (longer if one line is).
-
-    With ``byte_range=(lo, hi)`` the lines are those whose first byte is in ``[lo, hi)`` (see
-    `byte_shard`) and line numbers count from the first of them (``start``/``stop`` apply within)."""
+    each block at most ``max_lines`` lines and about ``block_bytes`` bytes (longer if one line is)."""
     if max_lines < 1:
         raise ValueError(f"max_lines must be >= 1, got {max_lines}")
     line = 0  # number of the next line to emit
+    pending = b""
     with open(path, "rb") as f:
-        end_at = None
-        if byte_range is not None:
-            lo, end_at = byte_range
-            if lo > 0:
-                f.seek(lo - 1)
-                if f.read(1) != b"\n":  # lo is inside a line: it belongs to the previous range
-                    f.readline()
-            if f.tell() >= end_at:
-                return
-        pending = b""
-        eof = False
         while True:
-            want = block_bytes
-            if end_at is not None:  # read no further than the range (plus the line that starts in it)
-                want = max(0, min(want, end_at - f.tell()))
-            data = f.read(want) if want else b""
-            if not data:
-                if end_at is not None and not eof and pending and f.tell() >= end_at:
-                    pending += f.readline()  # finish the line that straddles the range's end
-                eof = True
+            data = f.read(block_bytes)
+            eof = not data
             buf = pending + data
             if not buf:
                 return
-            nl = _newlines(buf)
-            if not eof:
+            if eof:
+                cut = len(buf)
+            else:
+                nl = _newlines(buf)
                 if len(nl) == 0:
                     pending = buf
                     continue
                 cut = int(nl[-1]) + 1
-            else:
-                cut = len(buf)
             whole, pending = buf[:cut], buf[cut:]
             pos = np.concatenate([[0], _newlines(whole) + 1])  # start of each line (+ the end)
             if pos[-1] != len(whole):
@@ -95,39 +71,6 @@ def read_blocks(
             line += count
             if (stop is not None and line >= stop) or eof:
                 return
-
-
-def byte_shard(path: str | Path, worker: int, num_workers: int, lo: int = 0, hi: int | None = None):
-    """Worker ``worker``'s byte range of ``[lo, hi)`` (``hi`` None: the file's size); pass it to
-    `read_blocks` as ``byte_range``."""
-    if not 0 <= worker < num_workers:
-        raise ValueError(f"worker {worker} is not in [0, {num_workers})")
-    if hi is None:
-        hi = os.path.getsize(path)
-    span = hi - lo
-    return lo + span * worker // num_workers, lo + span * (worker + 1) // num_workers
-
-
-def line_offsets(path: str | Path, lines: Iterable[int]) -> dict[int, int]:
-    """Byte offset of the start of each of ``lines`` (0-based; a number past the end maps to the file's
-    size). One streaming pass over the file, memory O(block)."""
-    want = sorted(set(int(x) for x in lines))
-    out: dict[int, int] = {}
-    k, seen, offset = 0, 0, 0  # lines started so far, bytes read so far
-    with open(path, "rb") as f:
-        while k < len(want) and want[k] <= 0:
-            out[want[k]] = 0
-            k += 1
-        while k < len(want) and (block := f.read(1 << 22)):
-            nl = _newlines(block)
-            while k < len(want) and want[k] - seen <= len(nl):
-                out[want[k]] = offset + int(nl[want[k] - seen - 1]) + 1
-                k += 1
-            seen += len(nl)
-            offset += len(block)
-    for x in want[k:]:
-        out[x] = offset
-    return out
 
 
 def lines_array(block: bytes):
