@@ -9,7 +9,16 @@ RUNS ?= runs/demo
 
 .PHONY: install demo test lint format bench clean browser
 
+# torch's CUDA build and its libraries take about 7.5 GB in .venv, and pip needs room for the wheels
+# while it unpacks them: say so up front rather than fail deep inside pip with "No space left on device".
+NEED_GB ?= 12
+
 $(STAMP): requirements.txt pyproject.toml setup.py
+	@free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	if [ "$$free" -lt $(NEED_GB) ]; then \
+		echo "make install: needs about $(NEED_GB) GB free on the disk holding $$(pwd) for .venv (torch and its" \
+			"libraries); only $$free GB are free. Free some space (old runs/ folders, pip's cache) and run make again," \
+			"or set NEED_GB=N to try with less." >&2; exit 1; fi
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@# torch's wheel is large and PyPI downloads get cut off: resume partial downloads, and

@@ -142,24 +142,35 @@ def cli_train(path: Path, out: Path, R: int, batch: int, epochs: int, extra: lis
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+    # The timed run's tables and checkpoints run to gigabytes at a large --rows-per-field: keep only
+    # the metrics the tables are read from.
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    for f in out.glob("*.safetensors"):
+        f.unlink()
     return json.loads((out / "metrics.json").read_text())
 
 
-def epoch_rates(run: Path) -> list[float]:
-    """Training samples/s of each epoch from RUN/metrics.jsonl's log records (samples and seconds of each
-    log interval, summed per epoch)."""
-    samples: dict[int, float] = {}
-    seconds: dict[int, float] = {}
+def per_epoch(run: Path, key: str, per: str = "second") -> list[tuple[float, float]]:
+    """(total of ``key``, seconds) of each epoch from RUN/metrics.jsonl's log records: each record covers
+    the steps since the one before, at its ``step_time_s``; ``key`` is a rate per second (``per="second"``,
+    e.g. samples_per_s) or per step (``per="step"``, e.g. data_wait_s)."""
+    num: dict[int, float] = {}
+    secs: dict[int, float] = {}
     prev = 0
     for line in (run / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
-        if "samples_per_s" not in r:
+        if key not in r:
             continue  # an evaluation record
-        t = r["step_time_s"] * (r["step"] - prev)
-        prev = r["step"]
-        samples[r["epoch"]] = samples.get(r["epoch"], 0.0) + r["samples_per_s"] * t
-        seconds[r["epoch"]] = seconds.get(r["epoch"], 0.0) + t
-    return [samples[e] / seconds[e] for e in sorted(samples)]
+        steps, prev = r["step"] - prev, r["step"]
+        t = r["step_time_s"] * steps
+        num[r["epoch"]] = num.get(r["epoch"], 0.0) + r[key] * (t if per == "second" else steps)
+        secs[r["epoch"]] = secs.get(r["epoch"], 0.0) + t
+    return [(num[e], secs[e]) for e in sorted(secs)]
+
+
+def epoch_rates(run: Path) -> list[float]:
+    """Training samples/s of each epoch (samples over seconds of its log intervals)."""
+    return [n / t for n, t in per_epoch(run, "samples_per_s")]
 
 
 def ours(path: Path, out: Path, R: int, batch: int, epochs: int, amp: str) -> dict:
