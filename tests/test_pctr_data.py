@@ -150,3 +150,47 @@ def test_mlp_job_and_pctr_share_one_libfm_parser(tmp_path):
     assert labels.tolist() == [1.0, 0.0, 0.0] and b.labels.tolist() == [1.0, 0.0, 1.0, 0.0]
     assert ids.tolist() == [[5, 70, -1], [5, 71, 3], [1234, -1, -1]]
     assert b.ids[3, 0] == 1 + 1234 % (R - 1) and b.ids[2].tolist() == [0, R, 2 * R]  # no feature: missing
+
+
+def _numbered_criteo(path, n: int, bad: tuple[int, ...] = ()) -> None:
+    """``n`` Criteo lines whose first count is the line number (so a parsed row names its line);
+    the lines in ``bad`` have a non-numeric count and must be skipped."""
+    rows = []
+    for i in range(n):
+        first = "x" if i in bad else str(i)
+        rows.append("\t".join([str(i % 2), first, *[""] * 12, *["ab"] * 26]))
+    path.write_text("\n".join(rows) + "\n")
+
+
+def _lines_of(batches) -> list[int]:
+    return [round(float(v)) for b in batches for v in torch.expm1(b.dense[:, 0].double())]
+
+
+@pytest.mark.parametrize("workers,batch,n", [(2, 25, 1000), (3, 16, 960), (3, 16, 1000)])
+def test_worker_shares_are_disjoint_and_each_row_trains_once_per_epoch(tmp_path, workers, batch, n):
+    from mariana.apps.pctr.train import WorkerData, shard_lines
+
+    path = tmp_path / "numbered.tsv"
+    exact = n % workers == 0 and n // workers % batch == 0  # every share is whole batches
+    # otherwise a malformed line at a share's edge (the first of worker 1's): skipped, counted once
+    bad = () if exact else (n // workers,)
+    _numbered_criteo(path, n, bad)
+    enc = Encoder(infer_schema(path, "criteo", R))
+    shares = [WorkerData(path, enc, 0, n, batch, w, workers, seed=3) for w in range(workers)]
+    spans = [shard_lines(0, n, w, workers) for w in range(workers)]
+    assert spans[0][0] == 0 and spans[-1][1] == n
+    assert all(spans[w][1] == spans[w + 1][0] for w in range(workers - 1))
+    for epoch in (0, 1):
+        seen = [_lines_of(d.batches(epoch)) for d in shares]
+        steps = shares[0].steps_per_epoch
+        assert all(len(s) == steps * batch for s in seen)  # every worker runs the same steps
+        for (lo, hi), s in zip(spans, seen, strict=True):
+            assert all(lo <= i < hi for i in s)  # only its own share
+        every = [i for s in seen for i in s]
+        assert len(every) == len(set(every))  # no row twice in an epoch
+        assert not set(bad) & set(every)
+        if exact:
+            assert sorted(every) == list(range(n))  # every row exactly once
+    assert sum(d.stats.skipped for d in shares) == len(bad)
+    if bad:
+        assert list(shares[1].stats.errors) == [bad[0] + 1]  # 1-based line number, in worker 1's count

@@ -125,3 +125,26 @@ def test_bounded_staleness_blocks_a_worker_too_far_ahead():
     ps.clock(1, 1)
     assert done.wait(5)
     ps.wait_clock(2, 1)  # needs step 0 only: returns at once
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adagrad"])
+def test_dense_slices_on_servers_step_like_the_whole_vector(optimizer):
+    """S servers each stepping their slice of the flat dense vector = one store stepping all of it
+    (the optimisers are elementwise), including a slice that is empty (P < S)."""
+    from mariana.platform.ps.dense import DenseStore, dense_slice
+
+    for total, S in ((1000, 3), (2, 3)):
+        spans = [dense_slice(total, s, S) for s in range(S)]
+        assert spans[0][0] == 0 and spans[-1][1] == total
+        assert all(spans[s][1] == spans[s + 1][0] for s in range(S - 1))
+        g = torch.Generator().manual_seed(0)
+        init = torch.randn(total, generator=g)
+        whole = DenseStore(init, optimizer, 0.01)
+        parts = [DenseStore(init[lo:hi], optimizer, 0.01) for lo, hi in spans]
+        for step in range(5):
+            grad = torch.randn(total, generator=g)
+            assert whole.push(grad, worker=0, step=step)
+            for (lo, hi), p in zip(spans, parts, strict=True):
+                assert p.push(grad[lo:hi], worker=0, step=step)
+        torch.testing.assert_close(torch.cat([p.pull() for p in parts]), whole.pull(), rtol=0, atol=0)
+        assert not parts[0].push(grad[spans[0][0] : spans[0][1]], worker=0, step=4)  # a replay: applied once

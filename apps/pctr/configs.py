@@ -33,6 +33,7 @@ class PctrConfig(TrainConfig):
     # data and its split, batch size, optimisers and their settings, the process layout).
     RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = TrainConfig.RESUME_MAY_CHANGE | {
         "prefetch",
+        "pull_ahead",
         "val_rows",
         "init_row_state",
     }
@@ -45,6 +46,11 @@ class PctrConfig(TrainConfig):
         3, "parameter-server mode: group restarts after a failure (restore from checkpoint)"
     )
     staleness: int = opt(-1, "-1 fully asynchronous; 0 bulk-synchronous (= synchronous SGD); s > 0 bounded")
+    pull_ahead: bool = opt(
+        True,
+        "parameter-server workers send step t+1's pull while step t computes (same result under "
+        "--staleness 0; asynchronous: a worker's rows may miss its own last push; not with --staleness s > 0)",
+    )
     split: str = opt("0.8,0.1,0.1", "train,val,test fractions of the rows, in file order")
     rows_per_field: int = opt(1 << 16, "hash space (embedding rows) per field, incl. 1 missing/OOV row")
     num_fields: int = opt(0, "libFM: features per row (0: infer from the first lines)")

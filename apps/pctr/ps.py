@@ -42,18 +42,17 @@ def run_ps_process(cfg: PctrConfig) -> int:
 
 def _serve(cfg, role, run, rpc_session) -> int:
     from mariana.platform.core.faults import FaultInjector
-    from mariana.platform.ps.dense import DenseStore, flatten
+    from mariana.platform.ps.dense import DenseStore, dense_slice, flatten
     from mariana.platform.ps.server import ParamServer, install
     from mariana.platform.ps.shard import EmbeddingShard
 
     st = Setup(cfg)
     shard = EmbeddingShard([st.spec], role.index, role.num_servers, row_config(cfg), cfg.seed)
-    dense = None
-    if role.index == 0:
-        torch.manual_seed(cfg.seed)
-        m = build_dense_only(cfg, st.schema)  # the same dense initialisation as in-process training
-        dense = DenseStore(flatten(m.dense_parameters()), cfg.optimizer, cfg.lr)
-        del m
+    torch.manual_seed(cfg.seed)
+    flat = flatten(build_dense_only(cfg, st.schema).dense_parameters())  # in-process training's init
+    lo, hi = dense_slice(flat.numel(), role.index, role.num_servers)
+    dense = DenseStore(flat[lo:hi], cfg.optimizer, cfg.lr)  # this server's slice of the dense parameters
+    del flat
     server = ParamServer(
         role.index, role.num_servers, role.num_workers, shard, dense, cfg.staleness, run.ckpt_dir
     )

@@ -15,9 +15,10 @@ import contextlib
 import functools
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -35,11 +36,32 @@ from .optim import build_dense, row_config
 TABLE = "table"
 
 
-def gather_rows(client, ids: torch.Tensor, step: int, device, want_dense: bool = False):
-    """Pull the unique rows of ``ids [B, F]``: (unique ids [U], inverse [B, F], rows leaf [U, K], dense)."""
-    uniq, inv = torch.unique(ids, return_inverse=True)
-    pulled, dense = client.pull({TABLE: uniq}, step, want_dense)
-    rows = pulled[TABLE].to(device, non_blocking=True)
+class Pulled(NamedTuple):
+    """A batch whose rows' pull is in flight: ``uniq`` [U] its unique ids, ``inv`` [B, F] their inverse,
+    ``pending.wait()`` -> (table -> rows [U, K], dense flat [P] or None)."""
+
+    batch: Batch
+    uniq: torch.Tensor
+    inv: torch.Tensor
+    pending: Any
+
+
+def send_pull(client, batch: Batch, step: int, want_dense: bool = False) -> Pulled:
+    """Start pulling the unique rows of ``batch.ids [B, F]`` (and the dense parameters) for ``step``."""
+    uniq, inv = torch.unique(batch.ids, return_inverse=True)
+    return Pulled(batch, uniq, inv, client.pull_async({TABLE: uniq}, step, want_dense))
+
+
+def gather_rows(client, ids: torch.Tensor, step: int, device, want_dense: bool = False, pulled=None):
+    """Pull the unique rows of ``ids [B, F]``: (unique ids [U], inverse [B, F], rows leaf [U, K], dense).
+    ``pulled``: a `Pulled` of the same batch sent earlier, whose rows are used instead."""
+    if pulled is not None:
+        uniq, inv = pulled.uniq, pulled.inv
+        rows_by_table, dense = pulled.pending.wait()
+    else:
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        rows_by_table, dense = client.pull({TABLE: uniq}, step, want_dense)
+    rows = rows_by_table[TABLE].to(device, non_blocking=True)
     return uniq, inv, rows, dense
 
 
@@ -61,8 +83,10 @@ def train_step(
     clip_grad: float = 0.0,
     l2_emb: float = 0.0,
     weight_decay: float = 0.0,
+    pulled: Pulled | None = None,
 ):
-    """One pull -> forward/backward -> push. Returns the mean log-loss (float tensor).
+    """One pull -> forward/backward -> push. Returns the mean log-loss (float tensor). ``pulled``: this
+    batch's pull, sent ahead (`send_pull`).
 
     ``l2_emb > 0`` adds ``l2_emb * row`` to the gradient of every row the batch looks up (once per unique
     row, whatever its count in the batch): the gradient of ``(l2_emb / 2) * ||row||^2`` over the batch's
@@ -76,7 +100,7 @@ def train_step(
     The batch's looked-up rows enter autograd as two leaves, ``w [B, F]`` and ``e [B, F, dim]``; their
     gradients are summed per unique row with one ``index_add_`` into ``[U, 1 + dim]`` (cheaper on CPU than
     the embedding backward over a ``[U, K]`` leaf). ``autocast`` (a context factory) wraps the forward."""
-    uniq, inv, rows, dense_flat = gather_rows(client, batch.ids, step, device, want_dense=remote_dense)
+    uniq, inv, rows, dense_flat = gather_rows(client, batch.ids, step, device, remote_dense, pulled)
     if remote_dense and dense_flat is not None:
         from mariana.platform.ps.dense import unflatten_into
 
@@ -279,8 +303,17 @@ class PSWorkerStep:
     def setup(self, total_steps: int) -> None:
         pass
 
-    def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, int]:
-        (batch,) = micro_batches
+    @property
+    def pulls_ahead(self) -> bool:
+        return self.cfg.pull_ahead and self.client.can_pull_ahead
+
+    def send_pull(self, batch: Batch, step: int) -> Pulled:
+        return send_pull(self.client, batch, step, want_dense=True)
+
+    def train_step(self, micro_batches: list[Batch | Pulled]) -> tuple[torch.Tensor, int]:
+        (item,) = micro_batches
+        pulled = item if isinstance(item, Pulled) else None
+        batch = item.batch if pulled is not None else item
         loss = train_step(
             self.model,
             self.client,
@@ -292,6 +325,7 @@ class PSWorkerStep:
             clip_grad=self.cfg.clip_grad,
             l2_emb=self.cfg.l2_emb,
             weight_decay=self.cfg.weight_decay,
+            pulled=pulled,
         )
         self.t += 1
         self.n += len(batch)
@@ -341,6 +375,30 @@ class PSWorkerStep:
 
     def comm_stats(self) -> tuple[float, int]:
         return self.client.pull_s, 0
+
+
+class PullAheadLoader:
+    """`BatchLoader` of a parameter-server worker: hands out `Pulled` batches, sending the pull of batch
+    t+1 before batch t goes to the step, so those rows travel while step t computes."""
+
+    def __init__(self, loader, step: PSWorkerStep):
+        self.loader, self.step = loader, step
+        self.batches_per_epoch = loader.batches_per_epoch
+
+    def iterate(self, epoch: int, start: int = 0) -> Iterator[Pulled]:
+        it = iter(self.loader.iterate(epoch, start))
+        try:
+            nxt = next(it, None)
+            ahead = None if nxt is None else self.step.send_pull(nxt, self.step.t)
+            while ahead is not None:
+                cur = ahead
+                nxt = next(it, None)
+                ahead = None if nxt is None else self.step.send_pull(nxt, self.step.t + 1)
+                yield cur
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()  # the parsing thread
 
 
 class ServerCheckpointer:

@@ -41,17 +41,30 @@ from .data import (
     split_bounds,
 )
 from .model import CTRModel
-from .step import TABLE, LocalStep, predict_batches
+from .step import TABLE, LocalStep, PullAheadLoader, predict_batches
 
 log = logging.getLogger("mariana")
 
 
 # --------------------------------------------------------------------------- data
+def shard_lines(start: int, stop: int, worker: int, num_workers: int) -> tuple[int, int]:
+    """Worker ``worker`` of ``num_workers``'s contiguous part ``[lo, hi)`` of lines ``[start, stop)``:
+    the parts are disjoint, cover the range, and differ in length by at most one line."""
+    if not 0 <= worker < num_workers:
+        raise ValueError(f"worker {worker} is not in [0, {num_workers})")
+    n = stop - start
+    return start + n * worker // num_workers, start + n * (worker + 1) // num_workers
+
+
 class WorkerData:
     """Worker ``w`` of ``W``'s share of the training rows ``[start, stop)`` in batches of ``batch_size``.
 
-    ``batches(epoch, skip)`` yields ``steps_per_epoch`` batches; epoch 0 streams the file (and fills the
-    cache), later epochs come from the cache (on ``cache_device``)."""
+    The share is a contiguous range of lines, the ``w``-th of ``W`` near-equal parts, so workers parse
+    disjoint parts of the file (the lines before a share are only counted, never parsed). Every worker
+    runs the same ``steps_per_epoch`` (what bulk-synchronous training needs); with shuffling, a share's
+    whole batches beyond ``steps_per_epoch`` are cached and take turns in later epochs. ``batches(epoch, skip)``
+    yields ``steps_per_epoch`` batches; epoch 0 streams the share (and fills the cache), later epochs come
+    from the cache (on ``cache_device``)."""
 
     def __init__(
         self,
@@ -73,18 +86,18 @@ class WorkerData:
         self.cache_device = torch.device(cache_device)
         self.stats = ReadStats()
         self.steps_per_epoch = max(1, ((stop - start) // batch_size) // num_workers)
+        self.lo, self.hi = shard_lines(start, stop, worker, num_workers)
 
     def _stream(self) -> Iterator[Batch]:
-        chunks = iter_chunks(self.path, self.encoder, self.start, self.stop, stats=self.stats)
-        for g, b in enumerate(iter_batches(chunks, self.bs, drop_last=True)):
-            if g % self.W == self.w:
-                b = b.to(self.cache_device)
-                self.cache.append(b)
-                yield b
+        chunks = iter_chunks(self.path, self.encoder, self.lo, self.hi, stats=self.stats)
+        for b in iter_batches(chunks, self.bs, drop_last=True):
+            b = b.to(self.cache_device)
+            self.cache.append(b)
+            yield b
         self.cache_complete = True
         if not self.cache:
             raise DataError(
-                f"{self.path}: no valid rows for worker {self.w} in lines {self.start}-{self.stop}"
+                f"{self.path}: no valid rows for worker {self.w} in lines {self.lo + 1}-{self.hi}"
             )
 
     def batches(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
@@ -107,7 +120,8 @@ class WorkerData:
         if not self.cache_complete:
             for _ in self._stream():
                 pass
-        order = np.arange(n) % len(self.cache)
+        m = len(self.cache)
+        order = np.arange(max(n, m)) % m
         if self.shuffle:
             order = np.random.default_rng(self.seed * 1009 + epoch).permutation(order)
         for k in range(skip, n):
@@ -244,10 +258,13 @@ def make_trainer(cfg, step, data: WorkerData, ctx, run, validate, exporter, tota
     from mariana.platform.core.evaluator import evaluator_from
     from mariana.platform.core.loop import Trainer
 
+    loader = PctrLoader(data, cfg.prefetch)
+    if getattr(step, "pulls_ahead", False):
+        loader = PullAheadLoader(loader, step)
     return Trainer(
         cfg,
         step,
-        PctrLoader(data, cfg.prefetch),
+        loader,
         ctx,
         run,
         evaluator=evaluator_from(cfg, validate, "auc"),

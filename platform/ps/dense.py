@@ -1,7 +1,10 @@
-"""Dense parameters held by a parameter server: one flat vector and a torch optimiser over it.
+"""Dense parameters held by the parameter servers: one flat vector cut into S contiguous slices, server
+``s`` holding slice ``s`` (`dense_slice`) and a torch optimiser over it.
 
-Workers pull the vector (``[P]`` float32), unflatten it into their model, and push the flat gradient.
-Like a shard, the store remembers each worker's last applied step so replayed pushes apply once."""
+Workers pull every slice (together ``[P]`` float32), unflatten the vector into their model, and push each
+server its slice of the flat gradient; the optimisers (SGD, Adam, Adagrad) are elementwise, so S slices
+step exactly as one vector would. Like a shard, a store remembers each worker's last applied step so
+replayed pushes apply once."""
 
 from __future__ import annotations
 
@@ -26,6 +29,12 @@ def unflatten_into(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
             n = p.numel()
             p.copy_(flat[off : off + n].view_as(p))
             off += n
+
+
+def dense_slice(total: int, server: int, num_servers: int) -> tuple[int, int]:
+    """Server ``server``'s part ``[lo, hi)`` of a flat vector of ``total`` values: contiguous, in server
+    order, sizes differing by at most one."""
+    return total * server // num_servers, total * (server + 1) // num_servers
 
 
 def build_dense_optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:

@@ -1,5 +1,6 @@
-"""The parameter-server process: holds shard ``i`` of every table (and, on server 0, the dense parameters,
-the worker clocks and the checkpoint coordinator) and answers the workers' RPCs until told to finish.
+"""The parameter-server process: holds shard ``i`` of every table and slice ``i`` of the dense parameters
+(and, on server 0, the worker clocks and the checkpoint coordinator) and answers the workers' RPCs until
+told to finish.
 
 Consistency modes (``staleness``):
 - ``-1`` (default): fully asynchronous. Each push is applied when it arrives; no worker ever waits for

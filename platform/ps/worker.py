@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from .dense import dense_slice
 from .server import (
     _checkpoint,
     _clock,
@@ -46,6 +47,31 @@ class LocalClient:
         pass
 
 
+class PendingPull:
+    """A pull in flight: ``wait()`` -> (table -> rows [U, K], dense flat [P] or None), assembled once
+    (the dense vector from every server's slice)."""
+
+    def __init__(self, client: PSClient, reqs: dict[str, torch.Tensor], parts: dict, futs: list):
+        self.client, self.reqs, self.parts, self.futs = client, reqs, parts, futs
+        self.result = None
+
+    def wait(self):
+        if self.result is None:
+            t0 = time.perf_counter()
+            results = [f.wait() for f in self.futs]
+            out = {}
+            for i, (n, r) in enumerate(self.reqs.items()):
+                for s, res in enumerate(results):
+                    rows_s = res[0][i]
+                    if n not in out:
+                        out[n] = torch.empty(r.numel(), rows_s.shape[1], dtype=rows_s.dtype)
+                    out[n].index_copy_(0, self.parts[n][s][0], rows_s)
+            dense = [res[1] for res in results if res[1] is not None]
+            self.result = out, (torch.cat(dense) if dense else None)  # the slices in server order
+            self.client.pull_s += time.perf_counter() - t0  # the time the worker waited for its rows
+        return self.result
+
+
 class PSClient:
     """RPC client of worker ``worker`` of ``num_workers`` against ``num_servers`` servers ``ps0..``."""
 
@@ -68,28 +94,32 @@ class PSClient:
 
     def pull(self, reqs: dict[str, torch.Tensor], step: int = -1, want_dense: bool = False):
         """``reqs``: table -> global unique rows [U]. Returns (table -> rows [U, K], dense flat [P] or None)."""
-        rpc = self._rpc()
-        t0 = time.perf_counter()
         if self.staleness > 0 and step >= 0:
-            rpc.rpc_sync(server_name(0), _wait_clock, args=(step, self.staleness))
+            t0 = time.perf_counter()
+            self._rpc().rpc_sync(server_name(0), _wait_clock, args=(step, self.staleness))
+            self.pull_s += time.perf_counter() - t0
+        return self.pull_async(reqs, step, want_dense).wait()
+
+    @property
+    def can_pull_ahead(self) -> bool:
+        """Whether `pull_async` may be sent a step early: not under bounded staleness, whose clock wait
+        before a pull is a blocking call of its own."""
+        return self.staleness <= 0
+
+    def pull_async(
+        self, reqs: dict[str, torch.Tensor], step: int = -1, want_dense: bool = False
+    ) -> PendingPull:
+        """Send `pull`'s requests (one RPC per server) and return at once; the result's ``wait()`` gives
+        what `pull` returns. Under ``staleness 0`` a server answers a pull for ``step`` only once it applied
+        every worker's ``step - 1``, so a pull sent before this worker pushed ``step - 1`` returns the same
+        rows as one sent after."""
+        rpc = self._rpc()
         parts = {n: split_by_shard(r, self.S) for n, r in reqs.items()}
         futs = []
         for s in range(self.S):
             sreq = [(n, parts[n][s][1]) for n in reqs]
-            futs.append(rpc.rpc_async(server_name(s), _pull, args=(sreq, want_dense and s == 0, step)))
-        out, dense = {}, None
-        results = [f.wait() for f in futs]
-        for n, r in reqs.items():
-            dim = None
-            for s in range(self.S):
-                rows_s = results[s][0][list(reqs).index(n)]
-                if dim is None:
-                    dim = rows_s.shape[1]
-                    out[n] = torch.empty(r.numel(), dim, dtype=rows_s.dtype)
-                out[n].index_copy_(0, parts[n][s][0], rows_s)
-        dense = results[0][1]
-        self.pull_s += time.perf_counter() - t0
-        return out, dense
+            futs.append(rpc.rpc_async(server_name(s), _pull, args=(sreq, want_dense, step)))
+        return PendingPull(self, reqs, parts, futs)
 
     def push(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]], dense_grad=None, step: int = -1):
         """Send the sparse gradients (table -> (global unique rows [U], grad [U, K])) and the dense one.
@@ -99,7 +129,10 @@ class PSClient:
         parts = {n: (r, g, split_by_shard(r, self.S)) for n, (r, g) in grads.items()}
         for s in range(self.S):
             sg = [(n, parts[n][2][s][1], parts[n][1].index_select(0, parts[n][2][s][0])) for n in grads]
-            dg = dense_grad if s == 0 else None
+            dg = None
+            if dense_grad is not None:
+                lo, hi = dense_slice(dense_grad.numel(), s, self.S)
+                dg = dense_grad[lo:hi]
             self.pending.append(rpc.rpc_async(server_name(s), _push, args=(sg, dg, self.worker, step)))
         if self.staleness > 0:
             self.wait()
@@ -146,7 +179,8 @@ class PSClient:
                 parts[s]["tables"][n] = None  # free each part once copied
             out[n] = (w, seen)
         self.server_counters = [p["counters"] for p in parts]
-        return out, parts[0]["dense"]
+        dense = [p["dense"] for p in parts if p["dense"] is not None]
+        return out, (torch.cat(dense) if dense else torch.zeros(0))
 
     def finish_servers(self) -> None:
         rpc = self._rpc()
