@@ -44,3 +44,20 @@ def test_epoch_rates_are_samples_over_wall_time_per_epoch(tmp_path):
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert epoch_rates(tmp_path) == pytest.approx([1000.0, 2000.0])
+
+
+def test_ps_rate_is_the_second_half_of_each_worker_summed(tmp_path):
+    from pctr_throughput import ps_rate
+
+    # worker k: 0.1 s per step of 100 samples for 40 steps, then (epoch 2) 0.05 s per step (k=0) or
+    # 0.025 s (k=1); records every 10 steps hold the cumulative samples/s, and one evaluation record
+    (tmp_path / "counters").mkdir()
+    for k, fast in ((0, 0.05), (1, 0.025)):
+        t, recs = 0.0, []
+        for step in range(10, 90, 10):
+            t += 10 * (0.1 if step <= 40 else fast)
+            recs.append({"step": step, "loss": 0.5, "samples_per_s": step * 100 / t})
+        recs.append({"step": 80, "val_auc": 0.7, "samples_per_s": 1.0})
+        (tmp_path / "counters" / f"worker-{k}.jsonl").write_text("\n".join(map(json.dumps, recs)) + "\n")
+    assert ps_rate(tmp_path, 100, 2) == pytest.approx(100 / 0.05 + 100 / 0.025)
+    assert ps_rate(tmp_path, 100, 1) == pytest.approx(100 / 0.05)
