@@ -134,6 +134,11 @@ def test_train_eval_classify_commands(small_shard, tmp_path):
     assert f"result written to {eval_result_path(run, shard)}" in proc.stdout
     ev = json.loads(eval_result_path(run, shard).read_text())
     assert ev["images"] == 60 and ev["skipped"] == 1 and 0 <= ev["top1"] <= ev["top5"] <= 100
+    assert ev["tta"] is False
+    proc = run_cli(["vision", "eval", "--model", run, "--data", shard, "--tta"])
+    assert proc.returncode == 0 and last_line(proc.stdout).endswith("(flip TTA)"), proc.stderr[-4000:]
+    tta_ev = json.loads(eval_result_path(run, shard).read_text())
+    assert tta_ev["tta"] is True and tta_ev["images"] == 60 and 0 <= tta_ev["top1"] <= tta_ev["top5"] <= 100
 
     img = next(p for p in folder.rglob("*.jpg") if p.name != "broken.jpg")
     proc = run_cli(["vision", "classify", "--model", run, img, folder / "test" / "cat" / "broken.jpg"])
@@ -160,6 +165,15 @@ def test_train_eval_classify_commands(small_shard, tmp_path):
         )
         assert resp.status_code == 200, resp.text
         assert [x["label"] for x in resp.json()["labels"]] == [lbl for lbl, _ in top]
+        assert resp.json()["tta"] is False  # off unless asked for
+        flip = clf.classify_bytes(img.read_bytes(), k=3, tta=True)
+        resp = srv.client.post(
+            "/v1/vision/classify?k=3&tta=true", files={"file": ("a.jpg", img.read_bytes(), "image/jpeg")}
+        )
+        assert resp.status_code == 200 and resp.json()["tta"] is True, resp.text
+        got = [(x["label"], x["probability"]) for x in resp.json()["labels"]]
+        assert [lbl for lbl, _ in got] == [lbl for lbl, _ in flip]
+        assert [p for _, p in got] == pytest.approx([p for _, p in flip], abs=1e-6)
         broken = (folder / "test" / "cat" / "broken.jpg").read_bytes()
         bad = srv.client.post("/v1/vision/classify", files={"file": ("b.jpg", broken, "image/jpeg")})
         assert 400 <= bad.status_code < 500, bad.text
@@ -231,3 +245,15 @@ def test_model_too_deep_for_image_size_is_a_clear_error(small_shard, tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--model alexnet cannot take 32 px images" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_flip_tta_is_the_mean_of_the_image_and_mirror_predictions():
+    from mariana.apps.vision.predict import Classifier
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 4))  # not mirror-symmetric
+    clf = Classifier(model, list("abcd"), 8, [0.5] * 3, [0.25] * 3, torch.device("cpu"))
+    images = torch.randint(0, 256, (5, 3, 8, 8), dtype=torch.uint8)
+    plain, mirrored = clf.probabilities(images), clf.probabilities(images.flip(-1))
+    assert not torch.allclose(plain, mirrored, atol=1e-3)  # so the check below can fail
+    torch.testing.assert_close(clf.probabilities(images, tta=True), (plain + mirrored) / 2)

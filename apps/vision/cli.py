@@ -39,11 +39,11 @@ def _eval(args, argv):
     from .evaluate import evaluate_run
 
     out = eval_result_path(args.model, args.data)
-    r = evaluate_run(args.model, args.data, args.batch_size, args.device, args.num_workers, out)
+    r = evaluate_run(args.model, args.data, args.batch_size, args.device, args.num_workers, out, args.tta)
     if r["skipped"]:
         print(f"skipped {r['skipped']} corrupt image(s), e.g. {', '.join(r['skipped_paths'][:3])}")
     print(f"images {r['images']}; result written to {out}")
-    print(f"top-1 {r['top1']:.2f}% top-5 {r['top5']:.2f}%")
+    print(f"top-1 {r['top1']:.2f}% top-5 {r['top5']:.2f}%" + (" (flip TTA)" if args.tta else ""))
     return 0
 
 
@@ -68,7 +68,7 @@ def _classify(args, argv):
     failed = 0
     for path in args.images:  # a bad file is reported and skipped; the others are still classified
         try:
-            top = clf.classify_file(path, k)
+            top = clf.classify_file(path, k, args.tta)
         except MarianaError as e:
             print(f"mariana: error: {e} (skipped)", file=sys.stderr, flush=True)
             failed += 1
@@ -118,6 +118,11 @@ def register(sub) -> None:
     e.add_argument("--batch-size", type=int, default=256, help="images per forward pass")
     e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="compute device")
     e.add_argument("--num-workers", type=int, default=0, help="data-loader worker processes (read + decode)")
+    e.add_argument(
+        "--tta",
+        action="store_true",
+        help="test-time augmentation: average each image's and its mirror image's probabilities (2x compute)",
+    )
     e.set_defaults(func=_eval)
     c = g.add_parser("classify", help="print the top-k labels of image files", formatter_class=fmt)
     c.add_argument("--model", required=True, help="run directory of a finished `mariana vision train`")
@@ -130,6 +135,9 @@ def register(sub) -> None:
     )
     c.add_argument(
         "--device", default="auto", choices=["auto", "cpu", "cuda"], help="compute device (auto = cpu)"
+    )
+    c.add_argument(
+        "--tta", action="store_true", help="average each image's and its mirror image's probabilities"
     )
     c.add_argument("--data", default="", help="unused; accepted for uniformity with the other commands")
     c.set_defaults(func=_classify)

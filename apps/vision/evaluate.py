@@ -14,7 +14,7 @@ from mariana.platform.core.rundir import eval_result_path
 from mariana.platform.dp.dist import resolve_device
 
 from .data import StreamingImages, collate_stream, normalize, open_source
-from .predict import load_classifier
+from .predict import flip_tta_probabilities, load_classifier
 
 
 def evaluate_run(
@@ -24,11 +24,13 @@ def evaluate_run(
     device: str = "auto",
     num_workers: int = 0,
     out: str | Path | None = None,
+    tta: bool = False,
 ) -> dict:
     """Score ``RUN/model.safetensors`` on ``data`` (.tar or folder); returns and writes to ``out`` (default
     ``eval_result_path(run_dir, data)`` = ``RUN/eval/<data name>.json``, one file per evaluated data set)
-    ``{"top1": %, "top5": %, "images": n, "skipped": n, "data": absolute path}``. Images stream through a
-    DataLoader (decode in workers), so the set may be larger than memory."""
+    ``{"top1": %, "top5": %, "images": n, "skipped": n, "data": absolute path, "tta": bool}``. ``tta``:
+    rank classes by the mean probabilities of each image and its mirror image (`flip_tta_probabilities`).
+    Images stream through a DataLoader (decode in workers), so the set may be larger than memory."""
     if batch_size < 1 or num_workers < 0:
         raise MarianaError(f"batch_size must be >= 1 and num_workers >= 0, got {batch_size}, {num_workers}")
     dev = resolve_device(device)
@@ -49,8 +51,9 @@ def evaluate_run(
             skipped += bad
             if len(y) == 0:
                 continue
-            logits = clf.model(normalize(x.to(dev, non_blocking=True))).float()
-            a, b = topk_correct(logits, y.to(dev))
+            x = normalize(x.to(dev, non_blocking=True))
+            scores = flip_tta_probabilities(clf.model, x) if tta else clf.model(x).float()
+            a, b = topk_correct(scores, y.to(dev))
             c1, c5, n = c1 + a, c5 + b, n + len(y)
     if n == 0:
         raise MarianaError(f"{data}: no decodable images to evaluate")
@@ -61,6 +64,7 @@ def evaluate_run(
         "skipped": len(skipped),
         "skipped_paths": skipped[:100],
         "data": os.path.abspath(data),
+        "tta": tta,
     }
     out = Path(out) if out is not None else eval_result_path(run_dir, data)
     out.parent.mkdir(parents=True, exist_ok=True)

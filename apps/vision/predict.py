@@ -17,6 +17,13 @@ from .data import decode_one, image_bytes_ok
 from .model import build_model
 
 
+def flip_tta_probabilities(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Normalised images ``x [B, 3, H, W]`` -> ``[B, C]``: the mean of the class probabilities of ``x`` and
+    of ``x`` flipped left-right (one forward pass over both)."""
+    p = torch.softmax(model(torch.cat([x, x.flip(-1)])).float(), dim=1)
+    return (p[: len(x)] + p[len(x) :]) / 2
+
+
 class Classifier:
     """An exported vision model ready for inference on ``device``: ``classes``, ``image_size``,
     ``version`` (the exported weights' digest, `mariana.platform.core.export.weights_digest`: the same
@@ -43,30 +50,32 @@ class Classifier:
         self.std = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255
 
     @torch.no_grad()
-    def probabilities(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 ``[B,3,S,S]`` -> class probabilities float ``[B, C]``."""
+    def probabilities(self, images: torch.Tensor, tta: bool = False) -> torch.Tensor:
+        """uint8 ``[B,3,S,S]`` -> class probabilities float ``[B, C]``. ``tta``: test-time augmentation,
+        the mean of the probabilities of the images and of their mirror images (flipped left-right, the
+        flip the training augmentation uses), at twice the compute."""
         x = (images.to(self.device).float() - self.mean) / self.std
-        return torch.softmax(self.model(x).float(), dim=1)
+        return flip_tta_probabilities(self.model, x) if tta else torch.softmax(self.model(x).float(), dim=1)
 
-    def classify_bytes(self, data: bytes, k: int = 5) -> list[tuple[str, float]]:
-        """Encoded image (JPEG/PNG/GIF bytes) -> the top-``k`` (label, probability), best first.
-        Raises MarianaError when the bytes are not a decodable image."""
+    def classify_bytes(self, data: bytes, k: int = 5, tta: bool = False) -> list[tuple[str, float]]:
+        """Encoded image (JPEG/PNG/GIF bytes) -> the top-``k`` (label, probability), best first
+        (``tta``: see `probabilities`). Raises MarianaError when the bytes are not a decodable image."""
         if not isinstance(data, bytes | bytearray) or not image_bytes_ok(bytes(data[:8])):
             raise MarianaError("input is not an image (expected JPEG, PNG or GIF bytes)")
         try:
             img = decode_one(bytes(data), self.image_size)
         except ValueError as e:
             raise MarianaError(f"input image cannot be decoded: {e}") from None
-        p = self.probabilities(img.unsqueeze(0))[0]
+        p = self.probabilities(img.unsqueeze(0), tta)[0]
         top = p.topk(min(k, len(self.classes)))
         return [(self.classes[i], float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
 
-    def classify_file(self, path: str | Path, k: int = 5) -> list[tuple[str, float]]:
+    def classify_file(self, path: str | Path, k: int = 5, tta: bool = False) -> list[tuple[str, float]]:
         p = Path(path)
         if not p.is_file():
             raise MarianaError(f"{p}: no such image file")
         try:
-            return self.classify_bytes(p.read_bytes(), k)
+            return self.classify_bytes(p.read_bytes(), k, tta)
         except MarianaError as e:
             raise MarianaError(f"{p}: {e}") from None
 

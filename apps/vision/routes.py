@@ -35,6 +35,9 @@ def router(ctx) -> APIRouter:
     async def vision_classify(
         file: UploadFile = File(..., description="JPEG or PNG image"),
         k: int = Query(5, ge=1, le=100, description="how many labels"),
+        tta: bool = Query(
+            False, description="test-time augmentation: average the image's and its mirror's probabilities"
+        ),
     ) -> dict:
         if not ctx.served:
             return ctx.not_served()
@@ -45,7 +48,7 @@ def router(ctx) -> APIRouter:
             return error(415, "file: not a JPEG/PNG/GIF image")
         loaded = ctx.slot.current
         try:
-            top = await ctx.run(loaded.obj.classify_bytes, data, k)
+            top = await ctx.run(loaded.obj.classify_bytes, data, k, tta)
         except MarianaError as e:
             return error(422, f"file: {e}")
         except Exception as e:  # noqa: BLE001  -- a corrupt image must not become a 500
@@ -54,6 +57,7 @@ def router(ctx) -> APIRouter:
         return {
             "labels": [{"label": lbl, "probability": float(p)} for lbl, p in top],
             "model_version": loaded.version,
+            "tta": tta,
         }
 
     return r
