@@ -148,3 +148,13 @@ def test_dense_slices_on_servers_step_like_the_whole_vector(optimizer):
                 assert p.push(grad[lo:hi], worker=0, step=step)
         torch.testing.assert_close(torch.cat([p.pull() for p in parts]), whole.pull(), rtol=0, atol=0)
         assert not parts[0].push(grad[spans[0][0] : spans[0][1]], worker=0, step=4)  # a replay: applied once
+
+
+def test_a_dense_slice_of_another_size_is_refused_with_a_clear_error():
+    from mariana.platform.core.errors import MarianaError
+    from mariana.platform.ps.dense import DenseStore
+
+    saved = DenseStore(torch.zeros(10), "adam", 0.01).state_dict()
+    with pytest.raises(MarianaError, match="dense slice of 10 values where this server holds 5"):
+        DenseStore(torch.zeros(5), "adam", 0.01).load_state_dict(saved)
+    DenseStore(torch.ones(10), "adam", 0.01).load_state_dict(saved)  # the same size loads
