@@ -5,7 +5,8 @@ The network (Keller Jordan's airbench94, the fastest published recipe to 94 %): 
 convolution to 24 channels, then three blocks of conv3x3 -> max-pool 2 -> BatchNorm -> GELU -> conv3x3 ->
 BatchNorm -> GELU with widths 64, 256, 256, a 3x3 max-pool and a linear head; batch 1024, about 10 epochs of
 the 50,000 training images, then flip test-time augmentation (twice the 10,000 test images' forward passes).
-Its multiply-adds per image are counted from the layer shapes. The step (forward, backward, SGD with
+Its multiply-adds per image are counted from the layer shapes; the GFLOP/s column counts a training image as
+three forward passes' worth (forward, and backward for inputs and weights), 2 FLOPs per multiply-add. The step (forward, backward, SGD with
 Nesterov momentum) is timed on random 32x32 inputs in fp32 and in bf16 autocast, channels-last, on all cores;
 no decoding or augmentation is counted, so the projection is a lower bound on the recipe's wall time.
 

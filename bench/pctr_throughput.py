@@ -182,6 +182,15 @@ def ps_rate(run: Path, batch: int, workers: int) -> float:
     return total
 
 
+def ps_train(path: Path, out: Path, R: int, batch: int, workers: int) -> dict:
+    """1 server + ``workers`` workers for 2 epochs, fp32, trained like `ours` (no regularisation, no
+    validation between epochs): {"samples_per_s": epoch 2's rate (`ps_rate`), "wall_s": the job's}."""
+    flags = ["--servers", "1", "--workers", str(workers), "--l2-emb", "0", "--eval-every", "0"]
+    cli_train(path, out, R, batch, 2, [*flags, "--early-stop", "0", "--log-every", "10"])
+    wall = json.loads((out / "counters.json").read_text())["wall_s"]
+    return {"samples_per_s": ps_rate(out, batch, workers), "wall_s": wall}
+
+
 def epoch_rates(run: Path) -> list[float]:
     """Training samples/s of each epoch (samples over seconds of its log intervals)."""
     return [n / t for n, t in per_epoch(run, "samples_per_s")]
@@ -228,12 +237,8 @@ def main(argv=None) -> int:
     ps_rows = []
     # the parameter-server runs first: the plain loops below hold the tables in this process
     for w in filter(None, args.ps.split(",")):
-        out = path.parent / f"ps-w{w}"
-        flags = ["--servers", "1", "--workers", w, "--l2-emb", "0", "--eval-every", "0", "--early-stop", "0"]
-        cli_train(path, out, R, args.batch, 2, [*flags, "--log-every", "10"])
-        c = json.loads((out / "counters.json").read_text())
-        rate = ps_rate(out, args.batch, int(w))  # epoch 2, as `ours` (epochs >= 2)
-        res[f"ps_s1_w{w}"] = {"samples_per_s": rate, "wall_s": c["wall_s"]}
+        # epoch 2, as `ours` (epochs >= 2)
+        res[f"ps_s1_w{w}"] = ps_train(path, path.parent / f"ps-w{w}", R, args.batch, int(w))
         ps_rows.append((f"PS 1 server, {w} worker(s), fp32", f"ps_s1_w{w}"))
     cats, dense, y = load_cats(path, R)
     res["plain"] = plain_loop(cats, y, R, 16, args.batch, args.plain_steps)

@@ -131,10 +131,11 @@ def test_bounded_staleness_blocks_a_worker_too_far_ahead():
 def test_dense_slices_on_servers_step_like_the_whole_vector(optimizer):
     """S servers each stepping their slice of the flat dense vector = one store stepping all of it
     (the optimisers are elementwise), including a slice that is empty (P < S)."""
-    from mariana.platform.ps.dense import DenseStore, dense_slice
+    from mariana.platform.ps.dense import DenseStore
+    from mariana.platform.ps.shard import contiguous_part
 
     for total, S in ((1000, 3), (2, 3)):
-        spans = [dense_slice(total, s, S) for s in range(S)]
+        spans = [contiguous_part(total, s, S) for s in range(S)]
         assert spans[0][0] == 0 and spans[-1][1] == total
         assert all(spans[s][1] == spans[s + 1][0] for s in range(S - 1))
         g = torch.Generator().manual_seed(0)

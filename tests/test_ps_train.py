@@ -140,10 +140,16 @@ def test_pulls_sent_a_step_ahead_give_the_same_model(frappe, tmp_path, uninterru
     out = tmp_path / "no-pull-ahead"
     run_cli(fault_args(frappe, out, "--no-pull-ahead"), check=True)
     assert_same_model(out, uninterrupted)
-    # the ahead run really overlapped: its workers waited less for rows per step than they spent pulling
-    # in the plain run would not be a reliable check on 2 busy cores, so check the flag reached the config
     assert "pull_ahead = false" in (out / "config.toml").read_text()
     assert "pull_ahead = true" in (uninterrupted / "config.toml").read_text()
+
+    def pulled_ahead(run) -> list[tuple[int, int]]:  # (step, steps whose rows the loader pulled ahead)
+        recs = [json.loads(x) for x in (run / "counters" / "worker-1.jsonl").read_text().splitlines()]
+        return [(r["step"], r["pulled_ahead"]) for r in recs if "pulled_ahead" in r]
+
+    ahead, plain = pulled_ahead(uninterrupted), pulled_ahead(out)
+    assert ahead and all(n == step for step, n in ahead)  # every step's rows were pulled ahead
+    assert plain and all(n == 0 for _, n in plain)
 
 
 def assert_restored_from_checkpoint(run, step: int) -> None:

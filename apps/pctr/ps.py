@@ -42,15 +42,15 @@ def run_ps_process(cfg: PctrConfig) -> int:
 
 def _serve(cfg, role, run, rpc_session) -> int:
     from mariana.platform.core.faults import FaultInjector
-    from mariana.platform.ps.dense import DenseStore, dense_slice, flatten
+    from mariana.platform.ps.dense import DenseStore, flatten
     from mariana.platform.ps.server import ParamServer, install
-    from mariana.platform.ps.shard import EmbeddingShard
+    from mariana.platform.ps.shard import EmbeddingShard, contiguous_part
 
     st = Setup(cfg)
     shard = EmbeddingShard([st.spec], role.index, role.num_servers, row_config(cfg), cfg.seed)
     torch.manual_seed(cfg.seed)
     flat = flatten(build_dense_only(cfg, st.schema).dense_parameters())  # in-process training's init
-    lo, hi = dense_slice(flat.numel(), role.index, role.num_servers)
+    lo, hi = contiguous_part(flat.numel(), role.index, role.num_servers)
     dense = DenseStore(flat[lo:hi], cfg.optimizer, cfg.lr)  # this server's slice of the dense parameters
     del flat
     server = ParamServer(

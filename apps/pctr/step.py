@@ -298,6 +298,7 @@ class PSWorkerStep:
         self.model = build_dense_only(cfg, schema)  # rows come from the servers
         self.amp = functools.partial(autocast_for, cfg, self.device)
         self.t, self.n, self.loss_sum, self.loss_n = 0, 0, 0.0, 0
+        self.pulled_ahead = 0  # steps whose rows were pulled by `PullAheadLoader` (for the counters)
         self.t0 = time.perf_counter()
 
     def setup(self, total_steps: int) -> None:
@@ -314,6 +315,7 @@ class PSWorkerStep:
         (item,) = micro_batches
         pulled = item if isinstance(item, Pulled) else None
         batch = item.batch if pulled is not None else item
+        self.pulled_ahead += pulled is not None
         loss = train_step(
             self.model,
             self.client,
@@ -341,6 +343,7 @@ class PSWorkerStep:
                     "samples_per_s": self.n / (time.perf_counter() - self.t0),
                     "pull_s": self.client.pull_s,
                     "push_wait_s": self.client.push_wait_s,
+                    "pulled_ahead": self.pulled_ahead,
                     "attempt": self.role.attempt,
                 },
             )

@@ -25,7 +25,7 @@ from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.prefetch import Prefetcher
 from mariana.platform.core.rundir import RunDir, setup_logging
 from mariana.platform.ps.memory import keep_freed_memory
-from mariana.platform.ps.shard import TableSpec
+from mariana.platform.ps.shard import TableSpec, contiguous_part
 
 from .configs import PctrConfig
 from .data import (
@@ -50,10 +50,8 @@ log = logging.getLogger("mariana")
 def shard_lines(start: int, stop: int, worker: int, num_workers: int) -> tuple[int, int]:
     """Worker ``worker`` of ``num_workers``'s contiguous part ``[lo, hi)`` of lines ``[start, stop)``:
     the parts are disjoint, cover the range, and differ in length by at most one line."""
-    if not 0 <= worker < num_workers:
-        raise ValueError(f"worker {worker} is not in [0, {num_workers})")
-    n = stop - start
-    return start + n * worker // num_workers, start + n * (worker + 1) // num_workers
+    lo, hi = contiguous_part(stop - start, worker, num_workers)
+    return start + lo, start + hi
 
 
 class WorkerData:
@@ -79,7 +77,7 @@ class WorkerData:
         shuffle: bool = True,
         cache_device="cpu",
     ):
-        self.path, self.encoder, self.start, self.stop = path, encoder, start, stop
+        self.path, self.encoder = path, encoder
         self.bs, self.w, self.W, self.seed, self.shuffle = batch_size, worker, num_workers, seed, shuffle
         self.cache: list[Batch] = []
         self.cache_complete = False

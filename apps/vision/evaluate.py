@@ -13,8 +13,8 @@ from mariana.platform.core.metrics import topk_correct
 from mariana.platform.core.rundir import eval_result_path
 from mariana.platform.dp.dist import resolve_device
 
-from .data import StreamingImages, collate_stream, normalize, open_source
-from .predict import flip_tta_probabilities, load_classifier
+from .data import StreamingImages, collate_stream, open_source
+from .predict import load_classifier
 
 
 def evaluate_run(
@@ -29,7 +29,7 @@ def evaluate_run(
     """Score ``RUN/model.safetensors`` on ``data`` (.tar or folder); returns and writes to ``out`` (default
     ``eval_result_path(run_dir, data)`` = ``RUN/eval/<data name>.json``, one file per evaluated data set)
     ``{"top1": %, "top5": %, "images": n, "skipped": n, "data": absolute path, "tta": bool}``. ``tta``:
-    rank classes by the mean probabilities of each image and its mirror image (`flip_tta_probabilities`).
+    rank classes by the mean probabilities of each image and its mirror image (`Classifier.probabilities`).
     Images stream through a DataLoader (decode in workers), so the set may be larger than memory."""
     if batch_size < 1 or num_workers < 0:
         raise MarianaError(f"batch_size must be >= 1 and num_workers >= 0, got {batch_size}, {num_workers}")
@@ -51,9 +51,9 @@ def evaluate_run(
             skipped += bad
             if len(y) == 0:
                 continue
-            x = normalize(x.to(dev, non_blocking=True))
-            scores = flip_tta_probabilities(clf.model, x) if tta else clf.model(x).float()
-            a, b = topk_correct(scores, y.to(dev))
+            # the classifier's own normalisation and TTA, as classify and serving use them
+            probs = clf.probabilities(x.to(dev, non_blocking=True), tta)
+            a, b = topk_correct(probs, y.to(dev))
             c1, c5, n = c1 + a, c5 + b, n + len(y)
     if n == 0:
         raise MarianaError(f"{data}: no decodable images to evaluate")

@@ -1,5 +1,5 @@
 """Dense parameters held by the parameter servers: one flat vector cut into S contiguous slices, server
-``s`` holding slice ``s`` (`dense_slice`) and a torch optimiser over it.
+``s`` holding slice ``s`` (`shard.contiguous_part`) and a torch optimiser over it.
 
 Workers pull every slice (together ``[P]`` float32), unflatten the vector into their model, and push each
 server its slice of the flat gradient; the optimisers (SGD, Adam, Adagrad) are elementwise, so S slices
@@ -29,12 +29,6 @@ def unflatten_into(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
             n = p.numel()
             p.copy_(flat[off : off + n].view_as(p))
             off += n
-
-
-def dense_slice(total: int, server: int, num_servers: int) -> tuple[int, int]:
-    """Server ``server``'s part ``[lo, hi)`` of a flat vector of ``total`` values: contiguous, in server
-    order, sizes differing by at most one."""
-    return total * server // num_servers, total * (server + 1) // num_servers
 
 
 def build_dense_optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:

@@ -53,6 +53,14 @@ def shard_of(rows: torch.Tensor, num_shards: int) -> tuple[torch.Tensor, torch.T
     return rows % num_shards, rows // num_shards
 
 
+def contiguous_part(total: int, index: int, parts: int) -> tuple[int, int]:
+    """Part ``index`` ``[lo, hi)`` of ``total`` items cut into ``parts`` contiguous pieces in order, their
+    sizes differing by at most one (the dense parameters' slices per server, a worker's lines)."""
+    if not 0 <= index < parts:
+        raise ValueError(f"part {index} is not in [0, {parts})")
+    return total * index // parts, total * (index + 1) // parts
+
+
 def local_rows(num_rows: int, shard: int, num_shards: int) -> int:
     """How many rows of an ``num_rows`` table shard ``shard`` holds."""
     return (num_rows - shard + num_shards - 1) // num_shards

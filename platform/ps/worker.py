@@ -13,7 +13,6 @@ import time
 
 import torch
 
-from .dense import dense_slice
 from .server import (
     _checkpoint,
     _clock,
@@ -27,7 +26,7 @@ from .server import (
     _worker_done,
     server_name,
 )
-from .shard import EmbeddingShard, split_by_shard
+from .shard import EmbeddingShard, contiguous_part, split_by_shard
 
 
 class LocalClient:
@@ -131,7 +130,7 @@ class PSClient:
             sg = [(n, parts[n][2][s][1], parts[n][1].index_select(0, parts[n][2][s][0])) for n in grads]
             dg = None
             if dense_grad is not None:
-                lo, hi = dense_slice(dense_grad.numel(), s, self.S)
+                lo, hi = contiguous_part(dense_grad.numel(), s, self.S)
                 dg = dense_grad[lo:hi]
             self.pending.append(rpc.rpc_async(server_name(s), _push, args=(sg, dg, self.worker, step)))
         if self.staleness > 0:
