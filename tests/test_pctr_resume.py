@@ -91,3 +91,18 @@ def test_schedule_warmup_and_eval_every_are_honoured(frappe, tmp_path):
     assert [r["sparse_lr"] for r in steps] == pytest.approx([0.1 * f for f in factors])
     evals = [r for r in recs if "eval_auc" in r]
     assert [r["step"] for r in evals] == [3, 6] and 0 < evals[0]["eval_auc"] < 1
+
+
+def test_dynamic_ids_resume_exactly(frappe, tmp_path):
+    """`--ids dynamic` with evictions: the id map (keys, counts, sketch) is part of the checkpoint, so
+    8 steps + `--resume` + 8 steps equal 16 steps, map and table included."""
+    dyn = ["--ids", "dynamic", "--rows-per-field", "64", "--admit-after", "2", "--sketch-width", "512"]
+    straight = tmp_path / "dyn-straight"
+    run_cli(args(frappe, straight, "--max-steps", "16", *dyn), check=True)
+    out = tmp_path / "dyn-broken"
+    run_cli(args(frappe, out, "--max-steps", "8", "--ckpt-every", "8", *dyn), check=True)
+    run_cli(args(frappe, out, "--max-steps", "16", "--resume", *dyn), check=True)
+    assert_same_model(straight, out)
+    assert "idmap.row_key" in load_exported(out)[0]
+    a, b = (json.loads((r / "metrics.json").read_text())["ids"] for r in (straight, out))
+    assert a == b and a["ids_evicted"] > 0  # the runs did evict rows

@@ -1,4 +1,4 @@
-"""``mariana pctr train|eval``: click-through-rate prediction (single process or parameter servers).
+"""``mariana pctr train|eval|drift-logs|stream``: click-through-rate prediction (single process or parameter servers).
 
 Only the standard library is imported at module level (``mariana --help`` stays fast)."""
 
@@ -9,6 +9,9 @@ import sys
 
 
 def _headline(m: dict) -> str:
+    auc = m.get("val_auc", float("nan"))
+    if auc != auc and "steps" in m and not m.get("epochs"):  # NaN: no validation rows (--split 1,0,0)
+        return f"trained {m['steps']} steps (no validation rows); exported the final model"
     return f"validation AUC {m.get('val_auc', float('nan')):.4f} logloss {m.get('val_logloss', float('nan')):.4f}"
 
 
@@ -18,7 +21,10 @@ def _warn_skipped(data: str, final: dict) -> None:
     if not n:
         return
     first = sorted((final.get("skipped_examples") or {}).items(), key=lambda kv: int(kv[0]))
-    where = f" (first: line {first[0][0]}: {first[0][1]})" if first else ""
+    where = ""
+    if first:  # with several files a message starts with its own "FILE line L: "
+        k, msg = first[0]
+        where = f" (first: {msg})" if " line " in msg.split(":")[0] else f" (first: line {k}: {msg})"
     print(f"mariana: warning: skipped {n} malformed line{'s' * (n != 1)} in {data}{where}", file=sys.stderr)
 
 
@@ -40,16 +46,18 @@ def _check_run_dir(cfg) -> None:
 
 def _train(args, argv) -> int:
     import json
+    from dataclasses import replace
     from pathlib import Path
 
-    from mariana.platform.cli.common import check_data_path
     from mariana.platform.core.config import resolve_config
     from mariana.platform.dp.launch import in_worker
 
     from .configs import PRESETS, PctrConfig
+    from .sources import absolute_list, resolve_sources
 
     cfg = resolve_config(PctrConfig, args, PRESETS)
-    check_data_path(cfg.data)
+    cfg = replace(cfg, data=absolute_list(cfg.data))
+    resolve_sources(cfg.data)  # a file, a comma-separated list of files or a folder of partitions
     if cfg.servers > 0 and in_worker():
         from .ps import run_ps_process
 
@@ -96,10 +104,11 @@ def _eval(args, argv) -> int:
     from mariana.platform.core.rundir import eval_result_path
 
     from .evaluate import evaluate_run
+    from .sources import resolve_sources, result_name
 
-    check_data_path(args.data)
+    resolve_sources(args.data)
     check_data_path(args.model, "--model")
-    out = eval_result_path(args.model, args.data, args.split)
+    out = eval_result_path(args.model, result_name(args.data), args.split)
     r = evaluate_run(args.model, args.data, args.format, args.split, args.split_fractions, args.device, out)
     _warn_skipped(args.data, {"skipped_lines": r["skipped"], "skipped_examples": r["skipped_examples"]})
     print(
@@ -131,7 +140,12 @@ def register(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     e.add_argument("--model", required=True, help="run directory of a finished `mariana pctr train`")
-    e.add_argument("--data", required=True, help="Criteo TSV or libFM file to score")
+    e.add_argument(
+        "--data",
+        required=True,
+        help="Criteo TSV or libFM data to score: a file, a comma-separated list of files or a folder of "
+        "partitions (its files in name order, without names starting with '.' or '_')",
+    )
     e.add_argument(
         "--format", choices=["criteo", "libfm"], default=None, help="data format (default: the model's)"
     )
@@ -144,3 +158,138 @@ def register(sub) -> None:
     e.add_argument("--split-fractions", default="0.8,0.1,0.1", help="train,val,test fractions for --split")
     e.add_argument("--device", default="cpu", help="cpu or cuda")
     e.set_defaults(func=_eval)
+    _register_drift(g)
+    _register_stream(g)
+
+
+def _drift_logs(args, argv) -> int:
+    from .drift import DriftSettings, generate
+
+    names = [f for f in DriftSettings.__dataclass_fields__ if f != "out"]
+    generate(args.out, DriftSettings(**{k: getattr(args, k) for k in names}))
+    return 0
+
+
+def _register_drift(g) -> None:
+    """``mariana pctr drift-logs``: the drifting click-log generator (`drift.py`)."""
+    from dataclasses import fields
+
+    from .drift import DriftSettings
+
+    helps = {
+        "days": "days to write (DIR/day-01.tsv ...)",
+        "rows_per_day": "impressions per day file",
+        "seed": "random seed (same settings and seed -> the same bytes)",
+        "ads": "ads alive on any day",
+        "new_ads": "share of the alive ads replaced by newborn ads (new ids) each new day",
+        "new_users": "share of each day's impressions from user ids never seen before",
+        "users": "returning users available on day 1",
+        "segments": "user segments (the segment x ad category affinity drives clicks)",
+        "categories": "ad categories",
+        "sites": "sites (publishers)",
+        "drift": "day-to-day drift of the affinities and ad effects: x <- sqrt(1-a^2) x + a * fresh "
+        "(0: fixed, 1: redrawn every day)",
+        "affinity": "std (logits) of the segment x category affinity",
+        "rank": "latent taste dimensions behind the segment x category affinity",
+        "ad_effect": "std (logits) of each ad's own effect",
+        "ctr": "click rate of an average impression",
+    }
+    d = g.add_parser(
+        "drift-logs",
+        help="write days of drifting Criteo-format click logs (ads born and retired, drifting click rates)",
+        description="Writes DIR/day-01.tsv ... (label, I1-I13, C1-C26; each file written under a temporary "
+        "name and renamed) and DIR/_generator.json; deterministic from the settings. Columns and the model "
+        "behind them: apps/pctr/README.md, 'Day partitions, incremental training and drifting click logs'.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d.add_argument("--out", required=True, help="folder to write the day files into (created)")
+    for f in fields(DriftSettings):
+        d.add_argument(
+            f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default, help=helps[f.name]
+        )
+    d.set_defaults(func=_drift_logs)
+
+
+def _stream(args, argv) -> int:
+    import json
+    from pathlib import Path
+
+    from mariana.platform.cli.common import check_data_path, check_fresh_run_dir
+    from mariana.platform.core.config import resolve_config
+    from mariana.platform.core.errors import MarianaError
+
+    from .stream import STREAM_PRESETS, StreamConfig, run_stream
+
+    cfg = resolve_config(StreamConfig, args, STREAM_PRESETS)
+    if cfg.servers > 0:
+        from mariana.platform.dp.launch import in_worker
+
+        if in_worker():  # one process of a parameter-server stream (stream_ps.py)
+            from .stream_ps import run_ps_stream_process
+
+            return run_ps_stream_process(cfg)
+    if not check_data_path(cfg.data).is_dir():
+        raise MarianaError(f"--data {cfg.data}: expected a folder to follow (new log files land in it)")
+    saved = Path(cfg.out) / "config.toml"
+    if cfg.resume and cfg.format == "libfm" and cfg.num_fields == 0 and saved.is_file():
+        from mariana.platform.core.config import load_toml
+
+        cfg.num_fields = int(
+            load_toml(saved).get("num_fields", 0)
+        )  # the stream inferred it from its first file
+    check_fresh_run_dir(cfg)
+    if not cfg.resume and any((Path(cfg.out) / n).exists() for n in ("model.safetensors", "metrics.json")):
+        raise MarianaError(
+            f"{cfg.out} already holds a run; pass --resume to continue it or choose another --out"
+        )
+    if cfg.servers > 0:
+        return _stream_ps(cfg, argv)
+    t = run_stream(cfg)
+    final = Path(cfg.out) / "metrics.json"  # the totals with the last file's scores
+    print(_stream_headline(json.loads(final.read_text()) if final.is_file() else t))
+    return 0
+
+
+def _stream_headline(t: dict) -> str:
+    """The stream's last line: totals, then the headline metric (the last file's progressive AUC: the
+    model scored on that file before training on it)."""
+    auc = t.get("progressive_auc")
+    last = f", last file's progressive AUC {auc:.4f}" if isinstance(auc, float) else ""
+    return f"stream: {t['files']} files, {t['rows']} rows, {t['exports']} exports, version {t['version'] or 'none'}{last}"
+
+
+def _stream_ps(cfg, argv) -> int:
+    """Launch a parameter-server stream: S servers + W workers under torchrun (`run_job`), worker 0's
+    console lines on the terminal; prints the totals from RUN/metrics.json."""
+    import json
+    from pathlib import Path
+
+    from mariana.platform.core.rundir import RunDir
+    from mariana.platform.ps.master import run_job
+
+    RunDir(cfg.out).save_config(cfg)
+    nprocs = cfg.servers + cfg.workers
+    rc = run_job(nprocs, argv, cfg.out, cfg.max_restarts, console_rank=cfg.servers, num_servers=cfg.servers)
+    final = Path(cfg.out) / "metrics.json"
+    if rc == 0 and final.is_file():
+        print(_stream_headline(json.loads(final.read_text())))
+    return rc
+
+
+def _register_stream(g) -> None:
+    """``mariana pctr stream``: follow a folder of new log files (`stream.py`)."""
+    from mariana.platform.cli.common import add_train_parser
+
+    from .stream import STREAM_PRESETS, StreamConfig
+
+    add_train_parser(
+        g,
+        "stream",
+        StreamConfig,
+        "follow a folder of click logs: score each new complete file with the current model (progressive "
+        "AUC), train on it once in arrival order, export a new model version every N files or S seconds "
+        "(`mariana serve --pctr RUN --watch` picks it up); checkpoint with the consumed-file ledger after "
+        "each file (--resume continues); stops on Ctrl-C, --max-files or --idle-exit",
+        _stream,
+        STREAM_PRESETS,
+    )

@@ -36,8 +36,16 @@ class PctrConfig(TrainConfig):
         "pull_ahead",
         "val_rows",
         "init_row_state",
+        "init_train_state",
     }
 
+    data: str = opt(
+        "",
+        "training data: a file, a comma-separated list of files, or a folder of partitions (its files in "
+        "name order, leaving out names starting with '.' or '_' and *.tmp/*.part); rows are the files' "
+        "lines one after the other and --split applies to them",
+        path=True,
+    )
     format: str = opt("libfm", "input format of --data", ["criteo", "libfm"])
     model: str = opt("deepfm", "model", list(MODELS))
     servers: int = opt(0, "parameter-server processes; 0 trains in this one process (CPU or CUDA)")
@@ -53,6 +61,27 @@ class PctrConfig(TrainConfig):
     )
     split: str = opt("0.8,0.1,0.1", "train,val,test fractions of the rows, in file order")
     rows_per_field: int = opt(1 << 16, "hash space (embedding rows) per field, incl. 1 missing/OOV row")
+    ids: str = opt(
+        "hash",
+        "how values find their rows: hash (row = hash mod (rows-per-field - 1)) or dynamic (an id -> row map "
+        "per field of rows-per-field - 1 rows: admission after --admit-after sightings, --evict of cold "
+        "rows; with --servers the map lives on server 0; see apps/pctr/README.md, Dynamic ids)",
+        ["hash", "dynamic"],
+    )
+    admit_after: int = opt(
+        2,
+        "--ids dynamic: sightings (count-min estimate) before an id gets its own row; until then the OOV row",
+    )
+    evict: str = opt(
+        "lfu",
+        "--ids dynamic: which row a newly admitted id takes once its field is full: the least frequently "
+        "used (lfu, counts halved every 10 x --sketch-width sightings; taken only by an id counted more "
+        "often than it) or the least recently used (lru)",
+        ["lfu", "lru"],
+    )
+    sketch_width: int = opt(
+        1 << 18, "--ids dynamic: cells per row of the count-min sketch (4 rows) counting ids not admitted yet"
+    )
     num_fields: int = opt(0, "libFM: features per row (0: infer from the first lines)")
     dim: int = opt(16, "embedding dimension (ignored by lr)")
     hidden: str = opt("256,128", "MLP widths of dnn/deepfm/dcn, comma-separated")
@@ -86,6 +115,12 @@ class PctrConfig(TrainConfig):
         "with --init-from RUN: also take the table's row-optimiser state (Adagrad accumulators, FTRL z/n) "
         "from RUN's latest one-process checkpoint",
     )
+    init_train_state: bool = opt(
+        False,
+        "with --init-from RUN: continue RUN's whole training state from its latest one-process checkpoint "
+        "(table, seen flags, dense weights, row-optimiser state and the dense optimiser's Adam moments and "
+        "step) instead of only its exported weights: day-by-day incremental training",
+    )
     ckpt_every: int = opt(
         0, "steps between checkpoints; 0: one at the end (one process) / none before the end (servers)"
     )
@@ -108,6 +143,31 @@ class PctrConfig(TrainConfig):
     shuffle: bool = opt(True, "shuffle the batch order of epochs >= 2 (served from the in-memory cache)")
     prefetch: int = opt(2, "batches parsed ahead of the training step by a background thread (0: no thread)")
     val_rows: int = opt(0, "cap on validation rows scored for counters and early reports (0: all)")
+    image_features: str = opt(
+        "",
+        "run directory of a `mariana vision train` CNN: its penultimate-layer features of the image named by "
+        "--image-field become dense inputs of the model (see apps/pctr/README.md, Image features)",
+    )
+    image_field: str = opt(
+        "", "with --image-features: the field naming the image (criteo C1..C26; libfm 1-based field)"
+    )
+    images: str = opt(
+        "",
+        "with --image-features: folder the image field's values resolve in (VALUE or VALUE.png/.jpg/.jpeg)",
+    )
+    image_dims: int = opt(
+        16,
+        "with --image-features: PCA components (whitened) fitted on the training images; 0: the raw (centred) features",
+    )
+    image_cross: str = opt(
+        "",
+        "with --image-features: also cross the image features with this categorical field (e.g. a user "
+        "segment; criteo C1..C26, libfm field number): one extra field per feature dimension, so LR learns "
+        "per-segment image weights",
+    )
+    image_cache: str = opt(
+        "", "with --image-features: feature cache folder (default $MARIANA_CACHE or ~/.cache/mariana)"
+    )
     progress: bool = opt(True, "show a progress bar when stderr is a terminal (one process only)")
     grad_comm: str = _unused("not used by pctr", "fp32")
     grad_accum: int = _unused("not used by pctr", 1)
@@ -141,8 +201,36 @@ class PctrConfig(TrainConfig):
         if not (0.0 <= self.dropout < 1.0):
             raise MarianaError(f"--dropout must be in [0, 1), got {self.dropout}")
         parse_split(self.split)
+        if self.init_train_state and not self.init_from:
+            raise MarianaError(
+                "--init-train-state needs --init-from RUN (the run whose training state to continue)"
+            )
+        if self.admit_after < 1:
+            raise MarianaError(
+                f"--admit-after must be >= 1 (1: every id gets a row at once), got {self.admit_after}"
+            )
+        if self.sketch_width < 1:
+            raise MarianaError(f"--sketch-width must be >= 1, got {self.sketch_width}")
+        if self.ids == "dynamic" and self.servers > 0 and self.init_from:
+            raise MarianaError(
+                "--init-from with --ids dynamic --servers >= 1 is not supported (the servers start with an "
+                "empty id map); use --servers 0 to continue a dynamic-id model"
+            )
+        if self.image_features and not (self.image_field and self.images):
+            raise MarianaError(
+                "--image-features needs --image-field (the field naming the image) and --images DIR"
+            )
+        if (self.image_field or self.images or self.image_cross) and not self.image_features:
+            raise MarianaError("--image-field/--images/--image-cross need --image-features VISION_RUN")
+        if self.image_dims < 0:
+            raise MarianaError(f"--image-dims must be >= 0, got {self.image_dims}")
         if self.servers > 0:
-            for name, default in (("schedule", "constant"), ("warmup_steps", 0), ("init_row_state", False)):
+            for name, default in (
+                ("schedule", "constant"),
+                ("warmup_steps", 0),
+                ("init_row_state", False),
+                ("init_train_state", False),
+            ):
                 if getattr(self, name) != default:
                     raise MarianaError(
                         f"--{_flag(name)} is not supported with --servers >= 1 (the servers' optimisers run "

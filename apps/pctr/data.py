@@ -14,6 +14,8 @@ is the field's missing / out-of-vocabulary row; a value maps to ``f * R + 1 + h(
 Integer ids (libFM ids, bucketised counts) use ``h(x) = x``; strings use CRC32 mixed with the field.
 At prediction time a row never trained (no gradient reached it) is mapped to the OOV row too, so ids
 unseen in training never fail and never read an untrained random vector.
+With ``--ids dynamic`` (`Schema.ids`) the encoder emits per-field keys instead of rows and the training
+step maps them through a dynamic id -> row map of the same ``R - 1`` rows per field (`idmap.py`).
 
 Readers are generators over lines, parsed in chunks (vectorised with numpy per chunk): memory is O(chunk).
 A malformed line is skipped and counted with its (1-based) line number in `ReadStats`.
@@ -33,6 +35,7 @@ from mariana.platform.core.libfm import LibfmRows, block_lines, parse_block, par
 from mariana.platform.core.textblocks import lines_array, ordered_map, read_blocks
 
 from .configs import parse_split  # noqa: F401  (defined beside the flags: checked before torch loads)
+from .sources import count_file_lines, resolve_sources
 
 FORMATS = ("criteo", "libfm")
 CRITEO_INTS, CRITEO_CATS = 13, 26
@@ -47,6 +50,7 @@ class Schema:
     num_fields: int
     rows_per_field: int
     num_dense: int
+    ids: str = "hash"  # "dynamic": `Batch.ids` hold keys (`idmap.key_of`) that an `idmap.IdMap` maps to rows
 
     @property
     def num_rows(self) -> int:
@@ -58,11 +62,18 @@ class Schema:
             "num_fields": self.num_fields,
             "rows_per_field": self.rows_per_field,
             "num_dense": self.num_dense,
+            **({"ids": self.ids} if self.ids != "hash" else {}),
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> Schema:
-        return cls(d["format"], int(d["num_fields"]), int(d["rows_per_field"]), int(d["num_dense"]))
+        return cls(
+            d["format"],
+            int(d["num_fields"]),
+            int(d["rows_per_field"]),
+            int(d["num_dense"]),
+            d.get("ids", "hash"),
+        )
 
 
 @dataclass
@@ -135,6 +146,11 @@ class Encoder:
             raise DataError(f"unknown format {schema.format!r}; expected one of {', '.join(FORMATS)}")
         R = schema.rows_per_field
         self.base = torch.arange(schema.num_fields, dtype=torch.int64) * R
+        # `--image-features`: an `images.ImageFeatures` that appends the CNN features of the image a field
+        # names to ``Batch.dense`` and moves rows whose image fails to the errors (set by its setup)
+        self.image = None
+        # fields parsed from the record; `--image-cross` appends its fields after them (schema.num_fields)
+        self.parsed_fields = schema.num_fields
 
     # ---------------------------------------------------------------- per-format parsing
     def encode(
@@ -144,24 +160,37 @@ class Encoder:
         if self.schema.format == "criteo":
             out = self._criteo(lines, has_label)
         else:
-            out = self._libfm(parse_lines(lines, self.schema.num_fields, has_label))
+            out = self._libfm(parse_lines(lines, self.parsed_fields, has_label))
+        if self.image is not None:
+            out = self.image.apply(out, lines, has_label)
         _count(stats, out, first_lineno)
         return out
 
     def encode_block(self, block: bytes, has_label: bool = True) -> tuple[Batch, list[int], dict[int, str]]:
         """`encode` of a block of whole lines (`mariana.platform.core.textblocks`): Arrow's kernels when
         every line is ASCII and its numbers plain, else the per-line parser; the results are the same."""
+        out = self._encode_block(block, has_label)
+        if self.image is not None:
+            out = self.image.apply(out, block_lines(block), has_label)
+        return out
+
+    def _encode_block(self, block: bytes, has_label: bool) -> tuple[Batch, list[int], dict[int, str]]:
         if self.schema.format == "libfm":
-            return self._libfm(parse_block(block, self.schema.num_fields, has_label))
+            return self._libfm(parse_block(block, self.parsed_fields, has_label))
         fast = self._criteo_arrow(block, has_label) if block.isascii() else None
         return fast if fast is not None else self._criteo(block_lines(block), has_label)
 
     def _finish(self, raw: np.ndarray, known: np.ndarray) -> torch.Tensor:
-        """raw uint64 [n, F] values (already hashed or small ints), known bool [n, F] -> rows [n, F]."""
+        """raw uint64 [n, F] values (already hashed or small ints), known bool [n, F] -> rows [n, F]; with
+        ``ids == "dynamic"`` keys [n, F] instead (`idmap.key_of`; -1 missing), mapped to rows by the step."""
+        if self.schema.ids == "dynamic":
+            from .idmap import key_of
+
+            return torch.from_numpy(key_of(raw, known))
         R = self.schema.rows_per_field
         local = (raw % np.uint64(R - 1)).astype(np.int64) + 1
         local[~known] = 0
-        return torch.from_numpy(local) + self.base
+        return torch.from_numpy(local) + self.base[: local.shape[1]]
 
     def _criteo(self, lines, has_label):
         off = 1 if has_label else 0
@@ -272,9 +301,7 @@ class Encoder:
         raw_cat = _mix(cat_hash, salt)
         ids = self._finish(np.concatenate([raw_int, raw_cat], 1), np.concatenate([int_known, cat_known], 1))
         n = len(labels)
-        return Batch(
-            ids, torch.ones(n, self.schema.num_fields), torch.from_numpy(dense), torch.from_numpy(labels)
-        )
+        return Batch(ids, torch.ones(n, ids.shape[1]), torch.from_numpy(dense), torch.from_numpy(labels))
 
     def _libfm(self, p: LibfmRows) -> tuple[Batch, list[int], dict[int, str]]:
         """Rows of the platform's one libFM parser (`mariana.platform.core.libfm`) -> `Batch`."""
@@ -299,14 +326,11 @@ def check_file(path: str | Path) -> Path:
     return p
 
 
-def count_lines(path: str | Path) -> int:
-    """Number of lines (streaming, 1 MiB blocks)."""
-    n, last = 0, b"\n"
-    with open(check_file(path), "rb") as f:
-        while block := f.read(1 << 20):
-            n += block.count(b"\n")
-            last = block[-1:]
-    return n + (0 if last == b"\n" else 1)
+def count_lines(path) -> int:
+    """Number of lines of ``path``: a file, a comma-separated list of files or a folder of partitions
+    (`sources.resolve_sources`; their lines one after the other). Streaming, 1 MiB blocks."""
+    src = resolve_sources(path)
+    return count_file_lines(check_file(src.paths[0])) if src.single else src.lines()
 
 
 def infer_schema(
@@ -320,7 +344,7 @@ def infer_schema(
         raise DataError(f"unknown --format {fmt!r}; expected criteo or libfm")
     if num_fields <= 0:
         widths = []
-        with open(check_file(path), encoding="utf-8", errors="replace") as f:
+        with open(check_file(resolve_sources(path).paths[0]), encoding="utf-8", errors="replace") as f:
             for line in f:
                 parts = line.split()
                 if len(parts) > 1 and all(":" in p for p in parts[1:]):
@@ -345,15 +369,28 @@ def iter_chunks(
 ) -> Iterator[Batch]:
     """Stream the lines ``[start, stop)`` (0-based, in file order) of ``path`` as encoded chunks of at most
     ``chunk`` lines, parsed on ``threads`` threads in file order (0: as many as torch's intra-op threads,
-    the process's CPU budget; one per core by default, one per process under a multi-process launcher)."""
-    blocks = read_blocks(check_file(path), start, stop, max_lines=chunk)
+    the process's CPU budget; one per core by default, one per process under a multi-process launcher).
+
+    ``path``: a file, a comma-separated list of files or a folder of partitions (`sources.py`); line
+    numbers are those of the files' concatenation, a chunk never spans two files, and with several files
+    a skipped line's message starts with its file and line in that file (``stats`` keys stay global)."""
+    src = resolve_sources(path)
+    pieces = [(0, check_file(src.paths[0]), start, stop)] if src.single else src.ranges(start, stop)
     threads = threads or torch.get_num_threads()
 
-    def encode(item: tuple[int, bytes]):
-        first, block = item
-        return first, encoder.encode_block(block, has_label)
+    def blocks():
+        for off, p, lo, hi in pieces:
+            for first, block in read_blocks(p, lo, hi, max_lines=chunk):
+                yield off + first, off, p, block
 
-    for first, out in ordered_map(encode, blocks, threads):
+    def encode(item):
+        first, off, p, block = item
+        return first, off, p, encoder.encode_block(block, has_label)
+
+    for first, off, p, out in ordered_map(encode, blocks(), threads):
+        if not src.single and out[2]:
+            local = first - off + 1
+            out = (out[0], out[1], {i: f"{p} line {local + i}: {m}" for i, m in out[2].items()})
         _count(stats, out, first + 1)
         if len(out[0]):
             yield out[0]

@@ -31,6 +31,8 @@ def evaluate_run(
     from mariana.platform.core.rundir import eval_result_path
 
     pred = load_predictor(run_dir, device)
+    if pred.image is not None:  # offline scoring shares the training run's image feature cache
+        pred.image.use_cache(pred.meta["image"].get("cache") or None)
     if fmt and fmt != pred.format:
         raise MarianaError(f"--format {fmt} but the model in {run_dir} was trained on {pred.format} data")
     a, b = split_bounds(count_lines(data), parse_split(fractions))[split] if split != "all" else (0, None)

@@ -73,7 +73,8 @@ class CTRModel(nn.Module):
     def load_dense_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load every parameter except the table (adopted at construction, see ``table``); ``state`` may
         hold ``table.weight`` too, which is ignored. Raises ValueError naming keys that do not match."""
-        state = {k: v for k, v in state.items() if k != "table.weight"}
+        # ``image.*``: the image CNN and projection of `--image-features` exports (not this module's)
+        state = {k: v for k, v in state.items() if k != "table.weight" and not k.startswith("image.")}
         missing, unexpected = self.load_state_dict(state, strict=False)
         if missing != ["table.weight"] or unexpected:
             raise ValueError(f"parameters do not match the model: {missing=} {unexpected=}")

@@ -14,6 +14,10 @@ Predictor:
 - ``.predict(batch) -> np.ndarray float32 [B]`` click probabilities.
 - ``.predict_lines(lines) -> (probs: list[float | None], errors)`` (None where the line was invalid).
 Ids unseen in training (their hashed row received no gradient) are scored with the field's OOV row.
+With ``--ids dynamic`` the batch holds keys, mapped through the exported id map (``idmap.row_key``): an id
+that holds no row (never seen, not admitted, or evicted) is scored with the OOV row.
+A model trained with ``--image-features`` computes the image features itself (`images.ImageFeatures`,
+rebuilt from the export); a record whose image is missing or corrupt is an error for that record only.
 """
 
 from __future__ import annotations
@@ -31,7 +35,16 @@ from .model import CTRModel
 
 
 class Predictor:
-    def __init__(self, state: dict[str, torch.Tensor], meta: dict, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        state: dict[str, torch.Tensor],
+        meta: dict,
+        device: str | torch.device = "cpu",
+        images: str | Path | None = None,
+        image_cache: str | Path | None = None,
+    ):
+        """``images``: folder the image field resolves in (default: the one recorded at training);
+        ``image_cache``: feature cache folder (default: none, features are kept in memory)."""
         if meta.get("app") != "pctr":
             made_by = f"`mariana {meta['app']} train`" if meta.get("app") else "no known app"
             raise MarianaError(
@@ -45,6 +58,12 @@ class Predictor:
         self.format: str = self.schema.format
         self.version: str = str(meta.get("version", "unknown"))
         self.encoder = Encoder(self.schema)
+        self.image = None  # `--image-features` models: the CNN + projection travel in the export
+        if "image" in meta:
+            from .images import ImageFeatures
+
+            self.image = ImageFeatures.from_export(state, meta["image"], self.format, images, image_cache)
+            self.image.attach(self.encoder)
         m = meta["model"]
         hidden = tuple(int(h) for h in str(m["hidden"]).split(",") if h.strip())
         self.device = torch.device(device)
@@ -60,6 +79,20 @@ class Predictor:
             table=state.pop("table.weight"),  # adopted as is: no second full-size table
         )
         self.seen = state.pop("seen").bool().to(self.device)
+        self.idmap = None  # `--ids dynamic` models: the exported key of each row (never-seen ids -> OOV)
+        row_key = state.pop("idmap.row_key", None)
+        if self.schema.ids == "dynamic":
+            from .idmap import FrozenIdMap
+
+            if row_key is None:
+                raise MarianaError(
+                    "the exported pctr model was trained with --ids dynamic but lacks 'idmap.row_key'"
+                )
+            if tuple(row_key.shape) != (self.schema.num_rows,):
+                raise MarianaError(
+                    f"the exported id map has shape {tuple(row_key.shape)}, expected ({self.schema.num_rows},)"
+                )
+            self.idmap = FrozenIdMap(row_key.numpy(), self.schema.num_fields, self.schema.rows_per_field)
         try:
             self.model.load_dense_state_dict(state)
         except ValueError as e:
@@ -123,7 +156,10 @@ class Predictor:
         if len(batch) == 0:
             return np.zeros(0, dtype=np.float32)
         b = batch.to(self.device)
-        ids = self.map_oov(b.ids)
+        ids = b.ids
+        if self.idmap is not None:  # keys -> rows of the exported map
+            ids = torch.from_numpy(self.idmap.lookup(ids.cpu().numpy())).to(self.device)
+        ids = self.map_oov(ids)
         uniq, inv = torch.unique(ids, return_inverse=True)
         rows = self.model.table.weight.index_select(0, uniq)
         logits = self.model.forward_rows(F.embedding(inv, rows), b.vals, b.dense)
@@ -143,6 +179,12 @@ class Predictor:
         return out, errors
 
 
-def load_predictor(run_dir: str | Path, device: str | torch.device = "cpu") -> Predictor:
+def load_predictor(
+    run_dir: str | Path,
+    device: str | torch.device = "cpu",
+    images: str | Path | None = None,
+    image_cache: str | Path | None = None,
+) -> Predictor:
+    """``images`` / ``image_cache``: see `Predictor` (models trained with ``--image-features`` only)."""
     state, meta = load_exported(run_dir)
-    return Predictor(state, meta, device)
+    return Predictor(state, meta, device, images, image_cache)

@@ -1,6 +1,7 @@
 """The parameter-server mode of `mariana pctr train`: one torchrun process per server or worker.
 
-Servers hold the sharded table (and, server 0, the dense parameters and their optimiser); each worker
+Servers hold the sharded table (and, server 0, the dense parameters and their optimiser, and with
+``--ids dynamic`` the id map: README "Dynamic ids"); each worker
 runs the one platform `Trainer` with a `PSWorkerStep` (pull -> compute -> push, asynchronous or with
 bounded staleness) and the servers' checkpoints (`ServerCheckpointer`). Worker 0 evaluates, keeps the best
 model (dumped from the servers) and, once every worker is done, writes the final checkpoint and metrics.
@@ -11,7 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import NamedTuple
 
+import numpy as np
 import torch
 from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.rundir import RunDir, setup_logging
@@ -20,21 +23,38 @@ from mariana.platform.ps.memory import keep_freed_memory
 from .configs import PctrConfig
 from .model import build_model
 from .optim import row_config
-from .step import TABLE, PSWorkerStep, ServerCheckpointer, build_dense_only, predict_batches, write_counter
+from .step import (
+    TABLE,
+    PSWorkerStep,
+    RemoteIdMap,
+    ServerCheckpointer,
+    build_dense_only,
+    predict_batches,
+    write_counter,
+)
 from .train import Setup, WorkerData, export, make_trainer
 
 log = logging.getLogger("mariana")
 
 
-def run_ps_process(cfg: PctrConfig) -> int:
-    """Body of one torchrun process of a parameter-server job (role from RANK)."""
-    from mariana.platform.ps.runtime import role_from_env, rpc_session
+def start_ps_process(cfg: PctrConfig):
+    """What every torchrun process of a parameter-server job (training or stream) does first: its role
+    (from RANK), the run directory with this rank's log file, one intra-op thread. Returns (role, run)."""
+    from mariana.platform.ps.runtime import role_from_env
 
     role = role_from_env(cfg.servers, cfg.workers)
     keep_freed_memory()
     run = RunDir(cfg.out)
     setup_logging(run, rank=role.rank)
     torch.set_num_threads(1)
+    return role, run
+
+
+def run_ps_process(cfg: PctrConfig) -> int:
+    """Body of one torchrun process of a parameter-server job (role from RANK)."""
+    from mariana.platform.ps.runtime import rpc_session
+
+    role, run = start_ps_process(cfg)
     if role.kind == "server":
         return _serve(cfg, role, run, rpc_session)
     return _work(cfg, role, run, rpc_session)
@@ -56,6 +76,11 @@ def _serve(cfg, role, run, rpc_session) -> int:
     server = ParamServer(
         role.index, role.num_servers, role.num_workers, shard, dense, cfg.staleness, run.ckpt_dir
     )
+    if cfg.ids == "dynamic" and role.index == 0:  # the id map of every field, in its checkpoint shard
+        from .idmap import IdMap
+
+        s = st.schema
+        server.keymap = IdMap(s.num_fields, s.rows_per_field, cfg.admit_after, cfg.evict, cfg.sketch_width)
     restored = server.restore_latest()
     if restored is not None:
         log.info(
@@ -77,7 +102,15 @@ def _serve(cfg, role, run, rpc_session) -> int:
     with rpc_session(role, cfg.timeout):
         server.serve()
     (run.path / "counters" / f"server-{role.index}.json").write_text(
-        json.dumps({**server.counters, "restored_from": restored, "attempt": role.attempt}) + "\n"
+        json.dumps(
+            {
+                **server.counters,
+                **(server.keymap.counters() if server.keymap is not None else {}),
+                "restored_from": restored,
+                "attempt": role.attempt,
+            }
+        )
+        + "\n"
     )
     return 0
 
@@ -90,7 +123,7 @@ def _work(cfg, role, run, rpc_session) -> int:
     st = Setup(cfg)
     a, b = st.bounds["train"]
     data = WorkerData(
-        cfg.data, st.encoder, a, b, cfg.batch_size, role.index, role.num_workers, cfg.seed, cfg.shuffle
+        st.sources, st.encoder, a, b, cfg.batch_size, role.index, role.num_workers, cfg.seed, cfg.shuffle
     )
     total = st.total_steps(data.steps_per_epoch)
     cpu = torch.device("cpu")
@@ -100,8 +133,10 @@ def _work(cfg, role, run, rpc_session) -> int:
         step = PSWorkerStep(cfg, st.schema, client, role, run)
         t0 = time.perf_counter()
 
+        remote_map = RemoteIdMap(client) if cfg.ids == "dynamic" else None  # --ids dynamic: on server 0
+
         def validate(s: PSWorkerStep) -> dict[str, float]:
-            m = auc_logloss(val_labels, predict_batches(s.model, val, client, cpu))
+            m = auc_logloss(val_labels, predict_batches(s.model, val, client, cpu, idmap=remote_map))
             write_counter(
                 run,
                 role.index,
@@ -123,6 +158,7 @@ def _work(cfg, role, run, rpc_session) -> int:
             weight, seen = tables[TABLE]
             full = build_model(cfg, st.schema, table=weight)
             full.load_dense_state_dict(step.model.state_dict())
+            st.idmap = _server_idmap(client, cfg)  # `export` writes its idmap.row_key
             export(run, st, full, weight, seen, {"metrics": {**metrics, "step": at_step}})
 
         ctx = DistContext(rank=role.index, device=cpu)  # no process group: workers talk to servers only
@@ -151,7 +187,13 @@ def _work(cfg, role, run, rpc_session) -> int:
             weight, seen = tables[TABLE]
             full = build_model(cfg, st.schema, table=weight)
             full.load_dense_state_dict(step.model.state_dict())
-            end = auc_logloss(val_labels, predict_batches(full, val, _TableClient(weight), cpu))
+            st.idmap = _server_idmap(client, cfg)
+            frozen = None
+            if st.idmap is not None:
+                from .idmap import FrozenIdMap
+
+                frozen = FrozenIdMap(st.idmap.row_key, st.schema.num_fields, st.schema.rows_per_field)
+            end = auc_logloss(val_labels, predict_batches(full, val, _TableClient(weight), cpu, idmap=frozen))
             ev = trainer.evaluator
             mon = ev.monitor if ev is not None and ev.monitor else "auc"
             keep_best = (
@@ -191,11 +233,26 @@ def _work(cfg, role, run, rpc_session) -> int:
                     "skipped_lines": data.stats.skipped,
                     "skipped_examples": {str(k): v for k, v in list(data.stats.errors.items())[:10]},
                     "server_counters": client.server_counters,
+                    **({"ids": st.idmap.counters} if st.idmap is not None else {}),
                 }
             )
             run.write_final(final)
             client.finish_servers()
     return 0
+
+
+class _ServerIdMap(NamedTuple):
+    """Server 0's `--ids dynamic` map as `export` and the final metrics need it."""
+
+    row_key: np.ndarray  # [F R] int64: the key held by each row, -1 none
+    counters: dict  # `IdMap.counters()`
+
+
+def _server_idmap(client, cfg) -> _ServerIdMap | None:
+    if cfg.ids != "dynamic":
+        return None
+    got = client.keymap_state()
+    return _ServerIdMap(got["row_key"].numpy(), got["counters"])
 
 
 class _TableClient:

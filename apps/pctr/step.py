@@ -52,6 +52,44 @@ def send_pull(client, batch: Batch, step: int, want_dense: bool = False) -> Pull
     return Pulled(batch, uniq, inv, client.pull_async({TABLE: uniq}, step, want_dense))
 
 
+def fresh_rows(cfg: PctrConfig, n: int, width: int, step: int, worker: int = 0) -> torch.Tensor:
+    """Weights [n, width] for ``n`` rows that `--ids dynamic` evicted at ``step``: N(0, init_std), linear
+    weight (column 0) 0, as a new table's rows. Seeded by (seed, step), and the worker on parameter-server
+    workers other than 0, so that a resumed run, and worker 0 of a one-worker job, redraw exactly what one
+    process draws."""
+    seed = cfg.seed * 7919 + 104729 + step + (worker * 1_000_003 if worker else 0)
+    fresh = torch.randn(n, width, generator=torch.Generator().manual_seed(seed)) * cfg.init_std
+    fresh[:, 0] = 0.0
+    return fresh
+
+
+class RemoteIdMap:
+    """Read-only `--ids dynamic` map on parameter server 0 (``lookup(keys [n, F]) -> rows [n, F]``, numpy),
+    for a worker's validation."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        return self.client.lookup(torch.from_numpy(np.ascontiguousarray(keys, np.int64))).numpy()
+
+
+class _PendingMap(NamedTuple):
+    """A batch pulled ahead under `--ids dynamic`: its keys are being mapped on server 0, and the answer's
+    callback sends the pull; ``future.wait()`` -> its `Pulled`."""
+
+    batch: Batch
+    future: Any
+
+
+class _Done:
+    def __init__(self, result):
+        self.result = result
+
+    def wait(self):
+        return self.result
+
+
 def gather_rows(client, ids: torch.Tensor, step: int, device, want_dense: bool = False, pulled=None):
     """Pull the unique rows of ``ids [B, F]``: (unique ids [U], inverse [B, F], rows leaf [U, K], dense).
     ``pulled``: a `Pulled` of the same batch sent earlier, whose rows are used instead."""
@@ -157,13 +195,18 @@ def clip_(grads: list[torch.Tensor], max_norm: float) -> None:
 
 
 @torch.no_grad()
-def predict_batches(model: CTRModel, batches, client, device, seen=None, rows_per_field=None) -> np.ndarray:
-    """Probabilities for each batch (rows from ``client``; unseen rows -> OOV row if ``seen`` given)."""
+def predict_batches(
+    model: CTRModel, batches, client, device, seen=None, rows_per_field=None, idmap=None
+) -> np.ndarray:
+    """Probabilities for each batch (rows from ``client``; unseen rows -> OOV row if ``seen`` given;
+    ``idmap``: `--ids dynamic`'s map, whose read-only lookup turns the batch's keys into rows)."""
     model.eval()
     out = []
     for b in batches:
         b = b.to(device)
         ids = b.ids
+        if idmap is not None:
+            ids = torch.from_numpy(idmap.lookup(ids.cpu().numpy())).to(device)
         if seen is not None:
             ids = torch.where(seen[ids], ids, ids - ids % rows_per_field)
         uniq, inv, rows, _ = gather_rows(client, ids, -1, device)
@@ -203,6 +246,13 @@ class LocalStep:
         self.dense_opt = build_dense(cfg, self.model.dense_parameters())
         self.amp = functools.partial(autocast_for, cfg, device)
         self.t, self.total, self.sched = 0, 1, None
+        self.idmap = None  # `--ids dynamic`: keys -> rows, batch by batch in training order (idmap.py)
+        if getattr(cfg, "ids", "hash") == "dynamic":
+            from .idmap import IdMap
+
+            s = setup.schema
+            self.idmap = IdMap(s.num_fields, s.rows_per_field, cfg.admit_after, cfg.evict, cfg.sketch_width)
+            setup.idmap = self.idmap  # exported with the table
         self._lrs = {"lr": cfg.lr, "sparse_lr": cfg.sparse_lr}
 
     def setup(self, total_steps: int) -> None:
@@ -217,6 +267,8 @@ class LocalStep:
         loss, n = torch.zeros((), device=self.device), 0
         for batch in micro_batches:
             batch = batch.to(self.device)
+            if self.idmap is not None:
+                batch = self.map_ids(batch)
             loss = loss + train_step(
                 self.model,
                 self.client,
@@ -237,6 +289,25 @@ class LocalStep:
     def mean_loss(self, loss_sum: torch.Tensor, steps: int) -> float:
         return float(loss_sum) / max(1, steps)
 
+    def map_ids(self, batch: Batch) -> Batch:
+        """`--ids dynamic`: the batch's keys [B, F] -> rows through the id map (counting, admitting,
+        evicting). An evicted row starts over as a fresh row of a new table: weights redrawn from
+        N(0, init_std) (linear weight 0, as `init_rows`), row-optimiser state reset, ``seen`` cleared, so the
+        id that takes it inherits nothing of the id that held it. The redraw is seeded by (seed, step):
+        a resumed run redraws the same values."""
+        from mariana.platform.ps.rowopt import init_state
+
+        rows, evicted = self.idmap.assign(batch.ids.cpu().numpy())
+        if len(evicted):
+            w = self.model.table.weight.data
+            idx = torch.from_numpy(evicted).to(w.device)
+            fresh = fresh_rows(self.cfg, len(evicted), w.shape[1], self.t)  # as PSWorkerStep's (fresh_rows)
+            w.index_copy_(0, idx, fresh.to(w.device, w.dtype))
+            for k, v in init_state(self.rows_opt.rule, fresh.to(w.device, w.dtype), self.rows_opt).items():
+                self.shard.state[TABLE][k].index_copy_(0, idx, v)
+            self.shard.seen[TABLE][idx] = False
+        return replace(batch, ids=torch.from_numpy(rows).to(batch.ids.device))
+
     def evaluate(self, fn) -> dict[str, float]:
         return fn(self)
 
@@ -247,7 +318,11 @@ class LocalStep:
             "model": self.model.state_dict(),
             "dense_opt": self.dense_opt.state_dict(),
             "scheduler": self.sched.state_dict(),
-            "rows": {"state": dict(self.shard.state[TABLE]), "seen": self.shard.seen[TABLE]},
+            "rows": {
+                "state": dict(self.shard.state[TABLE]),
+                "seen": self.shard.seen[TABLE],
+                **({"idmap": self.idmap.state_dict()} if self.idmap is not None else {}),
+            },
             "t": self.t,
         }
 
@@ -269,12 +344,20 @@ class LocalStep:
         live = self.shard.state[TABLE]
         if sorted(live) != sorted(rows["state"]):
             raise ValueError(f"row optimiser state {sorted(rows['state'])}, expected {sorted(live)}")
+        if ("idmap" in rows) != (self.idmap is not None):
+            raise ValueError(f"id map {'present' if 'idmap' in rows else 'absent'}: the run's --ids differs")
         for k, v in rows["state"].items():
             live[k].copy_(v)
         self.shard.seen[TABLE].copy_(rows["seen"])
+        if self.idmap is not None:
+            self.idmap.load_state_dict(rows["idmap"])
 
     def lrs(self) -> dict[str, float]:
-        return dict(self._lrs)
+        """The learning rates, and with ``--ids dynamic`` the id map's totals (every metrics.jsonl record)."""
+        if self.idmap is None:
+            return dict(self._lrs)
+        c = self.idmap.counters()
+        return {**self._lrs, **{k: v for k, v in c.items() if not isinstance(v, list)}}
 
     def comm_stats(self) -> tuple[float, int]:
         return 0.0, 0
@@ -300,6 +383,13 @@ class PSWorkerStep:
         self.t, self.n, self.loss_sum, self.loss_n = 0, 0, 0.0, 0
         self.pulled_ahead = 0  # steps whose rows were pulled by `PullAheadLoader` (for the counters)
         self.t0 = time.perf_counter()
+        # `--ids dynamic`: server 0 maps each batch's keys to rows (`ParamServer.assign`) before its pull;
+        # the rows it evicted are redrawn here (`fresh_rows`) and reset by their servers within that pull
+        self.dynamic = getattr(cfg, "ids", "hash") == "dynamic"
+        self.width = 1 + (0 if cfg.model == "lr" else cfg.dim)  # the table's row width (Setup.spec)
+        self.ids_evicted = 0  # rows evicted for this worker's batches
+        self.assign_s = 0.0  # seconds waited for server 0's answers (keys -> rows)
+        self._mapping = None  # the answer of the last batch sent ahead to server 0's map
 
     def setup(self, total_steps: int) -> None:
         pass
@@ -308,14 +398,56 @@ class PSWorkerStep:
     def pulls_ahead(self) -> bool:
         return self.cfg.pull_ahead and self.client.can_pull_ahead
 
-    def send_pull(self, batch: Batch, step: int) -> Pulled:
-        return send_pull(self.client, batch, step, want_dense=True)
+    def send_pull(self, batch: Batch, step: int, ahead: bool = True) -> Pulled | _PendingMap:
+        """Start the pull of ``batch`` for ``step``. With `--ids dynamic` its keys are first mapped to rows
+        on server 0 and the evicted rows' fresh weights travel with the pull: ahead (`PullAheadLoader`),
+        the keys are sent at once and the pull when the answer arrives (a `_PendingMap`), after the
+        previous batch's answer, so this worker's batches reach the map in its order; ``ahead=False``:
+        both blocking (honours ``--staleness s > 0``'s clock wait)."""
+        if not self.dynamic:
+            return send_pull(self.client, batch, step, want_dense=True)
+        keys = batch.ids.cpu().contiguous()
+        if not ahead:
+            t0 = time.perf_counter()
+            rows, evicted = self.client.assign(keys, step)
+            self.assign_s += time.perf_counter() - t0
+            return self._pull_mapped(batch, step, rows, evicted, ahead=False)
+        if self._mapping is not None:
+            t0 = time.perf_counter()
+            self._mapping.wait()
+            self.assign_s += time.perf_counter() - t0
+        self._mapping = self.client.assign_async(keys, step)
+        return _PendingMap(batch, self._mapping.then(lambda f: self._pull_mapped(batch, step, *f.wait())))
+
+    def wait_mapped(self) -> None:
+        """Wait for server 0's answer to the batch sent ahead (`--ids dynamic`), so that a checkpoint
+        taken now always holds it (the replay after a restart then takes the saved answer)."""
+        if self._mapping is not None:
+            self._mapping.wait()
+
+    def _pull_mapped(self, batch: Batch, step: int, rows, evicted, ahead: bool = True) -> Pulled:
+        """The pull of ``batch`` whose keys server 0 mapped to ``rows`` [B, F], evicting ``evicted`` [E]."""
+        self.ids_evicted += len(evicted)
+        resets = None
+        if len(evicted):
+            resets = {TABLE: (evicted, fresh_rows(self.cfg, len(evicted), self.width, step, self.role.index))}
+        batch = replace(batch, ids=rows)
+        uniq, inv = torch.unique(rows, return_inverse=True)
+        if ahead:
+            return Pulled(batch, uniq, inv, self.client.pull_async({TABLE: uniq}, step, True, resets))
+        return Pulled(batch, uniq, inv, _Done(self.client.pull({TABLE: uniq}, step, True, resets)))
 
     def train_step(self, micro_batches: list[Batch | Pulled]) -> tuple[torch.Tensor, int]:
         (item,) = micro_batches
+        self.pulled_ahead += isinstance(item, (Pulled, _PendingMap))
+        if isinstance(item, _PendingMap):  # `--ids dynamic` ahead: the pull goes out with the map's answer
+            t0 = time.perf_counter()
+            item = item.future.wait()
+            self.assign_s += time.perf_counter() - t0
         pulled = item if isinstance(item, Pulled) else None
-        batch = item.batch if pulled is not None else item
-        self.pulled_ahead += pulled is not None
+        if pulled is None and self.dynamic:  # keys -> rows on server 0, then the pull
+            pulled = self.send_pull(item, self.t, ahead=False)
+        batch = pulled.batch if pulled is not None else item
         loss = train_step(
             self.model,
             self.client,
@@ -344,6 +476,7 @@ class PSWorkerStep:
                     "pull_s": self.client.pull_s,
                     "push_wait_s": self.client.push_wait_s,
                     "pulled_ahead": self.pulled_ahead,
+                    **({"ids_evicted": self.ids_evicted, "assign_s": self.assign_s} if self.dynamic else {}),
                     "attempt": self.role.attempt,
                 },
             )
@@ -418,6 +551,7 @@ class ServerCheckpointer:
     def save(self, step: PSWorkerStep, progress: dict[str, Any]) -> None:
         n = progress["step"]
         if self.worker == 0 and n < self.total:
+            step.wait_mapped()
             self.client.checkpoint(n)
 
     def load(self, step: PSWorkerStep) -> dict[str, Any] | None:

@@ -41,6 +41,7 @@ from .data import (
     split_bounds,
 )
 from .model import CTRModel
+from .sources import resolve_sources
 from .step import TABLE, LocalStep, PullAheadLoader, predict_batches
 
 log = logging.getLogger("mariana")
@@ -145,9 +146,20 @@ class Setup:
     def __init__(self, cfg: PctrConfig):
         self.cfg = cfg
         self.schema = infer_schema(cfg.data, cfg.format, cfg.rows_per_field, cfg.num_fields)
+        self.schema.ids = getattr(cfg, "ids", "hash")  # "dynamic": the encoder emits keys (idmap.py)
+        self.idmap = None  # `--ids dynamic`: the trainer's `idmap.IdMap` (set by LocalStep; exported)
         self.encoder = Encoder(self.schema)
-        self.lines = count_lines(cfg.data)
+        # --data: a file, a comma-separated list or a folder of partitions, read as one sequence of lines
+        self.sources = resolve_sources(cfg.data)
+        self.lines = count_lines(self.sources)
         self.bounds = split_bounds(self.lines, parse_split(cfg.split))
+        # `--image-features`: images.ImageFeatures; adds to schema.num_dense (and num_fields with
+        # --image-cross), so before the table's spec
+        self.image = None
+        if getattr(cfg, "image_features", ""):
+            from .images import setup_image_features
+
+            self.image = setup_image_features(cfg, self.schema, self.encoder, self.bounds["train"])
         self.spec = TableSpec(
             TABLE, self.schema.num_rows, 1 + (0 if cfg.model == "lr" else cfg.dim), cfg.init_std
         )
@@ -169,7 +181,7 @@ class Setup:
         if self.cfg.val_rows:
             b = min(b, a + self.cfg.val_rows)
         self.val_stats = ReadStats()
-        val = load_split(self.cfg.data, self.encoder, a, b, stats=self.val_stats)
+        val = load_split(self.sources, self.encoder, a, b, stats=self.val_stats)
         bs = 8192
         batches = [val.slice(i, i + bs).to(device) for i in range(0, len(val), bs)]
         return batches, val.labels.numpy()
@@ -193,6 +205,7 @@ class Setup:
                 "dropout": self.cfg.dropout,
             },
             "config": cfg,
+            **({"image": self.image.meta()} if self.image is not None else {}),
             **(extra or {}),
         }
 
@@ -201,6 +214,10 @@ def export(run: RunDir, setup: Setup, model: CTRModel, table: torch.Tensor, seen
     sd = {k: v for k, v in model.state_dict().items() if k != "table.weight"}
     sd["table.weight"] = table
     sd["seen"] = seen.to(torch.uint8)
+    if getattr(setup, "idmap", None) is not None:  # `--ids dynamic`: the key held by each row, -1 none
+        sd["idmap.row_key"] = torch.from_numpy(setup.idmap.row_key.copy())
+    if setup.image is not None:  # the CNN and projection: serving computes the same features
+        sd.update(setup.image.state())
     meta = setup.meta(extra)
     export_model(
         run.path,
@@ -221,6 +238,12 @@ def warm_start(step, setup: Setup, cfg: PctrConfig) -> None:
 
     state, meta = load_init(cfg.init_from, "pctr")
     table, seen = state.pop("table.weight", None), state.pop("seen", None)
+    row_key = state.pop("idmap.row_key", None)
+    if (row_key is not None) != (getattr(step, "idmap", None) is not None):
+        raise MarianaError(
+            f"--init-from {cfg.init_from}: it was trained with --ids {'dynamic' if row_key is not None else 'hash'}"
+            f", this run has --ids {cfg.ids}; rows mean different ids: use the same --ids"
+        )
     live = step.model.table.weight.data
     if table is None or seen is None:
         raise MarianaError(f"--init-from {cfg.init_from}: the model lacks its embedding table")
@@ -237,13 +260,22 @@ def warm_start(step, setup: Setup, cfg: PctrConfig) -> None:
         ) from None
     live.copy_(table)
     step.shard.seen[TABLE].copy_(seen.bool())
+    if row_key is not None:  # the rows' ids (counts restart; --init-row-state below takes them too)
+        try:
+            step.idmap.load_rows(row_key.numpy())
+        except ValueError as e:
+            raise MarianaError(f"--init-from {cfg.init_from}: {e}") from None
+    if getattr(cfg, "init_train_state", False):
+        at = continue_training_state(step, cfg)
+        log.info(
+            "warm start from %s: its whole training state at step %d (weights, row and dense optimiser state; "
+            "--init-train-state)",
+            cfg.init_from,
+            at,
+        )
+        return
     if cfg.init_row_state:
-        src = Path(cfg.init_from)
-        src = src.parent if src.is_file() else src
-        latest = src / "checkpoints" / "latest"
-        if not latest.is_file():
-            raise MarianaError(f"--init-row-state: {src} has no one-process checkpoint to take it from")
-        ck = torch.load(src / "checkpoints" / latest.read_text().strip() / "state.pt", weights_only=True)
+        ck, src = _latest_checkpoint(cfg.init_from, "--init-row-state")
         try:
             step.load_row_state(ck["rows"])
         except (KeyError, ValueError, RuntimeError) as e:
@@ -251,11 +283,68 @@ def warm_start(step, setup: Setup, cfg: PctrConfig) -> None:
     log.info("warm start from %s (%s)", cfg.init_from, meta.get("version", "?"))
 
 
+def _latest_checkpoint(init_from: str, flag: str) -> tuple[dict, Path]:
+    """(state.pt of the latest one-process checkpoint of the run ``init_from`` names (its folder or a file
+    in it), that run's folder); MarianaError naming ``flag`` when there is none."""
+    src = Path(init_from)
+    src = src.parent if src.is_file() else src
+    latest = src / "checkpoints" / "latest"
+    if not latest.is_file():
+        raise MarianaError(f"{flag}: {src} has no one-process checkpoint to take it from")
+    folder = src / "checkpoints" / latest.read_text().strip()
+    try:
+        ck = torch.load(folder / "state.pt", map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError) as e:
+        raise MarianaError(f"{flag}: checkpoint {folder} cannot be read: {e}") from None
+    if "rows" not in ck or "dense_opt" not in ck:
+        raise MarianaError(f"{flag}: {folder} is not a one-process pctr checkpoint")
+    return ck, src
+
+
+def continue_training_state(step, cfg: PctrConfig) -> int:
+    """``--init-from RUN --init-train-state``: load RUN's latest one-process checkpoint into ``step`` (a
+    `LocalStep`): model and table, ``seen`` flags (and the id map), the row-optimiser state (Adagrad
+    accumulators / FTRL z, n) and the dense optimiser's state (Adam moments and step count), so training
+    goes on as if RUN had continued on this run's data. The hyper-parameters (learning rates, betas, ...)
+    stay this run's; the learning-rate schedule and step counter start over. Returns the checkpoint's step.
+
+    The weights come from the checkpoint, not from RUN's export: the two differ when RUN exported an
+    earlier, better-validated step, and optimiser state only fits the weights it was accumulated with."""
+    ck, src = _latest_checkpoint(cfg.init_from, "--init-train-state")
+    opt = step.dense_opt
+    mine = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    try:
+        saved = [set(g) - {"params", "initial_lr"} for g in ck["dense_opt"]["param_groups"]]
+        if saved != [set(g) for g in mine]:  # another optimiser class: its state would be silently unused
+            raise ValueError(
+                f"the dense optimiser differs (its settings are {sorted(saved[0]) if saved else []})"
+            )
+        step.model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["dense_opt"])
+        step.load_row_state(ck["rows"])
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise MarianaError(
+            f"--init-train-state: {src}'s checkpoint does not fit this model ({str(e).splitlines()[0]}); "
+            "use the same --model, --rows-per-field, --dim, --hidden, --optimizer and --sparse-optimizer"
+        ) from None
+    for g, keep in zip(opt.param_groups, mine):  # this run's settings, not the saved ones
+        g.pop("initial_lr", None)  # a scheduler of the source run left it; ours sets it from lr
+        g.update(keep)
+    return int(ck.get("step", ck.get("t", 0)))
+
+
 def make_trainer(cfg, step, data: WorkerData, ctx, run, validate, exporter, total: int, checkpointer=None):
     """The platform `Trainer` over this process's batches; ``validate`` is None without validation rows."""
     from mariana.platform.core.evaluator import evaluator_from
     from mariana.platform.core.loop import Trainer
 
+    if validate is None and cfg.early_stop:
+        # No validation rows (e.g. --split 1,0,0, a day of logs trained on in full): nothing to stop early
+        # on, so the run makes its --epochs passes and exports the final model.
+        import dataclasses
+
+        log.info("no validation rows: no early stopping; the final model is exported")
+        cfg = dataclasses.replace(cfg, early_stop=0)
     loader = PctrLoader(data, cfg.prefetch)
     if getattr(step, "pulls_ahead", False):
         loader = PullAheadLoader(loader, step)
@@ -292,7 +381,7 @@ def train_local(cfg: PctrConfig, setup: Setup | None = None) -> dict:
         warm_start(step, st, cfg)
     a, b = st.bounds["train"]
     data = WorkerData(
-        cfg.data, st.encoder, a, b, cfg.batch_size, seed=cfg.seed, shuffle=cfg.shuffle, cache_device=device
+        st.sources, st.encoder, a, b, cfg.batch_size, seed=cfg.seed, shuffle=cfg.shuffle, cache_device=device
     )
     val, val_labels = st.val_batches(device)
     total = st.total_steps(data.steps_per_epoch)
@@ -308,7 +397,7 @@ def train_local(cfg: PctrConfig, setup: Setup | None = None) -> dict:
     )
 
     def validate(s: LocalStep) -> dict[str, float]:
-        return auc_logloss(val_labels, predict_batches(s.model, val, s.client, device))
+        return auc_logloss(val_labels, predict_batches(s.model, val, s.client, device, idmap=s.idmap))
 
     validate = validate if len(val_labels) else None
 
@@ -331,7 +420,9 @@ def train_local(cfg: PctrConfig, setup: Setup | None = None) -> dict:
             "skipped_lines": data.stats.skipped + st.val_stats.skipped,
             "skipped_examples": {str(k): v for k, v in sorted(skipped.items())[:10]},
             "mode": "single-process",
+            **({"ids": step.idmap.counters()} if step.idmap is not None else {}),
             "device": str(device),
+            **({"image_features": dict(st.image.counts)} if st.image is not None else {}),
         }
     )
     run.write_final(final)

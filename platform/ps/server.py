@@ -11,6 +11,14 @@ Consistency modes (``staleness``):
 - ``s > 0``: bounded staleness (SSP). Pushes apply at once, but a worker may start step t only after every
   unfinished worker completed step t-s-1 (server 0 keeps the clocks).
 
+Key maps (optional, server 0): ``ParamServer.keymap``, an object with ``assign(keys) -> (rows, evicted
+rows)``, ``lookup(keys) -> rows``, ``state_dict``/``load_state_dict``, ``counters()`` and ``row_key``
+(e.g. pCTR's dynamic id map, ``--ids dynamic``), turns a worker's batch of keys into table rows before its
+pull (`assign`). A pull may carry resets of rows (a row the map handed to a new key starts over: given
+weights, fresh optimiser state, not ``seen``), applied after the staleness wait and before the rows are
+read. The map and the last few assignments of each worker go into server 0's checkpoint, so a worker that
+replays a step after a restore gets the same rows back without counting its batch twice.
+
 RPC handlers below are module-level functions (TensorPipe pickles references to them); they act on the
 process-global server object ``_PS``.
 """
@@ -60,12 +68,19 @@ class ParamServer:
         self.done: set[int] = set()
         self.ckpt_lock = threading.Lock()
         self.counters = {"pulls": 0, "pushes": 0, "rows_pulled": 0, "rows_pushed": 0, "stale_skips": 0}
+        self.keymap = None  # optional key -> row map (see the module docstring); set before `install`
+        self.keymap_lock = threading.Lock()
+        self.assigned: dict[int, dict[int, tuple]] = {}  # worker -> step -> (rows, evicted), the last few
 
     # ----------------------------------------------------------------- pull / push
-    def pull(self, reqs: list[tuple[str, torch.Tensor]], want_dense: bool, step: int):
+    def pull(self, reqs: list[tuple[str, torch.Tensor]], want_dense: bool, step: int, resets=None):
+        """``reqs``: (table, local rows [U]); ``resets``: (table, local rows [E], weights [E, K]) to start
+        over before reading (a key map's evicted rows)."""
         if self.staleness == 0 and step >= 0:
             with self.cond:
                 self.cond.wait_for(lambda: self.applied >= step - 1 or self.stop.is_set())
+        for name, r, w in resets or ():
+            self.shard.reset(name, r, w)
         rows = [self.shard.pull(name, r) for name, r in reqs]
         self.counters["pulls"] += 1
         self.counters["rows_pulled"] += sum(r.numel() for _, r in reqs)
@@ -121,6 +136,52 @@ class ParamServer:
             for w, _, _ in bucket:
                 self.dense.last_step[w] = step
 
+    # ----------------------------------------------------------------- key map (server 0)
+    def assign(self, keys: torch.Tensor, worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keymap.assign`` of worker ``worker``'s batch of ``step``: (rows [B, F], evicted rows [E]).
+        Maps are applied in arrival order under one lock; a step this worker was already answered (a
+        replay after a restore: the map is one or two steps ahead of the restored shards when pulls were
+        sent ahead) gets the same answer again, counted once."""
+        import numpy as np
+
+        with self.keymap_lock:
+            mine = self.assigned.setdefault(worker, {})
+            if step >= 0 and step in mine:
+                return mine[step]
+            rows, evicted = self.keymap.assign(keys.numpy())
+            out = (
+                torch.from_numpy(np.ascontiguousarray(rows)),
+                torch.from_numpy(np.asarray(evicted, np.int64)),
+            )
+            if step >= 0:
+                mine[step] = out
+                for s in [s for s in mine if s < step - 4]:
+                    del mine[s]
+            return out
+
+    def lookup(self, keys: torch.Tensor) -> torch.Tensor:
+        """Read-only ``keymap.lookup``: keys [n, F] -> rows [n, F] (validation)."""
+        with self.keymap_lock:
+            return torch.from_numpy(self.keymap.lookup(keys.numpy()))
+
+    def keymap_state(self) -> dict:
+        """The map's ``row_key`` [rows] (the key held by each table row, -1 none) and ``counters()``."""
+        with self.keymap_lock:
+            return {
+                "row_key": torch.from_numpy(self.keymap.row_key.copy()),
+                "counters": self.keymap.counters(),
+            }
+
+    def _keymap_sd(self) -> dict:
+        with self.keymap_lock:
+            return {
+                "map": self.keymap.state_dict(),
+                "assigned": {
+                    str(w): {str(s): (r.clone(), e.clone()) for s, (r, e) in d.items()}
+                    for w, d in self.assigned.items()
+                },
+            }
+
     # ----------------------------------------------------------------- clocks (server 0)
     def clock(self, worker: int, step: int) -> None:
         with self.cond:
@@ -158,6 +219,8 @@ class ParamServer:
         sd = {"shard": self.shard.state_dict(copy), "applied": self.applied}
         if self.dense is not None:
             sd["dense"] = self.dense.state_dict()
+        if self.keymap is not None:
+            sd["keymap"] = self._keymap_sd()
         return sd
 
     def save_shard(self, folder: str, step: int = -1) -> str:
@@ -188,6 +251,17 @@ class ParamServer:
         if self.dense is not None and "dense" in sd:
             self.dense.load_state_dict(sd["dense"])
         self.applied = int(sd.get("applied", -1))
+        if self.keymap is not None:
+            if "keymap" not in sd:
+                raise ValueError(
+                    f"checkpoint {name} of server {self.index} holds no key map (another --ids?)"
+                )
+            with self.keymap_lock:
+                self.keymap.load_state_dict(sd["keymap"]["map"])
+                self.assigned = {
+                    int(w): {int(s): tuple(v) for s, v in d.items()}
+                    for w, d in sd["keymap"]["assigned"].items()
+                }
         return int(name.split("_")[-1])
 
     def checkpoint(self, step: int) -> str:
@@ -224,7 +298,10 @@ class ParamServer:
         """The shard's weights (not its optimiser state), uncopied: called once every worker is done."""
         out = {n: (self.shard.weight[n].cpu(), self.shard.seen[n].cpu()) for n in self.shard.specs}
         dense = self.dense.pull() if self.dense is not None else None
-        return {"tables": out, "dense": dense, "counters": dict(self.counters)}
+        counters = dict(self.counters)
+        if self.keymap is not None:
+            counters.update(self.keymap_state()["counters"])
+        return {"tables": out, "dense": dense, "counters": counters}
 
     def serve(self, poll_s: float = 0.2) -> None:
         while not self.stop.wait(poll_s):
@@ -232,8 +309,20 @@ class ParamServer:
 
 
 # --------------------------------------------------------------------- RPC entry points (run on a server)
-def _pull(reqs, want_dense, step):
-    return _PS.pull(reqs, want_dense, step)
+def _pull(reqs, want_dense, step, resets=None):
+    return _PS.pull(reqs, want_dense, step, resets)
+
+
+def _assign(keys, worker, step):
+    return _PS.assign(keys, worker, step)
+
+
+def _lookup(keys):
+    return _PS.lookup(keys)
+
+
+def _keymap_state():
+    return _PS.keymap_state()
 
 
 def _push(grads, dense_grad, worker, step):

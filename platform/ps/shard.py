@@ -134,6 +134,19 @@ class EmbeddingShard:
             self.rows_pushed += rows.numel()
         return True
 
+    def reset(self, name: str, rows: torch.Tensor, weight: torch.Tensor) -> None:
+        """Start local ``rows`` [E] over as new rows: weights ``weight`` [E, K], fresh optimiser state,
+        not ``seen`` (a key map handed them to new keys)."""
+        if rows.numel() == 0:
+            return
+        dev = self.weight[name].device
+        rows, weight = rows.to(dev), weight.to(dev, self.weight[name].dtype)
+        with self.locks[name]:
+            self.weight[name].index_copy_(0, rows, weight)
+            for k, v in init_state(self.opt.rule, weight, self.opt).items():
+                self.state[name][k].index_copy_(0, rows, v)
+            self.seen[name][rows] = False
+
     def worker_step(self, worker: int) -> int:
         """Last step of ``worker`` applied on every table of this shard (-1: none)."""
         return min((self.last_step.get((n, worker), -1) for n in self.specs), default=-1)

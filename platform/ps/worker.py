@@ -14,10 +14,13 @@ import time
 import torch
 
 from .server import (
+    _assign,
     _checkpoint,
     _clock,
     _dump,
     _finish,
+    _keymap_state,
+    _lookup,
     _pull,
     _push,
     _resume_step,
@@ -91,13 +94,14 @@ class PSClient:
         futs = [rpc.rpc_async(server_name(s), _resume_step, args=(self.worker,)) for s in range(self.S)]
         return min(f.wait() for f in futs) + 1
 
-    def pull(self, reqs: dict[str, torch.Tensor], step: int = -1, want_dense: bool = False):
-        """``reqs``: table -> global unique rows [U]. Returns (table -> rows [U, K], dense flat [P] or None)."""
+    def pull(self, reqs: dict[str, torch.Tensor], step: int = -1, want_dense: bool = False, resets=None):
+        """``reqs``: table -> global unique rows [U]. Returns (table -> rows [U, K], dense flat [P] or None).
+        ``resets``: as `pull_async`'s."""
         if self.staleness > 0 and step >= 0:
             t0 = time.perf_counter()
             self._rpc().rpc_sync(server_name(0), _wait_clock, args=(step, self.staleness))
             self.pull_s += time.perf_counter() - t0
-        return self.pull_async(reqs, step, want_dense).wait()
+        return self.pull_async(reqs, step, want_dense, resets).wait()
 
     @property
     def can_pull_ahead(self) -> bool:
@@ -106,19 +110,43 @@ class PSClient:
         return self.staleness <= 0
 
     def pull_async(
-        self, reqs: dict[str, torch.Tensor], step: int = -1, want_dense: bool = False
+        self, reqs: dict[str, torch.Tensor], step: int = -1, want_dense: bool = False, resets=None
     ) -> PendingPull:
         """Send `pull`'s requests (one RPC per server) and return at once; the result's ``wait()`` gives
         what `pull` returns. Under ``staleness 0`` a server answers a pull for ``step`` only once it applied
         every worker's ``step - 1``, so a pull sent before this worker pushed ``step - 1`` returns the same
-        rows as one sent after."""
+        rows as one sent after. ``resets``: table -> (global rows [E], weights [E, K]) that the servers
+        start over (fresh optimiser state, not seen) before reading, after that wait."""
         rpc = self._rpc()
         parts = {n: split_by_shard(r, self.S) for n, r in reqs.items()}
+        rparts = {n: (split_by_shard(r, self.S), w) for n, (r, w) in (resets or {}).items()}
         futs = []
         for s in range(self.S):
             sreq = [(n, parts[n][s][1]) for n in reqs]
-            futs.append(rpc.rpc_async(server_name(s), _pull, args=(sreq, want_dense, step)))
+            args = (sreq, want_dense, step)
+            if rparts:
+                args += ([(n, sp[s][1], w.index_select(0, sp[s][0])) for n, (sp, w) in rparts.items()],)
+            futs.append(rpc.rpc_async(server_name(s), _pull, args=args))
         return PendingPull(self, reqs, parts, futs)
+
+    # ----------------------------------------------------------------- key map (on server 0)
+    def assign(self, keys: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Server 0's key map for this worker's batch of ``step``: keys [B, F] -> (rows [B, F], evicted
+        global rows [E]); a blocking round trip, so one worker's batches are mapped in its order."""
+        return self._rpc().rpc_sync(server_name(0), _assign, args=(keys, self.worker, step))
+
+    def assign_async(self, keys: torch.Tensor, step: int):
+        """`assign` sent at once: a future of its answer (send a worker's next batch only once the
+        previous answer arrived, so that its batches reach the map in order)."""
+        return self._rpc().rpc_async(server_name(0), _assign, args=(keys, self.worker, step))
+
+    def lookup(self, keys: torch.Tensor) -> torch.Tensor:
+        """Read-only lookup in server 0's key map: keys [n, F] -> rows [n, F]."""
+        return self._rpc().rpc_sync(server_name(0), _lookup, args=(keys,))
+
+    def keymap_state(self) -> dict:
+        """Server 0's key map: ``row_key`` [rows] int64 and ``counters``."""
+        return self._rpc().rpc_sync(server_name(0), _keymap_state, timeout=0)
 
     def push(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]], dense_grad=None, step: int = -1):
         """Send the sparse gradients (table -> (global unique rows [U], grad [U, K])) and the dense one.

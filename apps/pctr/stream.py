@@ -1,0 +1,663 @@
+"""``mariana pctr stream``: follow a folder of click logs, train on each new file once, export on schedule.
+
+What counts as a file (`scan`): in ``--data DIR``,
+
+- a regular file whose name neither starts with ``.`` or ``_`` nor ends in ``.tmp``/``.part`` (writers
+  write under such a temporary name and rename the file into place when it is complete; a file still being
+  written under its final name is not detected: rename into place);
+- a partition subfolder (same name rules) once it holds a ``_SUCCESS`` marker: its regular files (same name
+  rules, not recursive) in name order form one unit.
+
+Arrival order: by modification time (nanoseconds; of the file, or of the partition's ``_SUCCESS``), then by
+name. A file's *landing* time is the later of its modification and status-change times (a rename sets the
+status-change time, so a copied-then-renamed file lands when it is renamed).
+
+Per file, in one process (`LocalStep`, the table and the dense and row optimiser state stay in memory across
+files): the file is parsed once (`load_split`, the training reader) into memory; scored by the current model
+before it trains on it (progressive, next-file validation: AUC and logloss, unseen ids scored with the OOV
+row as serving does); trained on for one pass in file order (every row once, the last batch may be short) by
+the one platform `Trainer` with the same step object as ``pctr train``; exported when ``--export-every`` is
+due (the normal pCTR export, `train.export`); then checkpointed (atomically, with the consumed-file ledger).
+A file that disappears before it is read is not consumed; a consumed file that changes later is not read
+again (a warning, counted in ``changed_after_consume``).
+
+Restart: ``--resume`` continues from RUN's last checkpoint (model, row and dense optimiser state, RNG state,
+ledger): files in the ledger are never read again, the others are trained on in order. Without ``--resume``,
+a RUN that already holds a checkpoint is refused. A file whose training was interrupted (kill -9) is not in
+the ledger of the last checkpoint and is trained on again from the state before it, so the result equals an
+uninterrupted stream.
+
+Stop: runs until Ctrl-C / SIGTERM (the file in progress is finished, exported when due and checkpointed; a
+second Ctrl-C exits at once, the last checkpoint is the one before that file), ``--max-files N`` (N files
+consumed by the run in total) or ``--idle-exit S`` (no new file for S seconds). On a normal stop a model not
+yet exported is exported.
+
+Outputs in RUN (besides config.toml, checkpoints/, logs/, model.safetensors + model.json):
+``metrics.jsonl`` (the Trainer's train records with the run's global step, plus one ``{"file": ...}``
+record per file), ``counters/worker-0.jsonl`` (one record per file: files, rows, skipped lines, progressive
+AUC/logloss, lags, backlog), ``metrics.json`` (the stream's totals, rewritten after each file).
+
+Parameter servers (``--servers S --workers W``): `stream_ps.py` (worker 0 runs this stream's folder,
+ledger and counter logic with the model on the servers).
+
+Only the standard library is imported at module level (``mariana --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from mariana.platform.core.config import opt
+from mariana.platform.core.errors import MarianaError
+
+from .configs import PRESETS, PctrConfig
+from .sources import ignored
+
+log = logging.getLogger("mariana")
+
+# PctrConfig fields a stream has no use for, with why: hidden from `--help` and refused when set.
+NOT_IN_STREAM = {
+    "split": "every row of a file is trained on; the next file is the validation (progressive AUC)",
+    "epochs": "each file is trained on exactly once",
+    "max_steps": "a stream stops by --max-files or --idle-exit",
+    "eval_every": "every file is scored before it is trained on",
+    "early_stop": "a stream does not stop on a metric",
+    "monitor": "a stream does not pick a best model: the latest one is exported",
+    "val_rows": "the whole next file is scored",
+    "shuffle": "files are trained on in arrival order, rows in file order",
+    "ckpt_every": "a checkpoint is written after every file (with the consumed-file ledger)",
+    "schedule": "a stream has no end to decay towards: the learning rates are constant",
+    "warmup_steps": "a stream has no end to decay towards: the learning rates are constant",
+}
+
+
+def _hidden(default, why: str):
+    return opt(default, why, cli=False)
+
+
+@dataclass
+class StreamConfig(PctrConfig):
+    """`PctrConfig` (the model, optimiser and data-format flags of ``pctr train``) plus the stream's own."""
+
+    RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = PctrConfig.RESUME_MAY_CHANGE | {
+        "export_every",
+        "max_files",
+        "idle_exit",
+        "poll",
+    }
+
+    data: str = opt(
+        "",
+        "folder to follow: complete files (renamed into place; names starting with . or _ or ending in "
+        ".tmp/.part are ignored) and partition subfolders holding a _SUCCESS marker",
+        path=True,
+    )
+    export_every: str = opt(
+        "1",
+        "export a new model version every N files (e.g. 1) or every S seconds (e.g. 30s) when the model "
+        "changed; at the end too",
+    )
+    servers: int = opt(
+        0,
+        "parameter-server processes; 0 streams in this one process; >= 1: S servers + --workers W "
+        "processes (stream_ps.py)",
+    )
+    max_files: int = opt(0, "stop once the run has consumed this many files in total (0: never)")
+    idle_exit: float = opt(0.0, "stop after this many seconds without a new file (0: never)")
+    poll: float = opt(1.0, "seconds between scans of --data for new files")
+    split: str = _hidden("0.8,0.1,0.1", NOT_IN_STREAM["split"])
+    epochs: int = _hidden(30, NOT_IN_STREAM["epochs"])
+    max_steps: int = _hidden(0, NOT_IN_STREAM["max_steps"])
+    eval_every: int = _hidden(-1, NOT_IN_STREAM["eval_every"])
+    early_stop: int = _hidden(2, NOT_IN_STREAM["early_stop"])
+    monitor: str = _hidden("", NOT_IN_STREAM["monitor"])
+    val_rows: int = _hidden(0, NOT_IN_STREAM["val_rows"])
+    shuffle: bool = _hidden(True, NOT_IN_STREAM["shuffle"])
+    ckpt_every: int = _hidden(0, NOT_IN_STREAM["ckpt_every"])
+    schedule: str = _hidden("constant", NOT_IN_STREAM["schedule"])
+    warmup_steps: int = _hidden(0, NOT_IN_STREAM["warmup_steps"])
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.name in NOT_IN_STREAM and getattr(self, f.name) != f.default:
+                raise MarianaError(
+                    f"{f.name} = {getattr(self, f.name)!r}: not used by `pctr stream` ({NOT_IN_STREAM[f.name]})"
+                )
+        super().validate()
+        parse_export_every(self.export_every)
+        if self.max_files < 0:
+            raise MarianaError(f"--max-files must be >= 0, got {self.max_files}")
+        if not (math.isfinite(self.idle_exit) and self.idle_exit >= 0):
+            raise MarianaError(f"--idle-exit must be seconds >= 0, got {self.idle_exit}")
+        if not (math.isfinite(self.poll) and self.poll > 0):
+            raise MarianaError(f"--poll must be seconds > 0, got {self.poll}")
+        if getattr(self, "image_features", ""):
+            raise MarianaError("--image-features is not supported by `pctr stream` yet; use `pctr train`")
+        if self.servers > 0:
+            from .stream_ps import check_ps_stream
+
+            check_ps_stream(self)
+
+
+def _stream_preset(p: PctrConfig) -> StreamConfig:
+    """A `pctr train` preset as a stream preset: its model and optimiser values, the stream's defaults for
+    the fields a stream does not use."""
+    values = {
+        f.name: getattr(p, f.name) for f in dataclasses.fields(PctrConfig) if f.name not in NOT_IN_STREAM
+    }
+    values.pop("data", None)
+    return StreamConfig(**values)
+
+
+STREAM_PRESETS = {name: _stream_preset(p) for name, p in PRESETS.items()}
+
+
+def parse_export_every(text: str) -> tuple[str, float]:
+    """``"3"`` -> ("files", 3); ``"30s"`` -> ("seconds", 30.0). MarianaError for anything else."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s?)\s*", str(text))
+    if m and m.group(2) == "s" and float(m.group(1)) >= 0:
+        return "seconds", float(m.group(1))
+    if m and not m.group(2) and "." not in m.group(1) and int(m.group(1)) >= 1:
+        return "files", float(int(m.group(1)))
+    raise MarianaError(
+        f"--export-every must be a number of files >= 1 (e.g. 1) or seconds (e.g. 30s), got {text!r}"
+    )
+
+
+# --------------------------------------------------------------------------- the folder
+@dataclass
+class LogFile:
+    """One complete unit of the stream. ``name``: path relative to the folder (a partition ends in ``/``);
+    ``paths``: its data files in reading order; ``size``: bytes; ``mtime_ns``: the order key (the file's, or
+    the partition's ``_SUCCESS``'s); ``landed``: seconds since the epoch it became complete."""
+
+    name: str
+    paths: list[Path]
+    size: int
+    mtime_ns: int
+    landed: float
+
+
+def scan(folder: Path) -> list[LogFile]:
+    """The complete units in ``folder`` in arrival order (modification time, then name)."""
+    out = []
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        raise MarianaError(f"--data {folder}: the folder disappeared") from None
+    for e in entries:
+        if ignored(e.name):
+            continue
+        try:
+            if e.is_file():
+                s = e.stat()
+                out.append(
+                    LogFile(e.name, [Path(e.path)], s.st_size, s.st_mtime_ns, max(s.st_mtime, s.st_ctime))
+                )
+            elif e.is_dir():
+                marker = Path(e.path) / "_SUCCESS"
+                if not marker.is_file():
+                    continue  # partition still being written
+                m = marker.stat()
+                parts = sorted(
+                    (p for p in Path(e.path).iterdir() if p.is_file() and not ignored(p.name)),
+                    key=lambda p: p.name,
+                )
+                size = sum(p.stat().st_size for p in parts)
+                out.append(LogFile(e.name + "/", parts, size, m.st_mtime_ns, max(m.st_mtime, m.st_ctime)))
+        except FileNotFoundError:
+            continue  # renamed or removed while scanning: seen on the next scan, or never
+    out.sort(key=lambda f: (f.mtime_ns, f.name))
+    return out
+
+
+# --------------------------------------------------------------------------- training pieces
+class MemoryLoader:
+    """`BatchLoader` over one file's rows in memory: one pass in file order, batches of ``batch_size``
+    (the last one may be short: every row is trained on once)."""
+
+    def __init__(self, rows, batch_size: int):
+        self.rows, self.bs = rows, batch_size
+        self.batches_per_epoch = max(1, -(-len(rows) // batch_size))
+
+    def iterate(self, epoch: int, start: int = 0):
+        for k in range(start, self.batches_per_epoch):
+            yield self.rows.slice(k * self.bs, (k + 1) * self.bs)
+
+
+class _NoCheckpoint:
+    """The per-file `Trainer` writes no checkpoint: the stream writes one after the file, with its ledger."""
+
+    def save(self, step, progress) -> None:
+        pass
+
+
+def _stream_setup(cfg: StreamConfig, first: LogFile | None):
+    """`train.Setup` for a stream: built by its own constructor on a probe file (the first file for libFM
+    without --num-fields, else an empty file: a stream has no line counts or splits), then pointed at the
+    stream's config."""
+    import tempfile
+
+    from .train import Setup
+
+    with tempfile.TemporaryDirectory(prefix="mariana-stream-") as tmp:
+        probe = Path(tmp) / "empty.txt"
+        probe.touch()
+        if first is not None and first.paths:
+            probe = first.paths[0]
+        st = Setup(dataclasses.replace(cfg, data=str(probe)))
+    st.cfg = cfg
+    return st
+
+
+class Streamer:
+    """The state of one stream: the step (model, table, optimisers), the ledger, counters. ``run_forever``
+    is the loop; the pieces are methods so that tests and benchmarks can drive them."""
+
+    def __init__(self, cfg: StreamConfig, stop: threading.Event | None = None):
+        import torch
+        from mariana.platform.core.rundir import RunDir, setup_logging
+        from mariana.platform.dp.dist import DistContext, resolve_device
+        from mariana.platform.ps.memory import keep_freed_memory
+
+        from .step import LocalStep
+
+        self.cfg, self.folder = cfg, Path(cfg.data)
+        self.run = RunDir(cfg.out)
+        setup_logging(self.run)
+        self.stop = stop or threading.Event()  # set: finish the file in progress, then stop
+        self.export_kind, self.export_n = parse_export_every(cfg.export_every)
+        first = None
+        if cfg.format == "libfm" and cfg.num_fields <= 0 and not (cfg.resume and self.run.has_checkpoint()):
+            first = self._wait_first()  # the number of fields comes from the first file
+            if first is None:
+                raise MarianaError(f"--data {cfg.data}: no file arrived to infer the libFM fields from")
+        self.setup = _stream_setup(cfg, first)
+        if cfg.format == "libfm":
+            cfg.num_fields = self.setup.schema.num_fields  # recorded in config.toml for --resume
+        self.run.save_config(cfg)
+        torch.manual_seed(cfg.seed)
+        self.device = resolve_device(cfg.device)
+        keep_freed_memory()
+        self.step = LocalStep(cfg, self.setup, self.device)
+        self.step.setup(1)
+        self.ctx = DistContext(device=self.device)
+        self.ledger: list[dict[str, Any]] = []
+        self.totals = {"files": 0, "rows": 0, "skipped_lines": 0, "steps": 0, "exports": 0}
+        self.version = ""
+        self.dirty = False  # trained since the last export
+        self.since_export: list[dict[str, Any]] = []  # ledger entries trained on since the last export
+        self.last_export = time.monotonic()
+        self.changed: set[str] = set()
+        if cfg.resume:
+            self._restore()
+        elif cfg.init_from:
+            from .train import warm_start
+
+            warm_start(self.step, self.setup, cfg)
+
+    # ---------------------------------------------------------------- folder
+    def _wait_first(self) -> LogFile | None:
+        deadline = time.monotonic() + self.cfg.idle_exit if self.cfg.idle_exit else math.inf
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            files = scan(self.folder)
+            if files:
+                return files[0]
+            self.stop.wait(self.cfg.poll)
+        return None
+
+    def pending(self) -> list[LogFile]:
+        """Complete units not yet consumed, in arrival order (a consumed one that changed: warned once)."""
+        done = {e["name"]: e for e in self.ledger}
+        out = []
+        for f in scan(self.folder):
+            e = done.get(f.name)
+            if e is None:
+                out.append(f)
+            elif (e["size"], e["mtime_ns"]) != (f.size, f.mtime_ns) and f.name not in self.changed:
+                self.changed.add(f.name)
+                log.warning("%s changed after it was consumed; it is not read again", self.folder / f.name)
+        return out
+
+    # ---------------------------------------------------------------- one file
+    def read(self, f: LogFile):
+        """The unit's valid rows as one `Batch` (None if it disappeared), its skipped lines, and the first
+        skipped line as ``"[part: ]line N: error"`` ('' when none)."""
+        from .data import Batch, ReadStats, load_split
+
+        parts, skipped, first = [], 0, ""
+        try:
+            for p in f.paths:
+                stats = ReadStats()
+                parts.append(load_split(p, self.setup.encoder, 0, None, stats=stats))
+                skipped += stats.skipped
+                if stats.errors and not first:
+                    n = min(stats.errors)
+                    where = f"{p.name}: " if len(f.paths) > 1 else ""
+                    first = f"{where}line {n}: {stats.errors[n]}"
+        except FileNotFoundError:
+            return None, 0, ""
+        except OSError as e:
+            raise MarianaError(f"{self.folder / f.name}: cannot be read ({e.strerror or e})") from None
+        return Batch.cat(parts), skipped, first
+
+    def score(self, rows) -> dict[str, float]:
+        """Progressive validation: AUC/logloss of the current model on ``rows`` (before training on them)."""
+        from mariana.platform.core.metrics import auc_logloss
+
+        from .step import TABLE, predict_batches
+
+        if len(rows) == 0:
+            return {"auc": float("nan"), "logloss": float("nan")}
+        bs = 8192
+        batches = [rows.slice(i, i + bs) for i in range(0, len(rows), bs)]
+        s = self.step
+        probs = predict_batches(
+            s.model,
+            batches,
+            s.client,
+            self.device,
+            s.shard.seen[TABLE],
+            self.setup.schema.rows_per_field,
+            **({"idmap": s.idmap} if getattr(s, "idmap", None) is not None else {}),  # --ids dynamic
+        )
+        return auc_logloss(rows.labels.numpy(), probs)
+
+    def train_on(self, rows) -> int:
+        """One pass over ``rows`` with the platform `Trainer` and this stream's step; returns the steps."""
+        from mariana.platform.core.loop import Trainer
+        from mariana.platform.core.rundir import RunDir
+
+        if len(rows) == 0:
+            return 0
+        loader = MemoryLoader(rows, self.cfg.batch_size)
+        cfg = dataclasses.replace(self.cfg, resume=False, progress=False, init_from="")
+        run = RunDir(self.run.path, create=False)
+        run.write_final = lambda *a, **k: None  # the stream's metrics.json holds the stream's totals
+        start = self.totals["steps"]
+        trainer = Trainer(
+            cfg,
+            self.step,
+            loader,
+            self.ctx,
+            run,
+            checkpointer=_NoCheckpoint(),
+            total=start + loader.batches_per_epoch,
+        )
+        trainer.step = start  # metrics.jsonl records carry the run's global step
+        trainer.fit()
+        self.totals["steps"] = trainer.step
+        return trainer.step - start
+
+    def consume(self, f: LogFile) -> dict[str, Any] | None:
+        """Read, score, train on ``f``; export when due; checkpoint. Returns its ledger entry (None if the
+        file disappeared before it was read)."""
+        t0 = time.time()
+        rows, skipped, first_skipped = self.read(f)
+        if rows is None:
+            log.warning("%s disappeared before it was read; not consumed", self.folder / f.name)
+            return None
+        t1 = time.time()
+        m = self.score(rows)
+        t2 = time.time()
+        steps = self.train_on(rows)
+        done = time.time()
+        entry = {
+            "name": f.name,
+            "size": f.size,
+            "mtime_ns": f.mtime_ns,
+            "landed": round(f.landed, 3),
+            "rows": len(rows),
+            "skipped_lines": skipped,
+            "steps": steps,
+            "auc": m["auc"],
+            "logloss": m["logloss"],
+            "read_s": round(t1 - t0, 3),
+            "score_s": round(t2 - t1, 3),
+            "fit_s": round(done - t2, 3),
+            "train_s": round(done - t0, 3),
+            "train_lag_s": round(done - f.landed, 3),
+        }
+        if skipped:
+            entry["first_skipped"] = first_skipped
+            log.warning(
+                "skipped %d malformed line%s in %s (first: %s)",
+                skipped,
+                "s" * (skipped != 1),
+                self.folder / f.name,
+                first_skipped,
+            )
+        self.ledger.append(entry)
+        self.totals["files"] += 1
+        self.totals["rows"] += len(rows)
+        self.totals["skipped_lines"] += skipped
+        self.dirty = self.dirty or steps > 0
+        self.since_export.append(entry)
+        exported = self.maybe_export()
+        t3 = time.time()
+        self.checkpoint()
+        t4 = time.time()
+        waiting = self.pending()
+        backlog = len(waiting)
+        # how far this file's landing is behind the newest complete file's (0 when nothing waits)
+        behind = max([0.0, *(w.landed - f.landed for w in waiting)])
+        rec = {
+            "file": f.name,
+            "files": self.totals["files"],
+            "rows": self.totals["rows"],
+            "file_rows": len(rows),
+            "skipped_lines": self.totals["skipped_lines"],
+            "progressive_auc": m["auc"],
+            "progressive_logloss": m["logloss"],
+            **{k: entry[k] for k in ("read_s", "score_s", "fit_s", "train_s", "train_lag_s")},
+            "export_s": round(t3 - done, 3),
+            "checkpoint_s": round(t4 - t3, 3),
+            "backlog_files": backlog,
+            "behind_newest_s": round(behind, 3),
+            "step": self.totals["steps"],
+        }
+        if exported:
+            rec.update({"version": self.version, "export_lag_s": entry.get("export_lag_s")})
+        self._counters(rec)
+        log.info(
+            "stream: file %d %s: %d rows (%d skipped), progressive AUC %.4f logloss %.4f, %.1f s, lag %.1f s, "
+            "backlog %d%s",
+            self.totals["files"],
+            f.name,
+            len(rows),
+            skipped,
+            m["auc"],
+            m["logloss"],
+            entry["train_s"],
+            entry["train_lag_s"],
+            backlog,
+            f", exported {self.version} (lag {entry['export_lag_s']:.1f} s)" if exported else "",
+        )
+        return entry
+
+    # ---------------------------------------------------------------- export, checkpoint, counters
+    def export_due(self) -> bool:
+        if not self.dirty:
+            return False
+        if self.export_kind == "files":
+            return len(self.since_export) >= self.export_n
+        return time.monotonic() - self.last_export >= self.export_n
+
+    def maybe_export(self, force: bool = False) -> bool:
+        if not (self.export_due() or (force and self.dirty)):
+            return False
+        self.export()
+        return True
+
+    def _model(self):
+        """(model, table [rows, 1 + dim], seen [rows]) as the export writes them (the live step's)."""
+        table, seen = self.step.table()
+        return self.step.model, table, seen
+
+    def export(self) -> None:
+        """The normal pCTR export (`train.export`, atomic files, a new version digest) of the current model."""
+        import json
+
+        from .train import export
+
+        model, table, seen = self._model()
+        last = self.ledger[-1] if self.ledger else {}
+        metrics = {
+            "files": self.totals["files"],
+            "rows": self.totals["rows"],
+            "step": self.totals["steps"],
+            "last_file": last.get("name", ""),
+            "progressive_auc": last.get("auc", float("nan")),
+            "progressive_logloss": last.get("logloss", float("nan")),
+        }
+        export(self.run, self.setup, model, table, seen, {"metrics": metrics})
+        now = time.time()
+        self.version = json.loads((self.run.path / "model.json").read_text())["version"]
+        for e in self.since_export:
+            e["export_lag_s"] = round(now - e["landed"], 3)
+            e["version"] = self.version
+        self.totals["exports"] += 1
+        self.since_export, self.dirty, self.last_export = [], False, time.monotonic()
+
+    def checkpoint(self) -> None:
+        """Atomic checkpoint numbered by files consumed: the step's state (model, dense optimiser, row
+        optimiser state and ``seen``), the ledger, the totals, the RNG states (`save_checkpoint`)."""
+        from mariana.platform.core.checkpoint import save_checkpoint
+
+        n = self.totals["files"]
+        folder = self.run.ckpt_dir / f"step_{n:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {
+            **self.step.checkpoint_state(folder),
+            "stream": {
+                "ledger": self.ledger,
+                "totals": self.totals,
+                "version": self.version,
+                "dirty": self.dirty,
+                "since_export": [e["name"] for e in self.since_export],
+            },
+        }
+        save_checkpoint(self.run, n, state, 0, lambda: None)
+        self._write_metrics()
+
+    def _restore(self) -> None:
+        from mariana.platform.core.checkpoint import load_checkpoint, set_rng_state
+
+        state, rng = load_checkpoint(self.run)
+        folder = self.run.ckpt_dir / (self.run.ckpt_dir / "latest").read_text().strip()
+        if "stream" not in state:
+            raise MarianaError(
+                f"checkpoint {folder} is not a `pctr stream` checkpoint (no consumed-file ledger)"
+            )
+        self.step.restore(state, folder)
+        if rng is not None:
+            set_rng_state(rng)
+        s = state["stream"]
+        self.ledger = [dict(e) for e in s["ledger"]]
+        self.totals.update(s["totals"])
+        self.version, self.dirty = str(s["version"]), bool(s["dirty"])
+        names = set(s["since_export"])
+        self.since_export = [e for e in self.ledger if e["name"] in names]
+        log.info(
+            "resumed from %s: %d files consumed (%d rows), model version %s",
+            folder.name,
+            self.totals["files"],
+            self.totals["rows"],
+            self.version or "not exported yet",
+        )
+
+    def _counters(self, rec: dict[str, Any]) -> None:
+        from .step import write_counter
+
+        write_counter(self.run, 0, {"time": round(time.time(), 3), **rec})
+        self.run.log_metrics(rec)
+
+    def _write_metrics(self) -> None:
+        last = self.ledger[-1] if self.ledger else {}
+        self.run.write_final(
+            {
+                **self.totals,
+                "mode": "stream, single-process",
+                "device": str(self.device),
+                "version": self.version,
+                "last_file": last.get("name", ""),
+                "progressive_auc": last.get("auc", float("nan")),
+                "progressive_logloss": last.get("logloss", float("nan")),
+                "train_lag_s": last.get("train_lag_s", float("nan")),
+                "changed_after_consume": len(self.changed),
+            }
+        )
+
+    # ---------------------------------------------------------------- the loop
+    def run_forever(self) -> dict[str, Any]:
+        """Follow the folder until a stop condition (module docstring); returns the totals."""
+        cfg = self.cfg
+        idle_since = time.monotonic()
+        reason = "stopped"
+        log.info(
+            "stream: following %s (model %s, export every %s, %d files consumed so far)",
+            self.folder,
+            cfg.model,
+            cfg.export_every,
+            self.totals["files"],
+        )
+        while not self.stop.is_set():
+            if cfg.max_files and self.totals["files"] >= cfg.max_files:
+                reason = f"--max-files {cfg.max_files} reached"
+                break
+            todo = self.pending()
+            if not todo:
+                if self.export_kind == "seconds" and self.maybe_export():
+                    self.checkpoint()  # the export is part of the state (version, nothing pending)
+                    log.info("stream: exported %s (timer)", self.version)
+                if cfg.idle_exit and time.monotonic() - idle_since >= cfg.idle_exit:
+                    reason = f"no new file for {cfg.idle_exit:g} s (--idle-exit)"
+                    break
+                self.stop.wait(cfg.poll)
+                continue
+            if self.consume(todo[0]) is not None:
+                idle_since = time.monotonic()
+        if self.maybe_export(force=True):
+            self.checkpoint()
+        self._write_metrics()
+        log.info(
+            "stream: %s; %d files, %d rows, %d skipped lines, %d exports, version %s",
+            reason,
+            self.totals["files"],
+            self.totals["rows"],
+            self.totals["skipped_lines"],
+            self.totals["exports"],
+            self.version or "none",
+        )
+        return {**self.totals, "version": self.version}
+
+
+def run_stream(cfg: StreamConfig) -> dict[str, Any]:
+    """Build the `Streamer` and run it; SIGINT/SIGTERM finish the file in progress and stop (a second
+    SIGINT interrupts at once)."""
+    stop = threading.Event()
+    handled = {"n": 0}
+
+    def on_signal(signum, frame):
+        handled["n"] += 1
+        if handled["n"] > 1 and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        log.info("stream: %s received; stopping after the file in progress", signal.Signals(signum).name)
+        stop.set()
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return Streamer(cfg, stop).run_forever()
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
