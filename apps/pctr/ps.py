@@ -60,13 +60,14 @@ def run_ps_process(cfg: PctrConfig) -> int:
     return _work(cfg, role, run, rpc_session)
 
 
-def _serve(cfg, role, run, rpc_session) -> int:
-    from mariana.platform.core.faults import FaultInjector
+def build_server(cfg, role, run, st: Setup):
+    """This server's shard of the table, its slice of the dense parameters (initialised as one-process
+    training initialises them), the id map on server 0 with ``--ids dynamic``, restored from the latest
+    checkpoint if there is one. Returns (ParamServer, restored step or None)."""
     from mariana.platform.ps.dense import DenseStore, flatten
-    from mariana.platform.ps.server import ParamServer, install
+    from mariana.platform.ps.server import ParamServer
     from mariana.platform.ps.shard import EmbeddingShard, contiguous_part
 
-    st = Setup(cfg)
     shard = EmbeddingShard([st.spec], role.index, role.num_servers, row_config(cfg), cfg.seed)
     torch.manual_seed(cfg.seed)
     flat = flatten(build_dense_only(cfg, st.schema).dense_parameters())  # in-process training's init
@@ -89,6 +90,14 @@ def _serve(cfg, role, run, rpc_session) -> int:
             restored,
             role.attempt,
         )
+    return server, restored
+
+
+def _serve(cfg, role, run, rpc_session) -> int:
+    from mariana.platform.core.faults import FaultInjector
+    from mariana.platform.ps.server import install
+
+    server, restored = build_server(cfg, role, run, Setup(cfg))
     fault = FaultInjector("push")  # MARIANA_FAULT's server=S:push=N entries (see platform/core/faults.py)
     if fault.at:
         orig = server.push

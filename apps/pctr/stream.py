@@ -583,20 +583,22 @@ class Streamer:
         self.run.log_metrics(rec)
 
     def _write_metrics(self) -> None:
+        self.run.write_final(self._final_record("stream, single-process", device=str(self.device)))
+
+    def _final_record(self, mode: str, **extra) -> dict[str, Any]:
+        """metrics.json of a stream: the totals, the layout (``extra``) and the last file's scores."""
         last = self.ledger[-1] if self.ledger else {}
-        self.run.write_final(
-            {
-                **self.totals,
-                "mode": "stream, single-process",
-                "device": str(self.device),
-                "version": self.version,
-                "last_file": last.get("name", ""),
-                "progressive_auc": last.get("auc", float("nan")),
-                "progressive_logloss": last.get("logloss", float("nan")),
-                "train_lag_s": last.get("train_lag_s", float("nan")),
-                "changed_after_consume": len(self.changed),
-            }
-        )
+        return {
+            **self.totals,
+            "mode": mode,
+            **extra,
+            "version": self.version,
+            "last_file": last.get("name", ""),
+            "progressive_auc": last.get("auc", float("nan")),
+            "progressive_logloss": last.get("logloss", float("nan")),
+            "train_lag_s": last.get("train_lag_s", float("nan")),
+            "changed_after_consume": len(self.changed),
+        }
 
     # ---------------------------------------------------------------- the loop
     def run_forever(self) -> dict[str, Any]:

@@ -336,21 +336,13 @@ class PSStreamer(Streamer):
         self._write_metrics()
 
     def _write_metrics(self) -> None:
-        last = self.ledger[-1] if self.ledger else {}
         self.run.write_final(
-            {
-                **self.totals,
-                "mode": "stream, parameter-server",
-                "servers": self.role.num_servers,
-                "workers": self.role.num_workers,
-                "staleness": self.cfg.staleness,
-                "version": self.version,
-                "last_file": last.get("name", ""),
-                "progressive_auc": last.get("auc", float("nan")),
-                "progressive_logloss": last.get("logloss", float("nan")),
-                "train_lag_s": last.get("train_lag_s", float("nan")),
-                "changed_after_consume": len(self.changed),
-            }
+            self._final_record(
+                "stream, parameter-server",
+                servers=self.role.num_servers,
+                workers=self.role.num_workers,
+                staleness=self.cfg.staleness,
+            )
         )
 
 
@@ -375,33 +367,12 @@ def run_ps_stream_process(cfg: StreamConfig) -> int:
 
 
 def _serve(cfg, role, run, setup, rpc_session) -> int:
-    import torch
-    from mariana.platform.ps.dense import DenseStore, flatten
-    from mariana.platform.ps.server import ParamServer, install
-    from mariana.platform.ps.shard import EmbeddingShard, contiguous_part
+    from mariana.platform.ps.server import install
 
-    from .optim import row_config
-    from .step import build_dense_only
+    from .ps import build_server
 
     global _CO
-    st = setup
-    shard = EmbeddingShard([st.spec], role.index, role.num_servers, row_config(cfg), cfg.seed)
-    torch.manual_seed(cfg.seed)
-    flat = flatten(build_dense_only(cfg, st.schema).dense_parameters())  # one-process training's init
-    lo, hi = contiguous_part(flat.numel(), role.index, role.num_servers)
-    dense = DenseStore(flat[lo:hi], cfg.optimizer, cfg.lr)
-    del flat
-    server = ParamServer(
-        role.index, role.num_servers, role.num_workers, shard, dense, cfg.staleness, run.ckpt_dir
-    )
-    restored = server.restore_latest()
-    if restored is not None:
-        log.info(
-            "server %d: restored shard from checkpoint step %d (attempt %d)",
-            role.index,
-            restored,
-            role.attempt,
-        )
+    server, restored = build_server(cfg, role, run, setup)
     _CO = Coordinator(role.num_workers, server.stop)
     install(server)
     with rpc_session(role, cfg.timeout, rpc_threads(cfg)):
