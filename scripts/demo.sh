@@ -39,6 +39,9 @@ $M asr prepare --data "$DATA/fsdd/recordings" --out "$RUNS/asr-data" --test-spea
   --max-digits 5
 $M asr train --data "$RUNS/asr-data" --out "$RUNS/asr" --preset small --workers 2 --no-progress
 $M asr eval --model "$RUNS/asr" --data "$RUNS/asr-data/test"
+# Synthetic speakers (eSpeak NG) as the unseen-speaker recipe mixes into training (`prepare --synth`): a
+# few voices here, to show the step; the recipe uses 200 (apps/asr/README.md).
+$M asr synth --out "$RUNS/asr-synth" --speakers 4 --takes 2
 
 # --- pctr (issue 5): ~45 s on 2 CPU cores --------------------------------------------------------------------
 step "pctr: DeepFM on Frappe, 2 parameter servers + 2 asynchronous workers (torchrun + RPC), test-split eval"

@@ -254,13 +254,18 @@ def prepare(
     utterances: int = 200,
     max_digits: int = 7,
     seed: int = 0,
+    synth: str | Path | None = None,
+    synth_ratio: float = 1.0,
 ) -> PrepareReport:
     """Build ``out/{train,dev,test}`` Kaldi data dirs from an FSDD folder or a Kaldi data dir.
 
     ``utterances``: connected-digit utterances per speaker (FSDD input only). Speakers in
     ``test_speakers`` go to test only and ``dev_speakers`` to dev only; the rest to train (for FSDD input at
     least one speaker must be left to train on; a Kaldi data dir may become a test-only set). Without test
-    speakers the last speaker (sorted) is held out for test. Unreadable recordings are skipped and counted."""
+    speakers the last speaker (sorted) is held out for test. Unreadable recordings are skipped and counted.
+
+    ``synth``: an FSDD-layout folder of synthetic speakers (``mariana asr synth``) added to the training
+    split only: ``synth_ratio`` x the real training utterances in all, shared evenly by its speakers."""
     data, out = Path(data), Path(out)
     if not data.exists():
         raise DataError(f"--data {data}: no such file or directory")
@@ -270,6 +275,8 @@ def prepare(
         raise MarianaError(f"--max-digits and --utterances must be >= 1, got {max_digits} and {utterances}")
     if seed < 0:
         raise MarianaError(f"--seed must be >= 0, got {seed}")
+    if synth_ratio < 0:
+        raise MarianaError(f"--synth-ratio must be >= 0, got {synth_ratio}")
     if out.resolve() == data.resolve():
         raise MarianaError(f"--out {out}: is the --data folder; choose a separate output folder")
     check_out_dir(out)
@@ -282,6 +289,11 @@ def prepare(
     result: dict[str, list[Utterance]] = {s: [] for s in SPLITS}
 
     if (data / "wav.scp").is_file():
+        if synth is not None:
+            raise MarianaError(
+                "--synth mixes synthetic speakers into an FSDD folder's training set; "
+                f"--data {data} is a Kaldi data dir"
+            )
         utts = read_kaldi_dir(data)
         speakers = sorted({u.spk for u in utts})
         if not test_speakers:
@@ -309,8 +321,16 @@ def prepare(
         if not test_speakers:
             test_speakers = speakers[-1:]
         split_of = _split_speakers(speakers, test_speakers, dev_speakers)
-        for spk in speakers:
+        synth_spk: dict[str, list[tuple[int, Path]]] = {}
+        if synth is not None and synth_ratio > 0:
+            synth_spk = _synth_speakers(Path(synth), speakers)
+            n_real = sum(split_of[s] == "train" for s in speakers) * utterances
+            per_synth = max(1, round(synth_ratio * n_real / len(synth_spk)))
+            by_spk.update(synth_spk)
+            split_of.update({s: "train" for s in synth_spk})
+        for spk in speakers + sorted(synth_spk):
             recs, sr = [], None
+            n_utts = per_synth if spk in synth_spk else utterances
             for digit, path in by_spk[spk]:
                 try:
                     x, r = read_wav(path)
@@ -325,7 +345,7 @@ def prepare(
             if not recs:
                 continue
             split = split_of[spk]
-            for i, (digits, samples) in enumerate(build_connected(recs, sr, utterances, max_digits, rng)):
+            for i, (digits, samples) in enumerate(build_connected(recs, sr, n_utts, max_digits, rng)):
                 utt = f"{spk}-{i:05d}"
                 dst = out / split / "wav" / f"{utt}.wav"
                 write_wav(dst, samples, sr)
@@ -336,6 +356,23 @@ def prepare(
         write_kaldi_dir(out / split, result[split])
         report.counts[split] = len(result[split])
     return report
+
+
+def _synth_speakers(folder: Path, real: list[str]) -> dict[str, list[tuple[int, Path]]]:
+    """The speakers of a ``--synth`` folder (FSDD names); a name also used by a real speaker is refused."""
+    if not folder.is_dir():
+        raise DataError(f"--synth {folder}: no such folder (expected the output of `mariana asr synth`)")
+    found = scan_fsdd(folder)
+    if not found:
+        raise DataError(
+            f"--synth {folder}: no '{{digit}}_{{speaker}}_{{take}}.wav' files (run `mariana asr synth`)"
+        )
+    clash = sorted(set(found) & set(real))
+    if clash:
+        raise MarianaError(
+            f"--synth {folder}: speaker name(s) {', '.join(clash)} are also real speakers in --data"
+        )
+    return found
 
 
 def parse_speakers(text: str | None) -> list[str]:

@@ -1,4 +1,5 @@
-"""The acoustic DNN: spliced filterbank frames -> per-frame log posteriors over word units + blank.
+"""The acoustic models: filterbank frames -> per-frame log posteriors over word units + blank. `AcousticDNN`
+(spliced frames, fully connected) or `AcousticTDNN` (dilated 1-D convolutions over frames).
 
 A plain single-device `nn.Module`; data parallelism is applied from outside (train.py). Frame splicing
 (+-``context`` frames, Kaldi style, edges replicated within each utterance) happens on the device with
@@ -20,17 +21,22 @@ def splice(feats: torch.Tensor, context: int, lengths: torch.Tensor | None = Non
     if context == 0:
         return feats
     b, t, f = feats.shape
+    win = pad_edges(feats, context, lengths).unfold(1, 2 * context + 1, 1)  # [B, T, F, W]
+    return win.transpose(2, 3).reshape(b, t, (2 * context + 1) * f)
+
+
+def pad_edges(feats: torch.Tensor, context: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """feats [B, T, F] padded batch, lengths [B] (None: all T valid) -> [B, T + 2*context, F]: ``context``
+    copies of each utterance's first frame before it, and its last valid frame repeated after it (over the
+    batch padding too), so a window around any valid frame sees only its own utterance."""
+    b, t, f = feats.shape
     if lengths is not None:
         # Replace padding with each utterance's last valid frame, so the right edge replicates per utterance.
         idx = torch.minimum(
             torch.arange(t, device=feats.device).unsqueeze(0), (lengths.to(feats.device) - 1).unsqueeze(1)
         )
         feats = feats.gather(1, idx.clamp_min(0).unsqueeze(-1).expand(b, t, f))
-    padded = torch.cat(
-        [feats[:, :1].expand(b, context, f), feats, feats[:, -1:].expand(b, context, f)], dim=1
-    )
-    win = padded.unfold(1, 2 * context + 1, 1)  # [B, T, F, W]
-    return win.transpose(2, 3).reshape(b, t, (2 * context + 1) * f)
+    return torch.cat([feats[:, :1].expand(b, context, f), feats, feats[:, -1:].expand(b, context, f)], dim=1)
 
 
 class AcousticDNN(nn.Module):
@@ -71,10 +77,81 @@ class AcousticDNN(nn.Module):
         return torch.log_softmax(self.out(self.body(x)).float(), dim=-1)
 
 
-def build_model(cfg: dict, output_units: int) -> AcousticDNN:
-    """The model described by a config dict (an `AsrConfig` as a dict, e.g. from model.json)."""
+def tdnn_dilations(context: int, layers: int) -> list[int]:
+    """Dilations of the TDNN's kernel-3 layers (0 = a kernel-1 layer with no context) whose receptive
+    field is +-``context`` frames, or as close to it as ``layers`` layers reach contiguously.
+
+    Each layer takes an equal share (rounded up) of the context still to cover, capped at 2 x (context
+    covered so far) + 1: the cap keeps every frame offset in the window reachable (dilations 1, 3, 9, ...
+    tile it without gaps; a first layer of dilation 2 would only see even offsets). So small dilations come
+    first, as in Kaldi's TDNN recipes, and layers left over once the context is covered get kernel 1.
+    The receptive field is min(context, (3**layers - 1) / 2)."""
+    out, covered = [], 0
+    for i in range(layers):
+        share = -(-(context - covered) // (layers - i))
+        d = min(2 * covered + 1, share)
+        out.append(d)
+        covered += d
+    return out
+
+
+class AcousticTDNN(nn.Module):
+    """Kaldi-style TDNN: 1-D convolutions over frames with growing dilations.
+
+    Input feats [B, T, num_bins] (float), lengths [B]; output log-probabilities [B, T, output_units]
+    (float32), unit 0 the CTC blank, as `AcousticDNN`. ``layers`` x (Conv1d of width ``hidden``, kernel 3
+    with the dilations of `tdnn_dilations` so the receptive field is +-``context`` frames like the DNN's
+    splice window, [LayerNorm over channels], ReLU|sigmoid, [Dropout]) -> Linear -> log-softmax.
+
+    The input is edge-padded once by the whole receptive field per utterance (`pad_edges`, as `splice`
+    does) and every convolution is unpadded ("valid"), so an utterance's outputs do not depend on what
+    else is in its batch. LayerNorm rather than BatchNorm for the same reason: it normalises each frame
+    alone, so training batches (and their padding) do not leak into the statistics."""
+
+    def __init__(
+        self,
+        num_bins: int = 40,
+        context: int = 5,
+        hidden: int = 512,
+        layers: int = 4,
+        output_units: int = 11,
+        activation: str = "relu",
+        dropout: float = 0.0,
+        norm: str = "none",
+    ):
+        super().__init__()
+        self.dilations = tdnn_dilations(context, layers)
+        self.receptive = sum(self.dilations)
+        act = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid}[activation]
+        dims = [num_bins] + [hidden] * layers
+        self.convs = nn.ModuleList(
+            nn.Conv1d(dims[i], dims[i + 1], 3 if d else 1, dilation=max(d, 1))
+            for i, d in enumerate(self.dilations)
+        )
+        self.norms = nn.ModuleList(
+            nn.LayerNorm(hidden) if norm == "layer" else nn.Identity() for _ in self.convs
+        )
+        self.act = act()
+        self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.out = nn.Linear(hidden, output_units)
+
+    def forward(self, feats: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        x = pad_edges(feats, self.receptive, lengths)  # [B, T + 2R, F]
+        for conv, norm in zip(self.convs, self.norms):
+            # Each unpadded convolution eats 2 x dilation frames: after all of them T frames remain.
+            x = conv(x.transpose(1, 2)).transpose(1, 2)  # [B, T', hidden]
+            x = self.drop(self.act(norm(x)))
+        return torch.log_softmax(self.out(x).float(), dim=-1)
+
+
+ARCHS = {"dnn": AcousticDNN, "tdnn": AcousticTDNN}
+
+
+def build_model(cfg: dict, output_units: int) -> nn.Module:
+    """The model described by a config dict (an `AsrConfig` as a dict, e.g. from model.json); exports
+    without ``arch`` are DNNs."""
     mfcc = cfg.get("features", "fbank") == "mfcc"
-    return AcousticDNN(
+    return ARCHS[cfg.get("arch", "dnn")](
         num_bins=cfg.get("num_ceps", 13) if mfcc else cfg["num_mel_bins"],
         context=cfg["context"],
         hidden=cfg["hidden"],

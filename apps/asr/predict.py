@@ -13,19 +13,29 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .decode import beam_decode, greedy_decode
+from .decode import decode_options
 from .evaluate import file_settings, load_model
 from .features import apply_cmvn, fbank, feature_settings, load_audio
 
 
 class Transcriber:
     """``transcribe_wav_bytes(data) -> str`` (space-separated words); ``version``: the exported weights'
-    digest (`mariana.platform.core.export.weights_digest`)."""
+    digest (`mariana.platform.core.export.weights_digest`). ``beam``, ``lm_weight``, ``word_bonus``:
+    decoding options, None = the run's (`decode.decode_options`; ``self.decoding.note`` is a line for the
+    user, e.g. an LM weight ignored)."""
 
-    def __init__(self, run_dir: str | Path, device: str = "cpu", beam: int | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        device: str = "cpu",
+        beam: int | None = None,
+        lm_weight: float | None = None,
+        word_bonus: float | None = None,
+    ):
         self.model, self.vocab, cfg, meta = load_model(run_dir, device, with_meta=True)
         self.device = device
-        self.beam = cfg.get("beam", 0) if beam is None else beam
+        self.decoding = decode_options(run_dir, cfg, meta, beam, lm_weight, word_bonus)
+        self.beam = self.decoding.beam
         self.settings, self.prior = file_settings(feature_settings(cfg), meta)
         self.version: str = meta["version"]
 
@@ -43,7 +53,7 @@ class Transcriber:
     def transcribe_samples(self, samples: torch.Tensor) -> str:
         x = self.features(samples).unsqueeze(0).to(self.device)
         logp = self.model(x)[0, :, : len(self.vocab)].float().cpu()
-        units = beam_decode(logp, self.beam) if self.beam > 0 else greedy_decode(logp)
+        units = self.decoding.decode(logp)
         return " ".join(self.vocab[k] for k in units)
 
     def transcribe_wav_bytes(self, data: bytes) -> str:

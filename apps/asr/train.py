@@ -1,4 +1,4 @@
-"""``mariana asr train``: CTC training of the acoustic DNN with synchronous data-parallel SGD.
+"""``mariana asr train``: CTC training of the acoustic DNN or TDNN with synchronous data-parallel SGD.
 
 Data: a prepared folder (``DATA/train`` and, optionally, ``DATA/dev`` Kaldi data dirs). Features come from
 the sharded fp16 cache (built by rank 0 on first use, optionally with speed-perturbed copies); batches are
@@ -27,7 +27,7 @@ from mariana.platform.dp.sampler import IndexBatchLoader
 
 from .cmvn import FilePrior
 from .configs import AsrConfig
-from .decode import decode_set, error_rates
+from .decode import BigramLM, decode_set, error_rates
 from .features import FeatureCache, FeatureSettings, UtteranceSet, cached_features, collate, feature_settings
 from .model import build_model
 
@@ -186,6 +186,8 @@ def train(cfg: AsrConfig) -> dict:
                 "; ".join(f"{x['path']} ({x['reason']})" for x in cache.skipped[:5]),
             )
         vocab = [BLANK] + sorted({w for u in cache.utts for w in u["words"]})
+        # The digit-loop grammar: a word bigram of the training transcripts, stored in the export.
+        lm = BigramLM.from_text(train_dir / "text", vocab)
         train_set = UtteranceSet(cache, vocab)
         dev_set = (
             UtteranceSet(cached_features(dev_dir, s, 1, (1.0,), root("dev"), prior=_prior(cache, s)), vocab)
@@ -211,21 +213,21 @@ def train(cfg: AsrConfig) -> dict:
         loader = IndexBatchLoader(train_set, sampler, collate_fn=collate, num_workers=cfg.num_workers)
 
         def eval_fn(m):
-            refs, hyps = decode_set(m, dev_set, vocab, cfg.beam)
+            refs, hyps = decode_set(m, dev_set, vocab, cfg.beam, None, lm, cfg.lm_weight, cfg.word_bonus)
             r = error_rates(refs, hyps)
             return {"wer": r["wer"], "ser": r["ser"]}
 
         def export(eval_metrics: dict, step: int) -> None:
             if not ctx.is_main:
                 return
-            meta = {"vocab": vocab, "train_frames": frames}
+            meta = {"vocab": vocab, "train_frames": frames, "lm": lm.to_dict()}
             if cache.speaker_stats:  # what single files are normalised with (`transcribe`, serving)
                 meta["cmvn_prior"] = FilePrior.from_speaker_stats(cache.speaker_stats).to_dict()
             export_model(
                 run.path,
                 unwrap(model).state_dict(),
                 app="asr",
-                arch="dnn-ctc",
+                arch=f"{cfg.arch}-ctc",
                 config=cfg_dict,
                 metrics=eval_metrics,
                 extra=meta,
