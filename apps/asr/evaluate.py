@@ -15,7 +15,7 @@ from mariana.platform.core.rundir import eval_result_path
 
 from .cmvn import FilePrior
 from .decode import decode_options, decode_set, error_rates, utterance_logps
-from .features import FeatureCache, FeatureSettings, UtteranceSet, cached_features, feature_settings
+from .features import FeatureCache, FeatureSettings, UtteranceSet, cached_features, copy_tag, feature_settings
 from .model import build_model
 
 
@@ -59,17 +59,29 @@ def peak_posteriors(logp: torch.Tensor) -> tuple[float, int]:
     return float(best.values[fired].exp().sum()), int(fired.sum())
 
 
-def choose_tempo(model, vocab, caches: dict[float, FeatureCache]) -> dict[str, float]:
-    """Each speaker's tempo: the factor whose features give the highest mean peak posterior over the
-    speaker's utterances (no transcripts used). A speaker slower or faster than the training speakers is
-    heard most confidently once normalised to their pace, as a VTLN warp is chosen by likelihood."""
+def choose_factor(
+    model, vocab, caches: dict[float, FeatureCache], prefix=lambda f: "", speakers: set[str] | None = None
+) -> dict[str, float]:
+    """Each speaker's factor (tempo or VTLN warp): ``caches`` maps a factor to the data's features at that
+    factor, whose ids and speakers carry ``prefix(factor)``; the result maps each original speaker name (only
+    those in ``speakers``, default all) to the factor whose features give the highest mean peak posterior
+    over the speaker's utterances, ties to the factor closest to 1. No transcripts are used."""
     stats: dict[str, dict[float, list[float]]] = {}
-    for t, cache in caches.items():
-        for i, logp in utterance_logps(model, UtteranceSet(cache, vocab), vocab):
+    for f, cache in caches.items():
+        pre = prefix(f)
+        spk = [u["spk"].removeprefix(pre) for u in cache.utts]
+        idx = [i for i, k in enumerate(spk) if speakers is None or k in speakers]
+        for i, logp in utterance_logps(model, UtteranceSet(cache, vocab), vocab, idx):
             total, n = peak_posteriors(logp)
-            acc = stats.setdefault(cache.utts[i]["spk"], {}).setdefault(t, [0.0, 0])
+            acc = stats.setdefault(spk[i], {}).setdefault(f, [0.0, 0])
             acc[0], acc[1] = acc[0] + total, acc[1] + n
     return _most_confident(stats)
+
+
+def choose_tempo(model, vocab, caches: dict[float, FeatureCache]) -> dict[str, float]:
+    """Each speaker's tempo (`choose_factor`). A speaker slower or faster than the training speakers is
+    heard most confidently once normalised to their pace, as a VTLN warp is chosen by likelihood."""
+    return choose_factor(model, vocab, caches)
 
 
 def _most_confident(stats: dict[str, dict[float, list[float]]]) -> dict[str, float]:
@@ -104,27 +116,15 @@ def parse_vtln(vtln: float | str) -> float | str:
 
 def warp_prefix(warp: float) -> str:
     """The prefix `features.extract` gives the ids and speakers of a copy warped by ``warp`` ("" at 1)."""
-    return "" if warp == 1.0 else f"vtln{warp}-"
+    return copy_tag(1.0, warp)
 
 
 def choose_warp(
     model, vocab, caches: dict[float, FeatureCache], speakers: set[str] | None = None
 ) -> dict[str, float]:
-    """Each speaker's VTLN warp, chosen as `choose_tempo` chooses a tempo: ``caches`` maps a warp to the
-    features of the data at that warp (ids and speakers prefixed `warp_prefix`); the result maps each
-    original speaker name (only those in ``speakers``, default all) to the warp whose features give the
-    highest mean peak posterior over the speaker's utterances, ties to the warp closest to 1. No transcripts
-    are used: Kaldi's per-speaker VTLN estimate by likelihood, with the model's confidence as likelihood."""
-    stats: dict[str, dict[float, list[float]]] = {}
-    for w, cache in caches.items():
-        pre = warp_prefix(w)
-        spk = [u["spk"].removeprefix(pre) for u in cache.utts]
-        idx = [i for i, k in enumerate(spk) if speakers is None or k in speakers]
-        for i, logp in utterance_logps(model, UtteranceSet(cache, vocab), vocab, idx):
-            total, n = peak_posteriors(logp)
-            acc = stats.setdefault(spk[i], {}).setdefault(w, [0.0, 0])
-            acc[0], acc[1] = acc[0] + total, acc[1] + n
-    return _most_confident(stats)
+    """Each speaker's VTLN warp (`choose_factor` over caches keyed by warp, ids prefixed `warp_prefix`):
+    Kaldi's per-speaker VTLN estimate by likelihood, with the model's confidence as likelihood."""
+    return choose_factor(model, vocab, caches, warp_prefix, speakers)
 
 
 CMVN_MODES = ("speaker", "file")

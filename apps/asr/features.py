@@ -161,6 +161,12 @@ def perturbations(
     return out
 
 
+def copy_tag(speed: float = 1.0, warp: float = 1.0) -> str:
+    """The prefix of the ids and speakers of a perturbed copy (`perturbations`): ``sp{speed}-``,
+    ``vtln{warp}-``, or "" for the original audio."""
+    return "" if (speed, warp) == (1.0, 1.0) else (f"sp{speed}-" if warp == 1.0 else f"vtln{warp}-")
+
+
 def extract(
     utts: list[Utterance],
     s: FeatureSettings,
@@ -177,7 +183,7 @@ def extract(
     default: the prior of these utterances' own speakers, as for a training set)."""
     work, meta = [], []
     for sp, w in perturbations(speeds, warps):
-        tag = "" if (sp, w) == (1.0, 1.0) else (f"sp{sp}-" if w == 1.0 else f"vtln{w}-")
+        tag = copy_tag(sp, w)
         for u in utts:
             work.append((u.path, sp, w))
             meta.append(Utterance(f"{tag}{u.utt}", f"{tag}{u.spk}", u.words, u.path) if tag else u)
