@@ -8,9 +8,10 @@ Plain path: the same loss on the same batch shapes with nothing else: random fra
 same layer stack -> log-softmax -> the same CTC loss -> PyTorch's default AdamW; a second plain row uses the
 fused AdamW Mariana uses (the like-for-like row: same optimiser, same loss, same shapes), so the table also
 shows how much of the difference is the optimizer kernel.
-Frames/s counts the valid frames of the batches (the same batches on both paths). Usage::
+Frames/s counts the valid frames of the batches (the same batches on both paths). The three loops run
+``--rounds`` times one after the other and each loop's median round is reported. Usage::
 
-    .venv/bin/python bench/asr_throughput.py [--data PREPARED] [--preset mariana] [--batch-size 4] [--steps 3]
+    .venv/bin/python bench/asr_throughput.py [--data PREPARED] [--preset mariana] [--batch-size 4] [--steps 3] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -149,6 +150,11 @@ def bench_plain(cfg, n_out, shapes, device, warmup, bf16, compile_, fused=False)
     }
 
 
+def median_round(results: list[dict]) -> dict:
+    """The round with the median step time (the lower middle one of an even count)."""
+    return sorted(results, key=lambda r: r["step_s"])[(len(results) - 1) // 2]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -163,6 +169,13 @@ def main() -> None:
     )
     p.add_argument("--steps", type=int, default=0, help="timed steps (0: 3 on CPU, 50 on GPU)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="rounds of all three loops, one after the other; each loop's median round is reported, so "
+        "the first round's cold start (allocator, page cache) counts for neither side (0: 3 on CPU, 1 on GPU)",
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile both models")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
     args = p.parse_args()
@@ -186,11 +199,22 @@ def main() -> None:
         cache = cached_features(data / "train", feature_settings(cfg), 2)
         vocab = [BLANK] + sorted({w for u in cache.utts for w in u["words"]})
         dataset = UtteranceSet(cache, vocab)
-        m = bench_mariana(cfg, dataset, device, steps, args.warmup, gpu, args.compile)
+        runs: dict[str, list[dict]] = {"mariana": [], "plain": [], "fused": []}
+        for r in range(args.rounds or (1 if gpu else 3)):
+            m = bench_mariana(cfg, dataset, device, steps, args.warmup, gpu, args.compile)
+            shapes = m.pop("shapes")  # the same batches every round (the sampler's seed is fixed)
+            runs["mariana"].append(m)
+            runs["plain"].append(bench_plain(cfg, len(vocab), shapes, device, args.warmup, gpu, args.compile))
+            runs["fused"].append(
+                bench_plain(cfg, len(vocab), shapes, device, args.warmup, gpu, args.compile, fused=True)
+            )
+            print(
+                f"round {r + 1}: step s mariana {m['step_s']:.3f}, plain {runs['plain'][-1]['step_s']:.3f}, "
+                f"plain fused {runs['fused'][-1]['step_s']:.3f}",
+                flush=True,
+            )
+    m, plain, fused = (median_round(runs[k]) for k in ("mariana", "plain", "fused"))
     frames = int(round(m["frames_per_step"]))
-    shapes = m.pop("shapes")
-    plain = bench_plain(cfg, len(vocab), shapes, device, args.warmup, gpu, args.compile)
-    fused = bench_plain(cfg, len(vocab), shapes, device, args.warmup, gpu, args.compile, fused=True)
     rows = [
         {
             "loop": "mariana (cache->splice->CTC)",
@@ -224,6 +248,7 @@ def main() -> None:
             "bf16": gpu,
             "compile": args.compile,
             "steps": steps,
+            "rounds": {k: [round(x["step_s"], 4) for x in v] for k, v in runs.items()},
             "batch_utterances": cfg.batch_size,
             "threads": torch.get_num_threads(),
             "mariana": m,
