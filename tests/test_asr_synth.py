@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from helpers import DATA, assert_cli_error, last_line, run_cli
 from mariana.apps.asr import synth
-from mariana.apps.asr.data import DIGIT_WORDS, prepare, read_kaldi_dir, read_wav
+from mariana.apps.asr.data import DIGIT_WORDS, prepare, read_kaldi_dir, read_wav, synth_counts
 
 FSDD = DATA / "fsdd" / "recordings"
 
@@ -101,6 +101,22 @@ def test_prepare_mixes_synthetic_speakers_into_training_only(tmp_path):
     # The real utterances are the same with or without the synthetic speakers.
     real_mix = {u.utt: u.words for u in train if not u.spk.startswith("tts")}
     assert real_mix == {u.utt: u.words for u in read_kaldi_dir(tmp_path / "base" / "train")}
+    # The ratio is kept below one utterance per voice too: round(0.1 x 24) = 2 utterances from 2 voices.
+    prepare(
+        FSDD, tmp_path / "few", ["jackson"], [], utterances=6, max_digits=3, seed=0, synth=s, synth_ratio=0.1
+    )
+    few = [u.spk for u in read_kaldi_dir(tmp_path / "few" / "train") if u.spk.startswith("tts")]
+    assert sorted(few) == ["tts0x0000", "tts0x0002"]
+
+
+def test_synth_counts_share_the_total_evenly():
+    voices = [f"v{i}" for i in range(8)]
+    for total in (0, 3, 8, 13, 24):
+        counts = synth_counts(voices, total)
+        assert sum(counts.values()) == total and max(counts.values()) - min(counts.values()) <= (
+            total % 8 > 0
+        )
+    assert [k for k, n in synth_counts(voices, 2).items() if n] == ["v0", "v4"]  # spread, not the first two
 
 
 def test_cli_synth_and_bad_flags(tmp_path):

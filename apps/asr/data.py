@@ -265,7 +265,8 @@ def prepare(
     speakers the last speaker (sorted) is held out for test. Unreadable recordings are skipped and counted.
 
     ``synth``: an FSDD-layout folder of synthetic speakers (``mariana asr synth``) added to the training
-    split only: ``synth_ratio`` x the real training utterances in all, shared evenly by its speakers."""
+    split only: round(``synth_ratio`` x the real training utterances) in all, shared by its speakers as
+    evenly as `synth_counts` can (a ratio too small for one utterance per voice uses fewer voices)."""
     data, out = Path(data), Path(out)
     if not data.exists():
         raise DataError(f"--data {data}: no such file or directory")
@@ -325,12 +326,13 @@ def prepare(
         if synth is not None and synth_ratio > 0:
             synth_spk = _synth_speakers(Path(synth), speakers)
             n_real = sum(split_of[s] == "train" for s in speakers) * utterances
-            per_synth = max(1, round(synth_ratio * n_real / len(synth_spk)))
+            per_synth = synth_counts(sorted(synth_spk), round(synth_ratio * n_real))
+            synth_spk = {s: synth_spk[s] for s in sorted(synth_spk) if per_synth[s]}
             by_spk.update(synth_spk)
             split_of.update({s: "train" for s in synth_spk})
         for spk in speakers + sorted(synth_spk):
             recs, sr = [], None
-            n_utts = per_synth if spk in synth_spk else utterances
+            n_utts = per_synth[spk] if spk in synth_spk else utterances
             for digit, path in by_spk[spk]:
                 try:
                     x, r = read_wav(path)
@@ -356,6 +358,15 @@ def prepare(
         write_kaldi_dir(out / split, result[split])
         report.counts[split] = len(result[split])
     return report
+
+
+def synth_counts(voices: list[str], total: int) -> dict[str, int]:
+    """Utterances per synthetic voice for ``total`` in all: ``total // len(voices)`` each, and one more
+    for ``total % len(voices)`` voices spread evenly over the (sorted) list, so that a total below the
+    number of voices takes voices from all of it rather than its first ones; a voice may get 0."""
+    base, extra = divmod(total, len(voices))
+    more = set(np.linspace(0, len(voices), extra, endpoint=False).astype(int).tolist()) if extra else set()
+    return {v: base + (i in more) for i, v in enumerate(voices)}
 
 
 def _synth_speakers(folder: Path, real: list[str]) -> dict[str, list[tuple[int, Path]]]:
