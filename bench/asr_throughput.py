@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table, write_result  # noqa: E402
+from common import median_round, table, write_result  # noqa: E402
 from mariana.apps.asr.configs import PRESETS  # noqa: E402
 from mariana.apps.asr.data import prepare  # noqa: E402
 from mariana.apps.asr.features import cached_features  # noqa: E402
@@ -150,11 +150,6 @@ def bench_plain(cfg, n_out, shapes, device, warmup, bf16, compile_, fused=False)
     }
 
 
-def median_round(results: list[dict]) -> dict:
-    """The round with the median step time (the lower middle one of an even count)."""
-    return sorted(results, key=lambda r: r["step_s"])[(len(results) - 1) // 2]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -213,7 +208,7 @@ def main() -> None:
                 f"plain fused {runs['fused'][-1]['step_s']:.3f}",
                 flush=True,
             )
-    m, plain, fused = (median_round(runs[k]) for k in ("mariana", "plain", "fused"))
+    m, plain, fused = (median_round(runs[k], "step_s") for k in ("mariana", "plain", "fused"))
     frames = int(round(m["frames_per_step"]))
     rows = [
         {

@@ -47,3 +47,10 @@ def table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(
         [line(cols), line(["-" * w for w in widths]), *(line([r.get(c, "") for c in cols]) for r in rows)]
     )
+
+
+def median_round(results: list[dict], key: str) -> dict:
+    """Of repeated runs of one loop, the run whose ``key`` is the median (the lower middle of an even
+    count), with ``rounds``: every run's ``key`` in the order they ran."""
+    mid = sorted(results, key=lambda r: r[key])[(len(results) - 1) // 2]
+    return {**mid, "rounds": [r[key] for r in results]}

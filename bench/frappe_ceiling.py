@@ -32,6 +32,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
+from mariana.apps.pctr.data import split_bounds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # (label, dim, hidden, dropout, emb_reg, batch): BARS's Frappe recipe, variations, and our tuner's pick
@@ -53,7 +54,9 @@ def load(path: Path):
 
 
 def bounds(n: int) -> tuple[int, int]:
-    return int(round(n * 0.8)), int(round(n * 0.9))  # as mariana.apps.pctr.data.split_bounds
+    """Ends of the train and val rows of `mariana pctr`'s default 80/10/10 split of ``n`` rows."""
+    b = split_bounds(n, (0.8, 0.1, 0.1))
+    return b["train"][1], b["val"][1]
 
 
 def lr_crosses(x, y) -> dict:

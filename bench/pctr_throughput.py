@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import median_round, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -267,8 +267,7 @@ def main(argv=None) -> int:
             ours(path, path.parent / "ours-fp32", R, args.batch, args.epochs, "off")
         )
     for key, rs in ours_rounds.items():
-        rs = sorted(rs, key=lambda r: r["samples_per_s"])
-        res[key] = {**rs[(len(rs) - 1) // 2], "rounds": [r["samples_per_s"] for r in rs]}
+        res[key] = median_round(rs, "samples_per_s")
     ps_rows = []
     # the parameter-server runs first: the plain loops below hold the tables in this process
     for w in filter(None, args.ps.split(",")):
@@ -290,8 +289,7 @@ def main(argv=None) -> int:
         for key, kw in loops.items():
             rounds[key].append(plain_loop(cats, y, R, 16, args.batch, args.plain_steps, **kw))
     for key, rs in rounds.items():
-        rates = sorted(r["samples_per_s"] for r in rs)
-        res[key] = {**rs[0], "samples_per_s": rates[(len(rates) - 1) // 2], "rounds": rates}
+        res[key] = median_round(rs, "samples_per_s")
     rows += [
         ("plain loop, Adagrad rows (fp32)", "plain"),
         ("plain loop + bf16 autocast", "plain_bf16"),
