@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import scipy.fft
 import soundfile as sf
 import torch
 import torchaudio
@@ -245,7 +246,8 @@ def test_mfcc_and_vtln_warped_copies_equal_torchaudio(data_dir, tmp_path):
     assert not torch.allclose(warped, fbank(torch.from_numpy(x), FeatureSettings()))
 
     # Copies: every speed unwarped, then every warp at speed 1, each its own CMVN "speaker".
-    assert perturbations((0.9, 1.0), (1.0, 1.1)) == [(0.9, 1.0), (1.0, 1.0), (1.0, 1.1)]
+    assert perturbations((0.9, 1.0), (1.0, 1.1)) == [(0.9, 1.0, 1.0), (1.0, 1.0, 1.0), (1.0, 1.1, 1.0)]
+    assert perturbations((1.0,), (1.0,), (1.0, 1.2)) == [(1.0, 1.0, 1.0), (1.0, 1.0, 1.2)]
     d = tmp_path / "k"
     d.mkdir()
     p = data_dir / "fsdd/recordings/3_jackson_7.wav"
@@ -258,11 +260,63 @@ def test_mfcc_and_vtln_warped_copies_equal_torchaudio(data_dir, tmp_path):
         ("u1", "jackson"),
         ("vtln1.1-u1", "vtln1.1-jackson"),
     ]
+    fb = cached_features(d, FeatureSettings(), jobs=1, warps=(1.1,), pitches=(0.9,))
+    assert [(u["utt"], u["spk"], u["frames"]) for u in fb.utts] == [
+        ("u1", "jackson", fb.utts[0]["frames"]),
+        ("vtln1.1-u1", "vtln1.1-jackson", fb.utts[0]["frames"]),
+        ("pitch0.9-u1", "pitch0.9-jackson", fb.utts[0]["frames"]),
+    ]
     assert cache.feats(0).shape[1] == 13 and cache.feats(0).shape[0] > cache.feats(1).shape[0]
     # The model's input width follows the feature kind.
     cfg = {"num_mel_bins": 23, "features": "mfcc", "num_ceps": 13, "context": 2, "hidden": 8, "layers": 1}
     cfg |= {"activation": "relu", "dropout": 0.0, "norm": "none"}
     assert build_model(cfg, 11).body[0].in_features == 13 * 5
+
+
+def _voice(f0: float, sr: int = 8000, seconds: float = 0.5) -> np.ndarray:
+    """A steady vowel: harmonics of f0 under one fixed envelope (formants at 700 and 1800 Hz)."""
+    t = np.arange(int(seconds * sr)) / sr
+    x = sum(
+        (np.exp(-((((k * f0) - 700) / 250) ** 2)) + 0.6 * np.exp(-((((k * f0) - 1800) / 300) ** 2)) + 0.05)
+        * np.sin(2 * np.pi * k * f0 * t)
+        for k in range(1, int(3800 / f0))
+    )
+    return (0.3 * x / np.abs(x).max()).astype(np.float32)
+
+
+@pytest.mark.parametrize("pitch", [0.8, 1.25])
+def test_pitch_copy_moves_the_harmonics_and_keeps_the_envelope(tmp_path, pitch):
+    from mariana.apps.asr.features import ENVELOPE_CEPS, copy_features, mel_centres
+
+    s = FeatureSettings()
+    sf.write(tmp_path / "a.wav", _voice(120.0), 8000)
+    sf.write(tmp_path / "b.wav", _voice(120.0 * pitch), 8000)  # the same vowel spoken at the new pitch
+    a, b = copy_features(tmp_path / "a.wav", s), copy_features(tmp_path / "b.wav", s)
+    shifted = copy_features(tmp_path / "a.wav", s, pitch=pitch)
+    sped = copy_features(tmp_path / "a.wav", s, speed=pitch)  # what speed perturbation gives instead
+    assert shifted.shape == a.shape  # tempo kept: frame for frame the original's
+    low = mel_centres(s) < 1000  # where the filters resolve harmonics of a 100-150 Hz voice
+
+    def spectrum(x):  # the steady part's mean log-mel, level removed
+        m = x[3:-3].mean(0)
+        return m - m.mean()
+
+    def dist(x, y, bins=slice(None)):
+        return float((spectrum(x)[bins] - spectrum(y)[bins]).pow(2).mean().sqrt())
+
+    # The harmonics land where the vowel at the new pitch has them ...
+    assert dist(shifted, b, low) < 0.75 * dist(a, b, low)
+    # ... while the envelope stays the original's: speed perturbation moves the formants and is far off.
+    assert dist(shifted, b) < 0.5 * dist(sped, b)
+    inside = mel_centres(s) < 0.9 * 4000 * min(1.0, pitch)
+    ce = torch.from_numpy(scipy.fft.dct(a.double().numpy(), norm="ortho", axis=1))
+    cs = torch.from_numpy(scipy.fft.dct(shifted.double().numpy(), norm="ortho", axis=1))
+    if inside.all():  # every filter swapped: the first cepstra are exactly the original's
+        torch.testing.assert_close(cs[:, :ENVELOPE_CEPS], ce[:, :ENVELOPE_CEPS], rtol=0, atol=1e-3)
+    else:  # filters above the lowered audio's band keep the original frame
+        torch.testing.assert_close(shifted[:, ~inside], a[:, ~inside])
+    with pytest.raises(MarianaError, match="pitch perturbation needs filterbank"):
+        copy_features(tmp_path / "a.wav", FeatureSettings(kind="mfcc"), pitch=pitch)
 
 
 def test_time_stretch_resamples_each_utterance_on_the_frame_axis():
@@ -309,3 +363,13 @@ def test_peak_posteriors_average_the_firing_frames_only():
     total, n = peak_posteriors(p.log())
     assert n == 2 and total == pytest.approx(1.5)
     assert peak_posteriors(torch.tensor([[0.9, 0.1]]).log()) == (0.0, 0)
+
+
+def test_pitch_perturb_flag_is_checked():
+    from mariana.apps.asr.configs import AsrConfig
+
+    AsrConfig(pitch_perturb=[0.85, 1.2]).validate()
+    with pytest.raises(MarianaError, match=r"--pitch-perturb factors must be in \[0.7, 1.3\]"):
+        AsrConfig(pitch_perturb=[1.5]).validate()
+    with pytest.raises(MarianaError, match="--pitch-perturb needs --features fbank"):
+        AsrConfig(pitch_perturb=[0.9], features="mfcc").validate()

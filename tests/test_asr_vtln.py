@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -189,3 +190,24 @@ def test_bad_vtln_values_are_refused(tiny, flags, message):
     e = run_cli(["asr", "eval", "--model", run, "--data", test, *flags], timeout=120)
     assert e.returncode == 2 and message in e.stderr, e.stderr
     assert "Traceback" not in e.stderr and "mariana: error:" in last_line(e.stderr)
+
+
+def test_train_adds_pitch_copies_of_every_utterance(tiny, tmp_path):
+    """`train --pitch-perturb` trains on the original and one copy per factor of every utterance, each copy
+    frame for frame as long as its original and its own CMVN speaker."""
+    data = Path(tiny[1]).parent
+    run_cli(
+        ["asr", "train", "--data", data, "--out", tmp_path / "run", "--preset", "debug", "--epochs", "1"]
+        + ["--speed-perturb", "1.0", "--pitch-perturb", "0.9,1.1", "--no-progress"],
+        timeout=300,
+        check=True,
+    )
+    caches = [json.loads(p.read_text())["utts"] for p in (data / "train/feats").glob("*/index.json")]
+    (utts,) = [c for c in caches if any(u["utt"].startswith("pitch") for u in c)]
+    orig = {u["utt"]: u for u in utts if not u["utt"].startswith("pitch")}
+    assert len(utts) == 3 * len(orig) > 0
+    for tag in ("pitch0.9-", "pitch1.1-"):
+        copies = {u["utt"].removeprefix(tag): u for u in utts if u["utt"].startswith(tag)}
+        assert copies.keys() == orig.keys()
+        for k, u in copies.items():
+            assert u["frames"] == orig[k]["frames"] and u["spk"] == tag + orig[k]["spk"]

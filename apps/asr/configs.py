@@ -59,6 +59,10 @@ class AsrConfig(TrainConfig):
     vtln_perturb: list[float] = opt(
         [1.0], "VTLN warp factors of extra training copies (frequency axis only), e.g. 0.9,1.1"
     )
+    pitch_perturb: list[float] = opt(
+        [1.0],
+        "pitch factors of extra training copies (pitch only: formants and tempo kept), e.g. 0.9,1.1",
+    )
     time_stretch: list[float] = opt(
         [1.0, 1.0], "tempo factor range LO,HI drawn per segment on the fly (frame axis only), e.g. 0.7,1.4"
     )
@@ -92,6 +96,13 @@ class AsrConfig(TrainConfig):
             raise MarianaError(f"--speed-perturb factors must be in [0.5, 2], got {self.speed_perturb}")
         if not self.vtln_perturb or any(not 0.7 <= w <= 1.3 for w in self.vtln_perturb):
             raise MarianaError(f"--vtln-perturb factors must be in [0.7, 1.3], got {self.vtln_perturb}")
+        if not self.pitch_perturb or any(not 0.7 <= p <= 1.3 for p in self.pitch_perturb):
+            raise MarianaError(f"--pitch-perturb factors must be in [0.7, 1.3], got {self.pitch_perturb}")
+        if self.features == "mfcc" and any(p != 1.0 for p in self.pitch_perturb):
+            raise MarianaError(
+                "--pitch-perturb needs --features fbank: its copies change the harmonics' ripple across the "
+                "filters, which the first cepstra of MFCCs leave out"
+            )
         if self.features == "mfcc" and not 1 <= self.num_ceps <= self.num_mel_bins:
             raise MarianaError(f"--num-ceps must be in [1, --num-mel-bins], got {self.num_ceps}")
         if len(self.time_stretch) != 2 or not 0.3 <= self.time_stretch[0] <= self.time_stretch[1] <= 3.0:

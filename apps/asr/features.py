@@ -15,7 +15,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -109,14 +109,69 @@ def min_samples(s: FeatureSettings) -> int:
     return int(s.sample_rate * s.frame_length_ms / 1000)
 
 
+def pitch_settings(s: FeatureSettings, pitch: float) -> FeatureSettings:
+    """The settings that read audio sped up by ``pitch`` (`load_audio` ``speed``) frame for frame as the
+    original: window and shift shortened by the same factor, so each frame covers the same speech."""
+    return replace(s, frame_length_ms=s.frame_length_ms / pitch, frame_shift_ms=s.frame_shift_ms / pitch)
+
+
+# Cepstra of a log-mel frame below this index are its spectral envelope (the vocal tract: what MFCCs keep);
+# the rest is the harmonics' ripple across the low filters (the voice's pitch).
+ENVELOPE_CEPS = 13
+
+
+def swap_envelope(
+    envelope_of: torch.Tensor, ripple_of: torch.Tensor, keep: int = ENVELOPE_CEPS
+) -> torch.Tensor:
+    """Log-mel frames [T, bins] with the spectral envelope (first ``keep`` DCT-II cepstra of each frame) of
+    ``envelope_of`` [T, bins] and the rest of ``ripple_of`` [T', bins] (cut or edge-padded to T frames)."""
+    import scipy.fft
+
+    n = envelope_of.shape[0]
+    r = ripple_of[:n]
+    if r.shape[0] < n:
+        r = torch.cat([r, r[-1:].expand(n - r.shape[0], -1)])
+    ce = scipy.fft.dct(envelope_of.double().numpy(), type=2, norm="ortho", axis=1)
+    cr = scipy.fft.dct(r.double().numpy(), type=2, norm="ortho", axis=1)
+    cr[:, :keep] = ce[:, :keep]
+    return torch.from_numpy(scipy.fft.idct(cr, type=2, norm="ortho", axis=1)).to(envelope_of.dtype)
+
+
+def copy_features(path, s: FeatureSettings, speed: float = 1.0, warp: float = 1.0, pitch: float = 1.0):
+    """Raw features [frames, dim] of one perturbed copy of the WAV at ``path`` (see `perturbations`).
+
+    ``pitch`` != 1 changes the pitch alone (filterbanks only): the audio resampled as for speed
+    perturbation (pitch, formants and tempo x pitch) and framed with window and shift / pitch (the same
+    frames as the original) gives the harmonics at the new pitch; each frame keeps the original's spectral
+    envelope (`swap_envelope`), so formants and tempo stay as spoken."""
+    own = fbank(load_audio(path, s, speed), s, warp)
+    if pitch == 1.0:
+        return own
+    if s.kind != "fbank":
+        raise MarianaError(f"pitch perturbation needs filterbank features, not {s.kind}")
+    shifted = swap_envelope(own, fbank(load_audio(path, s, speed * pitch), pitch_settings(s, pitch), warp))
+    # Lowered audio has nothing above nyquist x pitch: the filters up there keep the original frame.
+    top = 0.9 * s.sample_rate / 2 * min(1.0, pitch)
+    return torch.where(mel_centres(s) < top, shifted, own)
+
+
+def mel_centres(s: FeatureSettings) -> torch.Tensor:
+    """Centre frequencies (Hz) [bins] of the unwarped Kaldi mel filters of ``s`` (as `fbank` makes them)."""
+    from torchaudio.compliance.kaldi import get_mel_banks
+
+    # Only the centres are used; they do not depend on the FFT size or the VTLN cut-offs.
+    _, centres = get_mel_banks(s.num_mel_bins, 512, float(s.sample_rate), 20.0, 0.0, 100.0, -500.0, 1.0)
+    return centres.reshape(-1).float()
+
+
 def _chunk_worker(args) -> tuple[list[tuple[int, np.ndarray]], list[tuple[int, str]]]:
-    """Compute raw features for ``[(index, path, speed, warp)]`` in a worker thread."""
+    """Compute raw features for ``[(index, path, speed, warp, pitch)]`` in a worker thread."""
     items, settings = args
     s = FeatureSettings(**settings)
     done, failed = [], []
-    for i, path, speed, warp in items:
+    for i, path, speed, warp, pitch in items:
         try:
-            feats = fbank(load_audio(path, s, speed), s, warp)
+            feats = copy_features(path, s, speed, warp, pitch)
             if feats.shape[0] == 0:
                 raise MarianaError(f"{path}: shorter than one frame")
             done.append((i, feats.numpy().astype(np.float32)))
@@ -128,9 +183,9 @@ def _chunk_worker(args) -> tuple[list[tuple[int, np.ndarray]], list[tuple[int, s
 
 
 def compute_raw(
-    jobs_in: list[tuple[str, float, float]], s: FeatureSettings, jobs: int = 2
+    jobs_in: list[tuple[str, float, float, float]], s: FeatureSettings, jobs: int = 2
 ) -> tuple[dict[int, np.ndarray], dict[int, str]]:
-    """Raw features for each ``(path, speed, warp)`` in parallel -> ({index: [frames, dim]},
+    """Raw features for each ``(path, speed, warp, pitch)`` in parallel -> ({index: [frames, dim]},
     {index: reason})."""
     items = [(i, *w) for i, w in enumerate(jobs_in)]
     jobs = max(1, min(jobs, len(items)))
@@ -152,18 +207,22 @@ def compute_raw(
 
 
 def perturbations(
-    speeds: tuple[float, ...] = (1.0,), warps: tuple[float, ...] = (1.0,)
-) -> list[tuple[float, float]]:
-    """The (speed, VTLN warp) copies made of each utterance: every speed unwarped, then every warp at the
-    original speed (a sum, not a product, so the copies grow linearly with the factors)."""
-    out = [(sp, 1.0) for sp in speeds]
-    out += [(1.0, w) for w in warps if (1.0, w) not in out]
+    speeds: tuple[float, ...] = (1.0,), warps: tuple[float, ...] = (1.0,), pitches: tuple[float, ...] = ()
+) -> list[tuple[float, float, float]]:
+    """The (speed, VTLN warp, pitch) copies made of each utterance: every speed unwarped, then every warp and
+    then every pitch factor at the original speed (a sum, not a product, so the copies grow linearly with
+    the factors)."""
+    out = [(sp, 1.0, 1.0) for sp in speeds]
+    out += [(1.0, w, 1.0) for w in warps if (1.0, w, 1.0) not in out]
+    out += [(1.0, 1.0, p) for p in pitches if (1.0, 1.0, p) not in out]
     return out
 
 
-def copy_tag(speed: float = 1.0, warp: float = 1.0) -> str:
+def copy_tag(speed: float = 1.0, warp: float = 1.0, pitch: float = 1.0) -> str:
     """The prefix of the ids and speakers of a perturbed copy (`perturbations`): ``sp{speed}-``,
-    ``vtln{warp}-``, or "" for the original audio."""
+    ``vtln{warp}-``, ``pitch{pitch}-``, or "" for the original audio."""
+    if pitch != 1.0:
+        return f"pitch{pitch}-"
     return "" if (speed, warp) == (1.0, 1.0) else (f"sp{speed}-" if warp == 1.0 else f"vtln{warp}-")
 
 
@@ -174,27 +233,28 @@ def extract(
     speeds: tuple[float, ...] = (1.0,),
     warps: tuple[float, ...] = (1.0,),
     prior: FilePrior | None = None,
+    pitches: tuple[float, ...] = (),
 ) -> tuple[list[Utterance], list[np.ndarray], list[tuple[str, str]], dict[str, dict]]:
     """Features of ``utts`` (x each copy of `perturbations`), CMVN applied -> (kept utterances, [frames, dim]
     float32 arrays, skipped [(path, reason)], raw-feature statistics of each speaker's unperturbed audio
     ``{spk: {"sum", "sumsq", "frames"}}``). Perturbed copies get ids ``sp{factor}-{utt}`` /
-    ``vtln{warp}-{utt}`` and speakers named the same way (separate CMVN statistics, as in Kaldi recipes).
+    ``vtln{warp}-{utt}`` / ``pitch{factor}-{utt}`` and speakers named the same way (separate CMVN statistics, as in Kaldi recipes).
     ``s.cmvn == "file"`` normalises each utterance alone with ``prior`` (as `predict.Transcriber` does;
     default: the prior of these utterances' own speakers, as for a training set)."""
     work, meta = [], []
-    for sp, w in perturbations(speeds, warps):
-        tag = copy_tag(sp, w)
+    for sp, w, p in perturbations(speeds, warps, pitches):
+        tag = copy_tag(sp, w, p)
         for u in utts:
-            work.append((u.path, sp, w))
+            work.append((u.path, sp, w, p))
             meta.append(Utterance(f"{tag}{u.utt}", f"{tag}{u.spk}", u.words, u.path) if tag else u)
     raw, failed = compute_raw(work, s, jobs)
     kept = [i for i in range(len(work)) if i in raw]
-    skipped = [(work[i][0], failed[i]) for i in sorted(failed) if work[i][1:] == (1.0, 1.0)]
+    skipped = [(work[i][0], failed[i]) for i in sorted(failed) if work[i][1:] == (1.0, 1.0, 1.0)]
     out_utts = [meta[i] for i in kept]
     feats = [raw[i] for i in kept]
     spk_stats: dict[str, dict] = {}
     for i in kept:
-        if work[i][1:] == (1.0, 1.0):
+        if work[i][1:] == (1.0, 1.0, 1.0):
             s1, s2, n = stats(raw[i])
             acc = spk_stats.setdefault(meta[i].spk, {"sum": 0.0, "sumsq": 0.0, "frames": 0})
             acc["sum"], acc["sumsq"], acc["frames"] = acc["sum"] + s1, acc["sumsq"] + s2, acc["frames"] + n
@@ -324,6 +384,7 @@ def cached_features(
     cache_root: str | Path | None = None,
     warps: tuple[float, ...] = (1.0,),
     prior: FilePrior | None = None,
+    pitches: tuple[float, ...] = (),
 ) -> FeatureCache:
     """The feature cache of a Kaldi data dir, built if missing or stale (settings or wav.scp changed).
 
@@ -336,7 +397,7 @@ def cached_features(
     stamp = hashlib.sha1(
         scp.read_bytes()
         + (data_dir / "text").read_bytes()
-        + repr(perturbations(tuple(speeds), tuple(warps))).encode()
+        + repr(perturbations(tuple(speeds), tuple(warps), tuple(pitches))).encode()
         + (prior.digest().encode() if s.cmvn == "file" and prior else b"")
         + CACHE_FORMAT
     ).hexdigest()
@@ -346,6 +407,8 @@ def cached_features(
         cache = FeatureCache(folder)
         if cache.key == key:
             return cache
-    utts, feats, skipped, spk_stats = extract(read_kaldi_dir(data_dir), s, jobs, speeds, warps, prior)
+    utts, feats, skipped, spk_stats = extract(
+        read_kaldi_dir(data_dir), s, jobs, speeds, warps, prior, pitches
+    )
     write_cache(folder, key, utts, feats, skipped, speaker_stats=spk_stats)
     return FeatureCache(folder)

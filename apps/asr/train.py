@@ -170,15 +170,17 @@ def train(cfg: AsrConfig) -> dict:
                 f"--data {data}: no train/wav.scp (run `mariana asr prepare --out {data}` first)"
             )
         s = feature_settings(cfg)
-        speeds, warps = tuple(cfg.speed_perturb), tuple(cfg.vtln_perturb)
+        speeds, warps, pitches = tuple(cfg.speed_perturb), tuple(cfg.vtln_perturb), tuple(cfg.pitch_perturb)
         has_dev = (dev_dir / "wav.scp").is_file() and (dev_dir / "wav.scp").stat().st_size > 0
         root = (lambda split: Path(cfg.cache) / split) if cfg.cache else (lambda split: None)
         if ctx.is_main:  # one process computes the caches; the others wait and read them
-            cache = cached_features(train_dir, s, cfg.feature_jobs, speeds, root("train"), warps)
+            cache = cached_features(
+                train_dir, s, cfg.feature_jobs, speeds, root("train"), warps, pitches=pitches
+            )
             if has_dev:
                 cached_features(dev_dir, s, cfg.feature_jobs, (1.0,), root("dev"), prior=_prior(cache, s))
         ctx.barrier()
-        cache = cached_features(train_dir, s, 1, speeds, root("train"), warps)
+        cache = cached_features(train_dir, s, 1, speeds, root("train"), warps, pitches=pitches)
         if cache.skipped and ctx.is_main:
             log.warning(
                 "skipped %d unreadable recording(s): %s",
