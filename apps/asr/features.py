@@ -238,7 +238,8 @@ def extract(
     """Features of ``utts`` (x each copy of `perturbations`), CMVN applied -> (kept utterances, [frames, dim]
     float32 arrays, skipped [(path, reason)], raw-feature statistics of each speaker's unperturbed audio
     ``{spk: {"sum", "sumsq", "frames"}}``). Perturbed copies get ids ``sp{factor}-{utt}`` /
-    ``vtln{warp}-{utt}`` / ``pitch{factor}-{utt}`` and speakers named the same way (separate CMVN statistics, as in Kaldi recipes).
+    ``vtln{warp}-{utt}`` / ``pitch{factor}-{utt}`` and speakers named the same way (separate CMVN
+    statistics, as in Kaldi recipes).
     ``s.cmvn == "file"`` normalises each utterance alone with ``prior`` (as `predict.Transcriber` does;
     default: the prior of these utterances' own speakers, as for a training set)."""
     work, meta = [], []
