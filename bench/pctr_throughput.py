@@ -308,8 +308,10 @@ def main(argv=None) -> int:
     # Headline ratios compare like with like: the same precision on both sides.
     res["fp32_ours_vs_plain"] = res["ours_fp32"]["samples_per_s"] / base
     res["bf16_ours_vs_plain"] = res["ours"]["samples_per_s"] / res["plain_bf16"]["samples_per_s"]
-    res["ours_vs_plain"] = res["ours"]["samples_per_s"] / base  # bf16 vs fp32: not like for like
-    res["ours_whole_run_vs_plain"] = res["ours"]["whole_run_samples_per_s"] / base
+    # our bf16 whole run (with parsing) against the plain loop of the same precision, as the table prints it
+    res["ours_whole_run_vs_plain_bf16"] = (
+        res["ours"]["whole_run_samples_per_s"] / res["plain_bf16"]["samples_per_s"]
+    )
     # How far any step of this model could go on this machine: the dense layers alone vs the plain loop.
     res["floor_vs_plain_fp32"] = res["floor"]["samples_per_s"] / base
     res["floor_vs_plain_bf16"] = res["floor_bf16"]["samples_per_s"] / res["plain_bf16"]["samples_per_s"]
@@ -325,7 +327,7 @@ def main(argv=None) -> int:
         print(f"{label:32s} {r:10.0f} {r / (base_bf16 if key in bf16_rows else base):24.2f}x")
     o = res["ours"]
     w = o["whole_run_samples_per_s"]
-    print(f"{'ours bf16, whole run w/ parsing':32s} {w:10.0f} {w / base_bf16:24.2f}x")
+    print(f"{'ours bf16, whole run w/ parsing':32s} {w:10.0f} {res['ours_whole_run_vs_plain_bf16']:24.2f}x")
     print(f"val AUC: ours bf16 {o['val_auc']:.4f}, ours fp32 {res['ours_fp32']['val_auc']:.4f}")
     if "ps_s1_w1_vs_ours_fp32" in res:
         print(f"1 server + 1 worker / one process, fp32: {res['ps_s1_w1_vs_ours_fp32']:.2f}x")

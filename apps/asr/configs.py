@@ -92,12 +92,13 @@ class AsrConfig(TrainConfig):
             )
         if not 0 <= self.dropout < 1:
             raise MarianaError(f"--dropout must be in [0, 1), got {self.dropout}")
-        if not self.speed_perturb or any(not 0.5 <= s <= 2.0 for s in self.speed_perturb):
-            raise MarianaError(f"--speed-perturb factors must be in [0.5, 2], got {self.speed_perturb}")
-        if not self.vtln_perturb or any(not 0.7 <= w <= 1.3 for w in self.vtln_perturb):
-            raise MarianaError(f"--vtln-perturb factors must be in [0.7, 1.3], got {self.vtln_perturb}")
-        if not self.pitch_perturb or any(not 0.7 <= p <= 1.3 for p in self.pitch_perturb):
-            raise MarianaError(f"--pitch-perturb factors must be in [0.7, 1.3], got {self.pitch_perturb}")
+        for flag, factors, lo, hi in (
+            ("--speed-perturb", self.speed_perturb, 0.5, 2.0),
+            ("--vtln-perturb", self.vtln_perturb, 0.7, 1.3),
+            ("--pitch-perturb", self.pitch_perturb, 0.7, 1.3),
+        ):
+            if not factors or any(not lo <= f <= hi for f in factors):
+                raise MarianaError(f"{flag} factors must be in [{lo:g}, {hi:g}], got {factors}")
         if self.features == "mfcc" and any(p != 1.0 for p in self.pitch_perturb):
             raise MarianaError(
                 "--pitch-perturb needs --features fbank: its copies change the harmonics' ripple across the "

@@ -13,6 +13,7 @@ worker threads (one chunk of utterances each); unreadable audio is skipped and r
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass, replace
@@ -155,6 +156,7 @@ def copy_features(path, s: FeatureSettings, speed: float = 1.0, warp: float = 1.
     return torch.where(mel_centres(s) < top, shifted, own)
 
 
+@functools.lru_cache(maxsize=8)
 def mel_centres(s: FeatureSettings) -> torch.Tensor:
     """Centre frequencies (Hz) [bins] of the unwarped Kaldi mel filters of ``s`` (as `fbank` makes them)."""
     from torchaudio.compliance.kaldi import get_mel_banks
