@@ -69,8 +69,15 @@ def _serve(args, argv) -> int:
 
     from .service import create_app
 
+    executor = None
+    if args.executor == "slurm":
+        from .slurm import executor_from_args
+
+        executor = executor_from_args(args)
+    elif args.partition or args.account or args.sbatch_arg:
+        raise MarianaError("--partition/--account/--sbatch-arg need --executor slurm")
     try:
-        app = create_app(home, args.db_url, args.slots, token)
+        app = create_app(home, args.db_url, args.slots, token, executor=executor)
     except (ArgumentError, OperationalError) as e:
         raise MarianaError(f"--db-url {args.db_url}: {str(e).splitlines()[0]}") from None
     except ModuleNotFoundError as e:
@@ -79,7 +86,7 @@ def _serve(args, argv) -> int:
         ) from None
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"mariana jobs service on http://{host}:{port} (home {home}, {app.state.scheduler.slots} slots, "
-          "docs at /docs)", flush=True)  # fmt: skip
+          f"{args.executor} executor, docs at /docs)", flush=True)  # fmt: skip
     config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="on")
     uvicorn.Server(config).run(sockets=[sock])
     return 0
@@ -90,7 +97,9 @@ def _submit(args, argv) -> int:
 
     if not args.job:
         raise MarianaError("nothing to submit: expected `mariana submit [options] APP COMMAND [ARGS...]`")
-    job = _client(args).submit(args.job, args.priority, args.name, os.getcwd())
+    resources = {k: getattr(args, k) for k in ("nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task",
+                                               "time", "partition")}  # fmt: skip
+    job = _client(args).submit(args.job, args.priority, args.name, os.getcwd(), resources)
     print(f"submitted job {job['id']}: {' '.join(job['argv'])} ({job['slots']} slot(s), run dir {job['run_dir']})",
           file=sys.stderr)  # fmt: skip
     print(job["id"])
@@ -119,8 +128,8 @@ def _show(args, argv) -> int:
     if args.json:
         print(json.dumps(j, indent=2))
         return 0
-    for key in ("id", "name", "state", "app", "command", "priority", "slots", "run_dir", "pid", "exit_code",
-                "last_step", "export", "error", "retry_of"):  # fmt: skip
+    for key in ("id", "name", "state", "app", "command", "priority", "slots", "resources", "executor",
+                "run_dir", "pid", "external_id", "exit_code", "last_step", "export", "error", "retry_of"):  # fmt: skip
         print(f"{key:12} {j.get(key) if j.get(key) is not None else '-'}")
     print(f"{'argv':12} {' '.join(j['argv'])}")
     for key in ("created", "started", "ended"):
@@ -218,6 +227,15 @@ def register(sub) -> None:
     )
     s.add_argument("--priority", type=int, default=0, help="higher runs first; FIFO within a priority")
     s.add_argument("--name", default="", help="a label for the job")
+    r = s.add_argument_group("resources (the local executor refuses what it cannot honour)")
+    r.add_argument(
+        "--nodes", type=int, default=None, help="Slurm: nodes, one torchrun agent per task (default 1)"
+    )
+    r.add_argument("--tasks-per-node", type=int, default=None, help="Slurm: agents per node (default 1)")
+    r.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (sbatch --gpus-per-node)")
+    r.add_argument("--cpus-per-task", type=int, default=None, help="CPUs per task (sbatch --cpus-per-task)")
+    r.add_argument("--time", default=None, help="Slurm: time limit, e.g. 30, 1:30:00, 2-00")
+    r.add_argument("--partition", default=None, help="Slurm: partition (default: the service's --partition)")
     _client_flags(s, json_flag=False)
     s.add_argument(
         "job", nargs=argparse.REMAINDER, metavar="APP CMD [ARGS...]", help="the job's command line"
@@ -237,6 +255,14 @@ def register(sub) -> None:
     )
     p.add_argument("--token-file", default=None, help="file holding the bearer token mutating requests need")
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
+    p.add_argument("--executor", choices=("local", "slurm"), default="local",
+                   help="where jobs run: process groups on this host, or Slurm batch jobs (sbatch)")  # fmt: skip
+    p.add_argument(
+        "--partition", default=None, help="--executor slurm: default partition (sbatch --partition)"
+    )
+    p.add_argument("--account", default=None, help="--executor slurm: account (sbatch --account)")
+    p.add_argument("--sbatch-arg", action="append", default=None, metavar="ARG",
+                   help="--executor slurm: an extra sbatch argument, e.g. --sbatch-arg=--qos=high (repeatable)")  # fmt: skip
     p.set_defaults(func=_serve)
 
     p = g.add_parser("list", help="all jobs, newest first", formatter_class=fmt)

@@ -52,10 +52,11 @@ class JobsClient:
             raise MarianaError(f"{self.url}{path}: {detail} (HTTP {r.status_code})")
         return r.json()
 
-    def submit(self, argv: list[str], priority: int = 0, name: str = "", cwd: str = "") -> dict:
-        return self.request(
-            "POST", "/api/jobs", json={"argv": argv, "priority": priority, "name": name, "cwd": cwd}
-        )
+    def submit(
+        self, argv: list[str], priority: int = 0, name: str = "", cwd: str = "", resources: dict | None = None
+    ) -> dict:
+        body = {"argv": argv, "priority": priority, "name": name, "cwd": cwd, "resources": resources or {}}
+        return self.request("POST", "/api/jobs", json=body)
 
     def jobs(self) -> list[dict]:
         return self.request("GET", "/api/jobs")["jobs"]

@@ -5,7 +5,8 @@ no committed transaction). Any SQLAlchemy URL works unchanged, e.g. ``postgresql
 for a team-wide service (``postgresql://`` works as is: psycopg 3 is used when psycopg2 is not installed).
 
 Tables:
-- ``jobs``: one row per job (argv, state, slots, run dir, pid + process start time, results).
+- ``jobs``: one row per job (argv, state, slots, resources, run dir, pid + process start time or the
+  cluster's job id, results).
 - ``job_events``: every state change with its time (``queued``, ``running``, ``succeeded``, ...).
 - ``metric_records``: the lines of ``RUN/metrics.jsonl`` (``seq`` numbers them per job from 1).
 - ``counter_records``: the lines of ``RUN/counters/*.jsonl`` (parameter-server worker counters).
@@ -74,6 +75,10 @@ class Job(Base):
     final_metrics: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     counters: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     retry_of: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Added after the first release (see `_add_missing_columns`): nullable, so old rows stay valid.
+    resources: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # see resources.py; None = {}
+    executor: Mapped[str | None] = mapped_column(String(16), nullable=True)  # "local" | "slurm"
+    external_id: Mapped[str | None] = mapped_column(String(64), nullable=True)  # e.g. the Slurm job id
 
     def to_dict(self, now: float | None = None) -> dict:
         """The job object of the REST API (unix-second times, ``duration_s`` up to now while running)."""
@@ -104,6 +109,9 @@ class Job(Base):
             "export": self.export,
             "final_metrics": self.final_metrics,
             "retry_of": self.retry_of,
+            "resources": self.resources or {},
+            "executor": self.executor or "local",
+            "external_id": self.external_id,
         }
 
 
@@ -187,6 +195,7 @@ class Database:
                 cur.close()
 
         Base.metadata.create_all(self.engine)
+        _add_missing_columns(self.engine)
         self._factory = sessionmaker(self.engine, expire_on_commit=False)
         self._lock = threading.RLock()
 
@@ -203,6 +212,20 @@ class Database:
     def journal_mode(self) -> str:
         with self.engine.connect() as c:
             return str(c.exec_driver_sql("PRAGMA journal_mode").scalar())
+
+
+def _add_missing_columns(engine) -> None:
+    """``create_all`` creates missing tables but never alters existing ones: a database made by an older
+    version lacks the newer (nullable) columns of ``jobs``; add them, so old databases keep working."""
+    from sqlalchemy import inspect
+
+    have = {c["name"] for c in inspect(engine).get_columns("jobs")}
+    missing = [c for c in Job.__table__.columns if c.name not in have]
+    with engine.begin() as conn:
+        for col in missing:
+            assert col.nullable, col.name  # a NOT NULL column would need a default for the old rows
+            kind = col.type.compile(dialect=engine.dialect)
+            conn.exec_driver_sql(f"ALTER TABLE jobs ADD COLUMN {col.name} {kind}")
 
 
 def add_event(s: Session, job_id: int, state: str, message: str = "", when: float | None = None) -> None:

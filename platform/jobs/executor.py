@@ -2,9 +2,12 @@
 
 The scheduler only talks to an `Executor`:
 
-- ``start(job_id, argv, run_dir, cwd, env) -> Handle``: launch ``mariana <argv>`` for the job; the handle's
-  ``pid`` and ``start`` (an opaque "which process is this" token, here the process start time from
-  ``/proc/PID/stat``) are stored in the database.
+- ``check(resources, options)``: at submit, refuse (MarianaError, one line) what the executor cannot
+  honour (``resources``: see `resources.py`; ``options``: the option strings the job's command takes).
+- ``start(job_id, argv, run_dir, cwd, env, resources) -> Handle``: launch ``mariana <argv>`` for the job;
+  the handle's ``pid`` and ``start`` (an opaque "which process is this" token, here the process start
+  time from ``/proc/PID/stat``) or ``ext`` (a cluster scheduler's job id) are stored in the database.
+  A submission the cluster rejects raises `StartError` with the cluster's message (the job fails with it).
 - ``poll(handle, run_dir) -> int | None``: ``None`` while the job runs, else its exit status.
 - ``alive(handle) -> bool``: used after a service restart to re-adopt jobs that kept running.
 - ``terminate(handle)`` / ``kill(handle)``: a cancel sends ``terminate``, then ``kill`` after a grace period.
@@ -13,18 +16,16 @@ The scheduler only talks to an `Executor`:
 argv...`` in a new session (``start_new_session=True``: its own process group, so it survives the service
 and a cancel reaches every process of the group), stdout+stderr appended to ``RUN/job.log``. torchrun
 starts its workers in sessions of their own, so terminate/kill also signal every descendant found under
-the job's process (remembered at the first signal, identified by pid + start time).
+the job's process (remembered at the first signal, identified by pid + start time). It runs one task on
+this host: ``--nodes``/``--tasks-per-node`` above 1, ``--time`` and more GPUs or CPUs than the host has
+are refused at submit.
 
-Plugging in a cluster scheduler: a ``SlurmExecutor`` would ``start`` by writing a batch script that runs
-the same runner line under ``srun`` (``sbatch --nodes N --ntasks-per-node 1 --cpus-per-task ...``; every
-node runs ``mariana <argv> --nnodes N --rdzv-endpoint $HEAD:29500``, torchrun's c10d rendezvous does the
-rest), keep the Slurm job id as ``pid`` and the submit time as ``start``, ``poll`` with ``sacct -j ID``
-(or the exit file on the shared file system), ``alive`` with ``squeue``, ``terminate``/``kill`` with
-``scancel [--signal TERM]``. A ``KubernetesExecutor`` would create a Job (or a PyTorchJob / an indexed Job
-with a headless service for the rendezvous endpoint) running the same command with the run directory on a
-shared volume; the Job's name/uid is the handle, ``poll`` reads its status, ``terminate`` deletes it.
-Run directories must be on storage the service can read, since the LogStore tails files there. Multi-node
-jobs need nothing else: ``--nnodes/--rdzv-endpoint`` in the argv reach torchrun unchanged.
+`SlurmExecutor` (``slurm.py``, ``mariana jobs serve --executor slurm``) hands jobs to a Slurm cluster:
+``sbatch`` of a batch script kept in the run directory, the Slurm job id as the handle's ``ext``. A
+``KubernetesExecutor`` would create a Job (or a PyTorchJob / an indexed Job with a headless service for
+the rendezvous endpoint) running the same command with the run directory on a shared volume; the Job's
+name/uid is the handle's ``ext``, ``poll`` reads its status (and the exit file), ``terminate`` deletes it.
+Run directories must be on storage the service can read, since the LogStore tails files there.
 """
 
 from __future__ import annotations
@@ -37,11 +38,20 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from mariana.platform.core.errors import MarianaError
+
+from .resources import describe
+
 
 @dataclass
 class Handle:
-    pid: int
+    pid: int | None
     start: int | None
+    ext: str | None = None  # a cluster scheduler's job id (Slurm), None for local processes
+
+
+class StartError(RuntimeError):
+    """The cluster refused the job at submission (e.g. sbatch's error): the job fails with this message."""
 
 
 def proc_stat(pid: int) -> tuple[str, int, int] | None:
@@ -82,8 +92,26 @@ def descendants(pid: int) -> list[tuple[int, int]]:
 class Executor:
     """Interface every executor implements (see the module docstring)."""
 
-    def start(self, job_id: int, argv: list[str], run_dir: Path, cwd: str, env: dict[str, str]) -> Handle:
+    name = "local"
+    default_slots: int | None = None  # None: the service's core count
+
+    def check(self, resources: dict, options: set[str]) -> None:
+        """Raise MarianaError (one line) if this executor cannot honour ``resources``."""
+
+    def start(
+        self,
+        job_id: int,
+        argv: list[str],
+        run_dir: Path,
+        cwd: str,
+        env: dict[str, str],
+        resources: dict | None = None,
+    ) -> Handle:
         raise NotImplementedError
+
+    def describe(self, handle: Handle) -> str:
+        """How events name the job's process: ``pid 123`` or ``Slurm job 45``."""
+        return f"pid {handle.pid}"
 
     def poll(self, handle: Handle, run_dir: Path) -> int | None:
         raise NotImplementedError
@@ -96,6 +124,11 @@ class Executor:
 
     def kill(self, handle: Handle) -> None:
         raise NotImplementedError
+
+
+def local_gpu_count() -> int:
+    """NVIDIA GPUs on this host (their /dev/nvidiaN device files; no CUDA initialisation)."""
+    return sum(1 for d in os.listdir("/dev") if d.startswith("nvidia") and d[6:].isdigit())
 
 
 def read_exit_file(run_dir: Path) -> int | None:
@@ -113,7 +146,28 @@ class LocalExecutor(Executor):
         self._tree: dict[int, set[tuple[int, int]]] = {}  # pid -> descendants seen at terminate
         self._lock = threading.Lock()
 
-    def start(self, job_id: int, argv: list[str], run_dir: Path, cwd: str, env: dict[str, str]) -> Handle:
+    def check(self, resources: dict, options: set[str]) -> None:
+        bad = {k: v for k, v in resources.items() if k in ("nodes", "tasks_per_node", "time", "partition")}
+        if bad:
+            raise MarianaError(
+                f"{describe(bad)}: the local executor runs one task on the service's host without a time "
+                "limit; start the service with --executor slurm for multi-node jobs, partitions and limits"
+            )
+        gpus, cpus = resources.get("gpus_per_node", 0), resources.get("cpus_per_task", 1)
+        if gpus > local_gpu_count():
+            raise MarianaError(f"--gpus-per-node {gpus}: this host has {local_gpu_count()} GPU(s)")
+        if cpus > (os.cpu_count() or 1):
+            raise MarianaError(f"--cpus-per-task {cpus}: this host has {os.cpu_count()} CPU(s)")
+
+    def start(
+        self,
+        job_id: int,
+        argv: list[str],
+        run_dir: Path,
+        cwd: str,
+        env: dict[str, str],
+        resources: dict | None = None,
+    ) -> Handle:
         run_dir.mkdir(parents=True, exist_ok=True)
         cmd = [
             sys.executable,

@@ -28,8 +28,9 @@ from mariana.platform.core.errors import MarianaError
 from sqlalchemy import select
 
 from .db import Database, Job, add_event
-from .executor import Executor, Handle, LocalExecutor
+from .executor import Executor, Handle, LocalExecutor, StartError
 from .logstore import LogStore, log_error
+from .resources import normalize
 
 LOGSTORE_NICE = 10  # the LogStore thread yields the CPU to training processes
 REFUSED_APPS = {"jobs", "submit"}  # the service does not run its own client commands
@@ -44,6 +45,13 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
         elif a.startswith(flag + "="):
             value = a.split("=", 1)[1]
     return value
+
+
+def handle_of(job: Job) -> Handle | None:
+    """The executor's handle of a started job (None before the spawn)."""
+    if job.pid is None and job.external_id is None:
+        return None
+    return Handle(job.pid, job.pid_start, job.external_id)
 
 
 def slots_of(argv: list[str]) -> int:
@@ -140,8 +148,11 @@ class Scheduler:
         self.last_error: str | None = None
 
     # ------------------------------------------------------------------ API operations
-    def submit(self, argv: list[str], priority: int = 0, name: str = "", cwd: str = "", retry_of=None) -> Job:
+    def submit(self, argv: list[str], priority: int = 0, name: str = "", cwd: str = "", retry_of=None,
+               resources: dict | None = None) -> Job:  # fmt: skip
         app, cmd, options = self.catalog.check(argv)
+        resources = normalize(resources)
+        self.executor.check(resources, options)
         slots = slots_of(argv)
         if slots > self.slots:
             raise MarianaError(
@@ -163,6 +174,8 @@ class Scheduler:
                 slots=slots,
                 created=time.time(),
                 retry_of=retry_of,
+                resources=resources,
+                executor=self.executor.name,
             )
             s.add(job)
             s.flush()  # assigns the id
@@ -188,7 +201,7 @@ class Scheduler:
                 return job
             job.cancel_requested = True
             add_event(s, job.id, "cancelling", "SIGTERM to the job's process group")
-            handle = Handle(job.pid, job.pid_start) if job.pid else None
+            handle = handle_of(job)
         if handle is not None:
             self._cancel_at[job_id] = time.time()
             self.executor.terminate(handle)
@@ -205,13 +218,14 @@ class Scheduler:
                     f"job {job_id} is {job.state}: only failed or cancelled jobs can be retried"
                 )
             argv, priority, name, cwd = list(job.argv), job.priority, job.name, job.cwd
+            resources = job.resources or {}
             has_checkpoint = (Path(job.run_dir) / "checkpoints" / "latest").is_file()
         _, _, options = self.catalog.check(argv)
         # --resume continues from the run's checkpoint; a run that died before its first checkpoint
         # starts again from scratch (the training commands refuse --resume without a checkpoint).
         if "--resume" in options and "--resume" not in argv and has_checkpoint:
             argv.append("--resume")
-        return self.submit(argv, priority, name, cwd, retry_of=job_id)
+        return self.submit(argv, priority, name, cwd, retry_of=job_id, resources=resources)
 
     # ------------------------------------------------------------------ the loop
     def start(self) -> None:
@@ -273,10 +287,14 @@ class Scheduler:
             self._start_queued()
 
     def _watch(self, job: Job) -> None:
-        if job.pid is None:  # the service died between "running" and the spawn
+        handle = handle_of(job)
+        if handle is None:  # the service died between "running" and the spawn
             self._finish(job, None, "the service stopped while starting this job")
             return
-        handle = Handle(job.pid, job.pid_start)
+        if (job.executor or "local") != self.executor.name:
+            self._finish(job, None, f"started by the {job.executor} executor; this service runs "
+                         f"{self.executor.name} jobs and cannot watch it")  # fmt: skip
+            return
         rc = self.executor.poll(handle, Path(job.run_dir))
         if rc is None:
             t = self._cancel_at.get(job.id)
@@ -291,8 +309,8 @@ class Scheduler:
 
     def _finish(self, job: Job, rc: int | None, error: str | None = None) -> None:
         self.logstore.finalize(job.id)
-        if job.pid is not None and hasattr(self.executor, "forget"):
-            self.executor.forget(Handle(job.pid, job.pid_start))
+        if handle_of(job) is not None and hasattr(self.executor, "forget"):
+            self.executor.forget(handle_of(job))
         self._cancel_at.pop(job.id, None)
         with self.db.write() as s:
             j = s.get(Job, job.id)
@@ -341,8 +359,8 @@ class Scheduler:
         env = {k: v for k, v in os.environ.items() if k != "MARIANA_JOBS_TOKEN"}
         env.update({"PYTHONUNBUFFERED": "1", "MARIANA_JOB_ID": str(job.id)})
         try:
-            handle = self.executor.start(job.id, list(job.argv), run_dir, job.cwd, env)
-        except OSError as e:
+            handle = self.executor.start(job.id, list(job.argv), run_dir, job.cwd, env, job.resources or {})
+        except (OSError, StartError) as e:
             with self.db.write() as s:
                 j = s.get(Job, job.id)
                 j.state, j.ended, j.error = "failed", time.time(), f"could not start the job: {e}"
@@ -350,7 +368,9 @@ class Scheduler:
             return False
         with self.db.write() as s:
             j = s.get(Job, job.id)
-            j.pid, j.pid_start = handle.pid, handle.start
+            j.pid, j.pid_start, j.external_id = handle.pid, handle.start, handle.ext
+            if handle.ext:
+                add_event(s, j.id, "running", f"submitted as {self.executor.describe(handle)}")
         return True
 
     def recover(self) -> None:
@@ -358,8 +378,11 @@ class Scheduler:
         with self.db.read() as s:
             running = list(s.scalars(select(Job).where(Job.state == "running")))
         for job in running:
-            if job.pid is not None and self.executor.alive(Handle(job.pid, job.pid_start)):
+            handle = handle_of(job)
+            same = (job.executor or "local") == self.executor.name
+            if handle is not None and same and self.executor.alive(handle):
                 with self.db.write() as s:
-                    add_event(s, job.id, "running", f"re-adopted pid {job.pid} after a service restart")
+                    what = self.executor.describe(handle)
+                    add_event(s, job.id, "running", f"re-adopted {what} after a service restart")
                 continue
             self._watch(job)  # reads the remaining records, job.exit and finalises

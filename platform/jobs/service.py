@@ -45,6 +45,8 @@ class SubmitRequest(BaseModel):
     priority: int = Field(0, description="higher runs first; FIFO within a priority")
     name: str = Field("", description="a label for the job")
     cwd: str = Field("", description="directory relative paths in argv refer to (default: the service's)")
+    resources: dict = Field({}, description="nodes, tasks_per_node, gpus_per_node, cpus_per_task, time, "
+                            "partition (see platform/jobs/resources.py); the executor refuses what it cannot honour")  # fmt: skip
 
 
 def _free_port() -> int:
@@ -66,13 +68,14 @@ def _confined(run_dir: str, rel: str) -> Path:
 
 
 def create_app(home: str | Path, db_url: str | None = None, slots: int | None = None, token: str | None = None,
-               grace_s: float = 10.0) -> FastAPI:  # fmt: skip
+               grace_s: float = 10.0, executor=None) -> FastAPI:  # fmt: skip
     """The service for jobs under ``home`` (run directories in ``home/runs``), database ``db_url``
     (default SQLite ``home/jobs.db``), ``slots`` (default the core count), optional bearer ``token``."""
     home = Path(home).expanduser().resolve()
     (home / "runs").mkdir(parents=True, exist_ok=True)
     db = Database(db_url or default_url(home))
-    sched = Scheduler(db, home, slots or os.cpu_count() or 1, grace_s=grace_s)
+    slots = slots or getattr(executor, "default_slots", None) or os.cpu_count() or 1
+    sched = Scheduler(db, home, slots, executor=executor, grace_s=grace_s)  # executor None: LocalExecutor
     servers: dict[int, tuple[subprocess.Popen, str]] = {}
     servers_lock = threading.Lock()
 
@@ -122,7 +125,7 @@ def create_app(home: str | Path, db_url: str | None = None, slots: int | None = 
 
     @app.post("/api/jobs", status_code=201)
     def submit(req: SubmitRequest) -> dict:
-        return sched.submit(req.argv, req.priority, req.name, req.cwd).to_dict()
+        return sched.submit(req.argv, req.priority, req.name, req.cwd, resources=req.resources).to_dict()
 
     @app.get("/api/jobs")
     def list_jobs(state: str | None = None, limit: int = Query(1000, ge=1, le=100000)) -> dict:
