@@ -7,7 +7,7 @@ STAMP := $(VENV)/.mariana-installed
 DATA ?= ../shared/data
 RUNS ?= runs/demo
 
-.PHONY: install demo test lint format bench clean browser
+.PHONY: install demo test lint format bench clean browser slurm
 
 # torch's CUDA build and its libraries take about 7.5 GB in .venv, and pip needs room for the wheels
 # while it unpacks them: say so up front rather than fail deep inside pip with "No space left on device".
@@ -41,7 +41,12 @@ browser:
 	@command -v chromium >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update && $$SUDO apt-get install -y chromium; }
 
-test: $(STAMP) browser
+# tests/test_jobs_slurm.py starts a throwaway single-host Slurm (scripts/slurm-local.sh): Debian's slurm-wlm + munge.
+slurm:
+	@{ command -v slurmctld || [ -x /usr/sbin/slurmctld ]; } >/dev/null && { command -v munged || [ -x /usr/sbin/munged ]; } >/dev/null || \
+		{ SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); $$SUDO apt-get update && $$SUDO apt-get install -y slurm-wlm munge; }
+
+test: $(STAMP) browser slurm
 	$(PY) -m pytest -q --durations=15 tests
 
 lint: $(STAMP)
