@@ -94,8 +94,9 @@ def scontrol_state(slurm_id: str) -> str | None:
     return m.group(1) if m else None
 
 
-def slurm_processes(slurm_id: str) -> list[int]:
-    """Live processes of a Slurm job on this host (their environment names the job)."""
+def slurm_processes(slurm_id: str, also: bytes = b"") -> list[int]:
+    """Live processes of a Slurm job on this host (their environment names the job, and holds ``also``
+    when given, e.g. ``RANK=1``)."""
     out = []
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -104,7 +105,8 @@ def slurm_processes(slurm_id: str) -> list[int]:
                 stat = Path(f"/proc/{d}/stat").read_text()
             except OSError:
                 continue
-            if f"SLURM_JOB_ID={slurm_id}".encode() in env and stat[stat.rfind(")") + 2] not in "ZX":
+            mine = f"SLURM_JOB_ID={slurm_id}".encode() in env and (not also or also in env)
+            if mine and stat[stat.rfind(")") + 2] not in "ZX":
                 out.append(int(d))
     return out
 
@@ -155,18 +157,34 @@ def test_jobs_succeed_with_metrics_two_tasks_equal_one_process_and_ps_job(servic
     states = SlurmStates(svc, quick)
     dp = ["--optimizer", "sgd", "--lr", "0.05", "--max-steps", "8"]  # as test_dp_framework compares
     two = submit(svc, "--nodes", "1", "--tasks-per-node", "2", *mlp(*dp, "--batch-size", "32"))
-    ps = ["pctr", "train", "--data", FRAPPE, "--servers", "1", "--workers", "1", "--max-steps", "5",
-          "--log-every", "1", "--no-progress"]  # fmt: skip
-    ps_job = submit(svc, "--tasks-per-node", "2", *ps)
+    ps = ["pctr", "train", "--data", FRAPPE, "--servers", "1", "--workers", "1", "--log-every", "5",
+          "--no-progress"]  # fmt: skip
+    ps_job = submit(svc, "--tasks-per-node", "2", *ps, "--max-steps", "5")
+    ps_dies = submit(svc, "--tasks-per-node", "2", *ps, "--max-steps", "400")
     ref = subprocess.Popen(  # the one-process reference, meanwhile
         [sys.executable, "-m", "mariana.platform.cli", *map(str, mlp(*dp, "--batch-size", "64")),
          "--out", str(tmp_path / "one")], cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    # The task running the PS worker (rank 1) dies mid-run: the other task is ended, the job fails clearly.
+    sid = wait_for(lambda: svc.job(ps_dies)["external_id"], 60, "the PS job submitted")
+    wait_for(
+        lambda: svc.http.get(f"/api/jobs/{ps_dies}/counters").json()["history"], 120, "the worker trains"
+    )
+    worker = slurm_processes(sid, b"RANK=1")
+    assert len(worker) == 1, worker
+    agent = int(
+        Path(f"/proc/{worker[0]}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    )  # its torchrun agent
+    os.kill(agent, signal.SIGKILL)
     for job_id in (quick, two, ps_job):
         proc = run_cli(["jobs", "wait", job_id, "--timeout", "240"], env=svc.env())
         assert proc.returncode == 0 and f"job {job_id} succeeded" in proc.stdout, proc.stdout + proc.stderr
     assert ref.wait(120) == 0, ref.stderr.read()
+    proc = run_cli(["jobs", "wait", ps_dies, "--timeout", "120"], env=svc.env())
+    assert proc.returncode == 1 and f"job {ps_dies} failed: " in proc.stdout, proc.stdout + proc.stderr
+    print("the failed task's job:", proc.stdout)
+    wait_for(lambda: not slurm_processes(sid), 30, "no process of the failed PS job left")
 
     # One task: submit -> running -> succeeded, metrics in the LogStore, COMPLETED in Slurm.
     job = svc.job(quick)
