@@ -113,7 +113,8 @@ def slurm_processes(slurm_id: str, also: bytes = b"") -> list[int]:
 
 @pytest.fixture(scope="module")
 def service(cluster, tmp_path_factory):
-    svc = Service(tmp_path_factory.mktemp("slurm-home"), "--executor", "slurm", slots=8)
+    svc = Service(tmp_path_factory.mktemp("slurm-home"), "--executor", "slurm", "--sbatch-arg=--comment=by-mariana",
+                  slots=8)  # fmt: skip
     yield svc
     svc.stop()
 
@@ -155,6 +156,9 @@ def test_jobs_succeed_with_metrics_two_tasks_equal_one_process_and_ps_job(servic
     svc = service
     quick = submit(svc, *mlp("--max-steps", "5", "--log-every", "1"))
     states = SlurmStates(svc, quick)
+    sid = wait_for(lambda: svc.job(quick)["external_id"], 60, "the job submitted to Slurm")
+    shown = subprocess.run(["scontrol", "show", "job", "-o", sid], capture_output=True, text=True).stdout
+    assert "Comment=by-mariana" in shown and "Partition=debug" in shown  # the service's --sbatch-arg
     dp = ["--optimizer", "sgd", "--lr", "0.05", "--max-steps", "8"]  # as test_dp_framework compares
     two = submit(svc, "--nodes", "1", "--tasks-per-node", "2", *mlp(*dp, "--batch-size", "32"))
     ps = ["pctr", "train", "--data", FRAPPE, "--servers", "1", "--workers", "1", "--log-every", "5",
