@@ -82,8 +82,8 @@ def on_device(device: torch.device):
 def write_airbench_data(folder: Path, train, test) -> None:
     """Our decoded sets (uint8 [N,3,S,S]) in airbench's ``train.pt``/``test.pt`` layout (uint8 [N,S,S,3])."""
     for name, d in (("train.pt", train), ("test.pt", test)):
-        images = d.images.permute(0, 2, 3, 1).contiguous()
-        torch.save({"images": images, "labels": d.labels, "classes": d.classes}, folder / name)
+        images = d.images.permute(0, 2, 3, 1).contiguous().cpu()
+        torch.save({"images": images, "labels": d.labels.cpu(), "classes": d.classes}, folder / name)
 
 
 def airbench_loader(ab, folder: Path, train: bool, batch_size: int, device: torch.device):
@@ -253,8 +253,9 @@ def main(argv=None) -> None:
     from mariana.apps.vision.data import decode_all, open_source
 
     device = torch.device(args.device)
-    train = decode_all(open_source(args.data), 32, limit=args.limit)
-    test = decode_all(open_source(args.eval_data, train.classes), 32, limit=args.eval_limit)
+    dec = args.device  # nvJPEG on a GPU
+    train = decode_all(open_source(args.data), 32, dec, limit=args.limit)
+    test = decode_all(open_source(args.eval_data, train.classes), 32, dec, limit=args.eval_limit)
     rows = []
     with tempfile.TemporaryDirectory(prefix="vision_airbench_") as tmp:
         folder = Path(tmp) / "cifar10"

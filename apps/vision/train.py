@@ -362,7 +362,7 @@ def init_whitening_from(model, data, src, cfg: VisionConfig) -> None:
         sample = data.images[:WHITEN_INIT_IMAGES]
     else:
         sample = decode_all(src, cfg.image_size, limit=min(cfg.limit or len(src), WHITEN_INIT_IMAGES)).images
-    init_whitening(model, normalize(sample).cpu())
+    init_whitening(model, normalize(sample))
 
 
 def _train_pipeline(cfg, ctx, run, model, loss_fn, data, eval_data, export):
