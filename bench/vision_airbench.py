@@ -275,6 +275,14 @@ def main(argv=None) -> None:
                     f"  {r['side']:>16} seed {seed}: top-1 {r['top1']:.2f} %  {r['train_s']:.2f} s",
                     flush=True,
                 )
+            if seed + 1 < args.seeds:  # rounds so far, in case a time limit stops the rest
+                report(args, rows, len(train), len(test), version("airbench"), final=False)
+    report(args, rows, len(train), len(test), version("airbench"), final=True)
+
+
+def report(args, rows: list[dict], n_train: int, n_test: int, ab_version: str, final: bool) -> None:
+    """Print (when ``final``) the table and summary line, and write the JSON (``complete``: all rounds)."""
+    device = torch.device(args.device)
     s = summarise(rows, args.epochs)
     cpu = device.type == "cpu"
     targets = {
@@ -288,8 +296,7 @@ def main(argv=None) -> None:
         {"side": r["side"], "seed": r["seed"], "top1 %": f"{r['top1']:.2f}", "train s": f"{r['train_s']:.2f}"}
         for r in rows
     ]
-    print(table(shown, ["side", "seed", "top1 %", "train s"]))
-    print(
+    line = (
         f"airbench {s['airbench_top1_mean']:.2f} +- {s['airbench_top1_std']:.2f} %, ours {s['ours_top1_mean']:.2f} "
         f"+- {s['ours_top1_std']:.2f} %: difference {s['top1_diff']:+.2f} (SE {s['top1_diff_se']:.2f}, target >= "
         f"{targets['top1_diff_min']:.2f}); s/epoch ours {s['ours_s_per_epoch']:.2f} vs {s['airbench_s_per_epoch']:.2f} "
@@ -297,13 +304,18 @@ def main(argv=None) -> None:
         f"airbench's make_net94 and CifarLoader unchanged except device ({args.device}) and dtype "
         f"({'fp32' if cpu else 'fp16 as packaged'}); ours {'fp32' if cpu else 'bf16 autocast'}"
     )
+    if final:
+        print(table(shown, ["side", "seed", "top1 %", "train s"]))
+        print(line)
     payload = {
+        "command": "bench/vision_airbench.py " + " ".join(sys.argv[1:]),
         "commit": git_commit(),
-        "airbench_version": version("airbench"),
+        "airbench_version": ab_version,
+        "complete": final,
         "device": args.device,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "train_images": len(train),
-        "eval_images": len(test),
+        "train_images": n_train,
+        "eval_images": n_test,
         "notes": "seeds interleaved; training seconds exclude compile and evaluation for both; airbench's "
         "make_net94 and CifarLoader unchanged except device and dtype"
         + (
@@ -318,9 +330,11 @@ def main(argv=None) -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        path = args.json
     else:
-        print(f"wrote {write_result('vision_airbench', payload)}")
+        path = write_result("vision_airbench", payload)
+    if final:
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -128,6 +128,10 @@ class VisionConfig(TrainConfig):
                     )
         elif self.compile:
             raise MarianaError("--compile applies to --model-parallel 1 only (pipeline stages run eagerly)")
+        elif self.eval_tta != "none":
+            raise MarianaError(
+                "--eval-tta applies to --model-parallel 1 only (pipeline evaluations use one view)"
+            )
 
     def _validate_model(self) -> None:
         """``--model`` and ``--stage-balance`` checked in the launching process, before any worker starts
