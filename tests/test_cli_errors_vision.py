@@ -162,7 +162,10 @@ def test_serve_busy_port_is_one_line_error(tiny):
 @pytest.mark.parametrize(
     "argv,choices",
     [
-        (["vision", "train"], ["--preset {debug,fast,gpu94,small}", "{flip-crop,flip,none,alt-flip-translate}"]),
+        (
+            ["vision", "train"],
+            ["--preset {debug,fast,gpu94,small}", "{flip-crop,flip,none,alt-flip-translate}"],
+        ),
         (["vision", "eval"], ["--device {auto,cpu,cuda}"]),
         (["vision", "classify"], ["--device {auto,cpu,cuda}"]),
         (["serve"], ["{critical,error,warning,info,debug}"]),
