@@ -17,6 +17,7 @@ all three alike).
     .venv/bin/python bench/vision_throughput.py                 # GPU when available, else a small CPU run
     .venv/bin/python bench/vision_throughput.py --pipeline      # + K=2 pipelined/unpipelined on CPU
     .venv/bin/python bench/vision_throughput.py --device cpu --steps 4 --workers 1 --pipeline   # ~2 min, 2 cores
+    .venv/bin/python bench/vision_throughput.py --models fastnet@32 --cached-epochs 10   # JPEG-to-device
 
 Writes ``bench/results/vision_throughput-{cpu,cuda}.json`` (``--models none``:
 ``vision_throughput-cpu-pipeline.json``) and prints a summary line last.
@@ -145,6 +146,47 @@ def synthetic_batches(size: int, batch: int, steps: int, device):
     y = torch.randint(0, 10, (batch,), device=device)
     for _ in range(steps):
         yield x, y
+
+
+def cached_batches(images: torch.Tensor, labels: torch.Tensor, batch: int, steps: int):
+    """Batches indexed from a decoded set on the device by a device permutation (the decode-once path)."""
+    perm = torch.randperm(len(images), device=images.device)
+    for i in range(steps):
+        lo = (i * batch) % (len(images) - batch + 1)
+        idx = perm[lo : lo + batch]
+        yield images[idx], labels[idx]
+
+
+def cached_case(name, size, tar, batch, steps, device, amp, channels_last, compile_, epochs: int) -> dict:
+    """The decode-once path: every JPEG of ``tar`` decoded once onto ``device`` (batched nvJPEG on a GPU),
+    then training steps indexed from that set. ``jpeg_to_device_img_s`` = the training rate of ``epochs``
+    epochs fed from the JPEGs with the one decode included: ``E*N / (decode_s + E*N / cached_img_s)``;
+    ``ratio`` compares it with the synthetic rate (the same steps on one batch already on the device)."""
+    from mariana.apps.vision.data import decode_all, open_source
+
+    res = {"model": name, "image_size": size, "batch": batch, "steps": steps, "path": "decode-once"}
+    fwd, opt = build(name, size, device, channels_last, compile_)
+    n, s = train_steps(fwd, opt, synthetic_batches(size, batch, steps, device), device, amp, channels_last, 0)
+    res["synthetic_img_s"] = n / s
+    src = open_source(tar)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    data = decode_all(src, size, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    res["decode_s"] = time.perf_counter() - t0
+    res["images"] = len(data)
+    res["decode_img_s"] = len(data) / res["decode_s"]
+    images, labels = data.images.to(device), data.labels.to(device)
+    n, s = train_steps(fwd, opt, cached_batches(images, labels, batch, steps), device, amp, channels_last, 0)
+    res["cached_img_s"] = n / s
+    total = epochs * len(data)
+    res["epochs"] = epochs
+    res["jpeg_to_device_img_s"] = total / (res["decode_s"] + total / res["cached_img_s"])
+    res["ratio"] = res["jpeg_to_device_img_s"] / res["synthetic_img_s"]
+    print(json.dumps(res), file=sys.stderr, flush=True)
+    return res
 
 
 def run_case(name, size, tar, batch, steps, device, workers, amp, channels_last, compile_):
@@ -314,6 +356,17 @@ def main() -> None:
         "--pipeline", action="store_true", help="also measure K=2 pipelined vs unpipelined on CPU"
     )
     ap.add_argument("--compile", action="store_true", help="torch.compile the models (GPU)")
+    ap.add_argument(
+        "--cached-epochs",
+        type=int,
+        default=0,
+        help="measure the decode-once path instead (whole tar decoded onto the device, then steps from it), "
+        "its rate over N epochs with the decode included",
+    )
+    ap.add_argument("--batch", type=int, default=0, help="images per step (0: the defaults below)")
+    ap.add_argument(
+        "--out", default="", help="JSON path (default bench/results/vision_throughput-DEVICE.json)"
+    )
     ap.add_argument("--schedule-worker", default="", help=argparse.SUPPRESS)  # internal: under torchrun
     args = ap.parse_args()
     if args.schedule_worker:
@@ -343,7 +396,7 @@ def main() -> None:
         for spec in [] if cases == "none" else cases.split(","):
             name, size = spec.split("@")
             size = int(size)
-            batch = (512 if size <= 64 else 256) if gpu else (64 if size <= 64 else 8)
+            batch = args.batch or ((512 if size <= 64 else 256) if gpu else (64 if size <= 64 else 8))
             if size > 32:
                 if tar224 is None:
                     # GPU: enough distinct images that the page cache, not the tar, is measured; CPU: just the run's
@@ -352,21 +405,30 @@ def main() -> None:
                 tar = tar224
             else:
                 tar = Path(args.data)
-            results["cases"].append(
-                run_case(name, size, tar, batch, steps, dev, args.workers, gpu, True, args.compile)
-            )
+            if args.cached_epochs:
+                case = cached_case(
+                    name, size, tar, batch, steps, dev, gpu, True, args.compile, args.cached_epochs
+                )
+            else:
+                case = run_case(name, size, tar, batch, steps, dev, args.workers, gpu, True, args.compile)
+            results["cases"].append(case)
         if args.pipeline:
             results["pipeline_schedules_cpu"] = schedule_bench(Path(tmp))
             results["pipeline_cpu"] = [pipeline_bench(Path(tmp), b) for b in ("params", "time")]
             results["unsplit_cpu"] = unsplit_bench(Path(tmp))
     # a GPU run keeps the CPU record; a pipeline-only run (--models none) keeps the full one
     name = f"vision_throughput-{dev.type}" + ("-pipeline" if cases == "none" else "")
-    out = ROOT / "bench" / "results" / f"{name}.json"
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     summary = ", ".join(
-        f"{c['model']}@{c['image_size']}: jpeg {c['jpeg_img_s']:.0f} img/s = {100 * c['ratio']:.0f}% "
-        f"of synthetic {c['synthetic_img_s']:.0f}"
+        f"{c['model']}@{c['image_size']}: jpeg {c.get('jpeg_img_s', c.get('jpeg_to_device_img_s')):.0f} img/s "
+        f"= {100 * c['ratio']:.0f}% of synthetic {c['synthetic_img_s']:.0f}"
+        + (
+            f" (decode-once, {c['epochs']} epochs, decode {c['decode_img_s']:.0f} img/s)"
+            if "epochs" in c
+            else ""
+        )
         for c in results["cases"]
     )
     if "pipeline_cpu" in results:

@@ -70,6 +70,9 @@ CASES = [
     (TRAIN + ["--model", "nosuchnet", "--workers", "2"], 2, "unknown model 'nosuchnet'"),
     (TRAIN + MP2 + ["--model", "densenet121"], 2, "cannot be split into pipeline stages"),
     (TRAIN + ["--augment", "mixup"], 2, "invalid choice: 'mixup'"),
+    (TRAIN + ["--preset", "fast"] + MP2, 2, "--recipe fast runs data parallel only (--model-parallel 1)"),
+    (TRAIN + ["--recipe", "fast"], 2, "--recipe fast trains --model fastnet only"),
+    (TRAIN + MP2 + ["--eval-tta", "crops"], 2, "--eval-tta applies to --model-parallel 1 only"),
     (["vision", "train", "--data", "{data}", "--out", "{file}"], 2, "--out {file}"),
     (["vision", "train", "--data", "{data}", "--out", "/proc/mariana-x"], 2, "--out /proc/mariana-x"),
     (["vision", "train", "--data", "{root}/nowhere", "--out", "{root}/o"], 2, "no such file or directory"),
@@ -159,7 +162,10 @@ def test_serve_busy_port_is_one_line_error(tiny):
 @pytest.mark.parametrize(
     "argv,choices",
     [
-        (["vision", "train"], ["--preset {debug,gpu94,small}", "{flip-crop,flip,none}"]),
+        (
+            ["vision", "train"],
+            ["--preset {debug,fast,gpu94,small}", "{flip-crop,flip,none,alt-flip-translate}"],
+        ),
         (["vision", "eval"], ["--device {auto,cpu,cuda}"]),
         (["vision", "classify"], ["--device {auto,cpu,cuda}"]),
         (["serve"], ["{critical,error,warning,info,debug}"]),

@@ -43,7 +43,8 @@ def _eval(args, argv):
     if r["skipped"]:
         print(f"skipped {r['skipped']} corrupt image(s), e.g. {', '.join(r['skipped_paths'][:3])}")
     print(f"images {r['images']}; result written to {out}")
-    print(f"top-1 {r['top1']:.2f}% top-5 {r['top5']:.2f}%" + (" (flip TTA)" if args.tta else ""))
+    tta = f" ({args.tta} TTA)" if args.tta != "none" else ""
+    print(f"top-1 {r['top1']:.2f}% top-5 {r['top5']:.2f}%{tta}")
     return 0
 
 
@@ -90,6 +91,24 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _tta_flags(p) -> None:
+    """``--tta`` (= ``--tta-mode flip``) and ``--tta-mode {none,flip,crops}``, both into ``args.tta``."""
+    p.add_argument(
+        "--tta",
+        action="store_const",
+        const="flip",
+        default="none",
+        help="test-time augmentation: average each image's and its mirror image's probabilities (2x compute)",
+    )
+    p.add_argument(
+        "--tta-mode",
+        dest="tta",
+        choices=["none", "flip", "crops"],
+        help="test-time augmentation views, probabilities averaged: flip (2) or crops (flip + 1 px "
+        "translations up-left and down-right: 6, as the fast preset evaluates)",
+    )
+
+
 def register(sub) -> None:
     from mariana.platform.cli.common import add_train_parser
 
@@ -118,11 +137,7 @@ def register(sub) -> None:
     e.add_argument("--batch-size", type=int, default=256, help="images per forward pass")
     e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="compute device")
     e.add_argument("--num-workers", type=int, default=0, help="data-loader worker processes (read + decode)")
-    e.add_argument(
-        "--tta",
-        action="store_true",
-        help="test-time augmentation: average each image's and its mirror image's probabilities (2x compute)",
-    )
+    _tta_flags(e)
     e.set_defaults(func=_eval)
     c = g.add_parser("classify", help="print the top-k labels of image files", formatter_class=fmt)
     c.add_argument("--model", required=True, help="run directory of a finished `mariana vision train`")
@@ -136,8 +151,6 @@ def register(sub) -> None:
     c.add_argument(
         "--device", default="auto", choices=["auto", "cpu", "cuda"], help="compute device (auto = cpu)"
     )
-    c.add_argument(
-        "--tta", action="store_true", help="average each image's and its mirror image's probabilities"
-    )
+    _tta_flags(c)
     c.add_argument("--data", default="", help="unused; accepted for uniformity with the other commands")
     c.set_defaults(func=_classify)

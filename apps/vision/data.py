@@ -27,6 +27,7 @@ Corrupt or non-image files are skipped and counted with their path (``bad`` list
 
 from __future__ import annotations
 
+import functools
 import os
 import tarfile
 from collections.abc import Sequence
@@ -306,10 +307,18 @@ def collate_stream(items):
 
 
 # ------------------------------------------------------------------------------------- GPU-side transforms
+@functools.cache
+def _norm_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`MEAN` and `STD` x 255 as ``[1,3,1,1]`` tensors on ``device``, built once per device (building them
+    per batch would copy from the host inside every training step)."""
+    mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(STD, device=device).view(1, 3, 1, 1) * 255
+    return mean, std
+
+
 def normalize(x: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
     """uint8 ``[B,3,S,S]`` -> float ``[B,3,S,S]`` normalised with `MEAN`/`STD` (on x's device)."""
-    mean = torch.tensor(MEAN, device=x.device).view(1, 3, 1, 1) * 255
-    std = torch.tensor(STD, device=x.device).view(1, 3, 1, 1) * 255
+    mean, std = _norm_constants(x.device)
     x = (x.float() - mean) / std
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x
 

@@ -15,6 +15,7 @@ from mariana.platform.dp.dist import resolve_device
 
 from .data import StreamingImages, collate_stream, open_source
 from .predict import load_classifier
+from .tta import tta_mode
 
 
 def evaluate_run(
@@ -24,12 +25,13 @@ def evaluate_run(
     device: str = "auto",
     num_workers: int = 0,
     out: str | Path | None = None,
-    tta: bool = False,
+    tta: bool | str = False,
 ) -> dict:
     """Score ``RUN/model.safetensors`` on ``data`` (.tar or folder); returns and writes to ``out`` (default
     ``eval_result_path(run_dir, data)`` = ``RUN/eval/<data name>.json``, one file per evaluated data set)
-    ``{"top1": %, "top5": %, "images": n, "skipped": n, "data": absolute path, "tta": bool}``. ``tta``:
-    rank classes by the mean probabilities of each image and its mirror image (`Classifier.probabilities`).
+    ``{"top1": %, "top5": %, "images": n, "skipped": n, "data": absolute path, "tta": bool, "tta_mode"}``.
+    ``tta`` (True = "flip", "crops"): rank classes by the mean probabilities of each image's views
+    (`Classifier.probabilities`).
     Images stream through a DataLoader (decode in workers), so the set may be larger than memory."""
     if batch_size < 1 or num_workers < 0:
         raise MarianaError(f"batch_size must be >= 1 and num_workers >= 0, got {batch_size}, {num_workers}")
@@ -64,7 +66,8 @@ def evaluate_run(
         "skipped": len(skipped),
         "skipped_paths": skipped[:100],
         "data": os.path.abspath(data),
-        "tta": tta,
+        "tta": tta_mode(tta) != "none",
+        "tta_mode": tta_mode(tta),
     }
     out = Path(out) if out is not None else eval_result_path(run_dir, data)
     out.parent.mkdir(parents=True, exist_ok=True)

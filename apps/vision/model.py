@@ -25,7 +25,7 @@ import torch
 from mariana.platform.core.errors import MarianaError
 from torch import nn
 
-MARIANA_MODELS = ("mariana-cnn", "mariana-cnn-32", "cifar-fast", "resnet9")
+MARIANA_MODELS = ("mariana-cnn", "mariana-cnn-32", "cifar-fast", "resnet9", "fastnet")
 
 
 def conv_bn(cin: int, cout: int, pool: bool = False) -> nn.Sequential:
@@ -145,13 +145,17 @@ def mariana_cnn_32(num_classes: int = 10, dropout: float = 0.5) -> nn.Sequential
 
 
 def build_model(name: str, num_classes: int, image_size: int = 32, dropout: float = 0.5) -> nn.Module:
-    """Model by name: ``cifar-fast``, ``mariana-cnn`` (224 px variant when ``image_size`` >= 128, else the
+    """Model by name: ``cifar-fast``, ``resnet9``, ``fastnet`` (`fastnet.fastnet`), ``mariana-cnn`` (224 px variant when ``image_size`` >= 128, else the
     32 px one), ``mariana-cnn-32``, or any torchvision classification model (``resnet18``, ``alexnet``,
     ...; randomly initialised). Raises MarianaError for an unknown name."""
     if name == "cifar-fast":
         return cifar_fast(num_classes, width=16)
     if name == "resnet9":
         return cifar_fast(num_classes, width=64)
+    if name == "fastnet":
+        from .fastnet import fastnet
+
+        return fastnet(num_classes)
     if name == "mariana-cnn":
         return (
             mariana_cnn(num_classes, dropout) if image_size >= 128 else mariana_cnn_32(num_classes, dropout)

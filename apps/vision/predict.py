@@ -15,13 +15,13 @@ from mariana.platform.core.export import load_exported
 
 from .data import decode_one, image_bytes_ok
 from .model import build_model
+from .tta import tta_mode, tta_probabilities
 
 
 def flip_tta_probabilities(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Normalised images ``x [B, 3, H, W]`` -> ``[B, C]``: the mean of the class probabilities of ``x`` and
     of ``x`` flipped left-right (one forward pass over both)."""
-    p = torch.softmax(model(torch.cat([x, x.flip(-1)])).float(), dim=1)
-    return (p[: len(x)] + p[len(x) :]) / 2
+    return tta_probabilities(model, x, "flip")
 
 
 class Classifier:
@@ -50,14 +50,15 @@ class Classifier:
         self.std = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255
 
     @torch.no_grad()
-    def probabilities(self, images: torch.Tensor, tta: bool = False) -> torch.Tensor:
-        """uint8 ``[B,3,S,S]`` -> class probabilities float ``[B, C]``. ``tta``: test-time augmentation,
-        the mean of the probabilities of the images and of their mirror images (flipped left-right, the
-        flip the training augmentation uses), at twice the compute."""
+    def probabilities(self, images: torch.Tensor, tta: bool | str = False) -> torch.Tensor:
+        """uint8 ``[B,3,S,S]`` -> class probabilities float ``[B, C]``. ``tta``: test-time augmentation
+        (`tta.tta_views`), the mean of the views' probabilities: ``"flip"`` (or True) the images and their
+        mirror images (2x the compute), ``"crops"`` those plus the images translated by 1 px up-left and
+        down-right, each also mirrored (6x); False/``"none"`` the images alone."""
         x = (images.to(self.device).float() - self.mean) / self.std
-        return flip_tta_probabilities(self.model, x) if tta else torch.softmax(self.model(x).float(), dim=1)
+        return tta_probabilities(self.model, x, tta_mode(tta))
 
-    def classify_bytes(self, data: bytes, k: int = 5, tta: bool = False) -> list[tuple[str, float]]:
+    def classify_bytes(self, data: bytes, k: int = 5, tta: bool | str = False) -> list[tuple[str, float]]:
         """Encoded image (JPEG/PNG/GIF bytes) -> the top-``k`` (label, probability), best first
         (``tta``: see `probabilities`). Raises MarianaError when the bytes are not a decodable image."""
         if not isinstance(data, bytes | bytearray) or not image_bytes_ok(bytes(data[:8])):
@@ -70,7 +71,7 @@ class Classifier:
         top = p.topk(min(k, len(self.classes)))
         return [(self.classes[i], float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
 
-    def classify_file(self, path: str | Path, k: int = 5, tta: bool = False) -> list[tuple[str, float]]:
+    def classify_file(self, path: str | Path, k: int = 5, tta: bool | str = False) -> list[tuple[str, float]]:
         p = Path(path)
         if not p.is_file():
             raise MarianaError(f"{p}: no such image file")

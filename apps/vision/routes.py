@@ -1,7 +1,8 @@
 """REST routes of the vision app, mounted by ``mariana serve`` through the app's spec (`spec.py`).
 
 ``POST /v1/vision/classify?k=5`` multipart ``file`` = JPEG/PNG/GIF ->
-``{"labels": [{"label", "probability"}, ...], "model_version": v}``.
+``{"labels": [{"label", "probability"}, ...], "model_version": v, "tta": bool, "tta_mode": m}``;
+``?tta=true|flip|crops`` averages the probabilities of views of the image (`tta.tta_views`).
 
 Module-level imports are FastAPI only: a server without a vision model never imports the model code.
 """
@@ -35,8 +36,11 @@ def router(ctx) -> APIRouter:
     async def vision_classify(
         file: UploadFile = File(..., description="JPEG or PNG image"),
         k: int = Query(5, ge=1, le=100, description="how many labels"),
-        tta: bool = Query(
-            False, description="test-time augmentation: average the image's and its mirror's probabilities"
+        tta: str = Query(
+            "false",
+            pattern="^(true|false|1|0|none|flip|crops)$",
+            description="test-time augmentation: true/flip = mean of the image's and its mirror's "
+            "probabilities; crops = mean over 6 views (flip + 1 px translations)",
         ),
     ) -> dict:
         if not ctx.served:
@@ -47,8 +51,11 @@ def router(ctx) -> APIRouter:
         if not is_image(data):
             return error(415, "file: not a JPEG/PNG/GIF image")
         loaded = ctx.slot.current
+        from .tta import tta_mode  # the model code is loaded by now (a model is served)
+
+        mode = tta_mode(tta)
         try:
-            top = await ctx.run(loaded.obj.classify_bytes, data, k, tta)
+            top = await ctx.run(loaded.obj.classify_bytes, data, k, mode)
         except MarianaError as e:
             return error(422, f"file: {e}")
         except Exception as e:  # noqa: BLE001  -- a corrupt image must not become a 500
@@ -57,7 +64,8 @@ def router(ctx) -> APIRouter:
         return {
             "labels": [{"label": lbl, "probability": float(p)} for lbl, p in top],
             "model_version": loaded.version,
-            "tta": tta,
+            "tta": mode != "none",
+            "tta_mode": mode,
         }
 
     return r

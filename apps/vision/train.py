@@ -38,7 +38,12 @@ from .data import (
     open_source,
     subset_indices,
 )
+from .fastnet import init_whitening
 from .model import as_blocks, build_model, num_params
+from .recipe import DeviceEpochLoader, FastStep
+from .tta import tta_probabilities
+
+WHITEN_INIT_IMAGES = 5000  # training images whose patches initialise fastnet's whitening layer
 
 log = logging.getLogger("mariana")
 
@@ -154,7 +159,8 @@ def make_prepare(cfg: VisionConfig, train: bool):
     """uint8 batch on the device -> augmented (training) and normalised float batch."""
 
     def prepare(x: torch.Tensor) -> torch.Tensor:
-        if train and cfg.augment != "none":
+        # alt-flip-translate runs in the loader (recipe.DeviceEpochLoader): its flips depend on the epoch
+        if train and cfg.augment not in ("none", "alt-flip-translate"):
             x = augment_batch(x, pad=cfg.image_size // 8 if cfg.augment == "flip-crop" else 0)
         return normalize(x, channels_last=cfg.channels_last)
 
@@ -169,7 +175,8 @@ def evaluate_cached(
     rank: int = 0,
     world: int = 1,
 ) -> dict[str, float]:
-    """top1/top5 (%) of ``model`` on this rank's shard of ``data``, summed over ranks (all ranks call)."""
+    """top1/top5 (%) of ``model`` on this rank's shard of ``data``, summed over ranks (all ranks call);
+    ranked by the mean probabilities of ``--eval-tta``'s views."""
     prepare = make_prepare(cfg, train=False)
     c1 = c5 = n = 0
     model.eval()
@@ -177,7 +184,7 @@ def evaluate_cached(
         for lo in range(rank * batch_size, len(data), batch_size * world):
             x = prepare(data.images[lo : lo + batch_size])
             y = data.labels[lo : lo + batch_size]
-            a, b = topk_correct(model(x).float(), y)
+            a, b = topk_correct(tta_probabilities(model, x, cfg.eval_tta), y)
             c1, c5, n = c1 + a, c5 + b, n + len(y)
     counts = torch.tensor([c1, c5, n], dtype=torch.float64)
     if world > 1:
@@ -210,6 +217,11 @@ def _train(cfg: VisionConfig, ctx) -> dict[str, Any]:
     src = open_source(cfg.data)
     est_gb = len(src) * 3 * cfg.image_size**2 / 1e9
     use_cache = cfg.cache == "on" or (cfg.cache == "auto" and est_gb <= cfg.cache_gb)
+    if cfg.augment == "alt-flip-translate" and not use_cache:
+        raise MarianaError(
+            f"--augment alt-flip-translate needs the decoded set in memory; it needs {est_gb:.1f} GB "
+            f"(> --cache-gb {cfg.cache_gb}); raise --cache-gb or use --cache on"
+        )
     if k > 1 and not use_cache:
         raise MarianaError(
             f"--model-parallel {k} reads from the decoded-image cache; the data needs {est_gb:.1f} GB "
@@ -291,10 +303,14 @@ def _train_data_parallel(cfg, ctx, run, model, loss_fn, data, src, eval_data, sk
     from mariana.platform.core.warmstart import warm_start
     from mariana.platform.dp.ddp import apply_data_parallel
 
+    if cfg.model == "fastnet":
+        init_whitening_from(model, data, src, cfg)
     if cfg.init_from:
         warm_start(model, cfg.init_from, "vision")
 
-    if data is not None:
+    if cfg.augment == "alt-flip-translate":
+        loader = DeviceEpochLoader(data, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
+    elif data is not None:
         sampler = ShardedBatchSampler(len(data), cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
         loader = CachedLoader(data, sampler)
     else:
@@ -326,9 +342,10 @@ def _train_data_parallel(cfg, ctx, run, model, loss_fn, data, src, eval_data, sk
     eval_fn = None
     if eval_data is not None:
         eval_fn = lambda m: evaluate_cached(m, eval_data, cfg, rank=ctx.rank, world=ctx.world_size)  # noqa: E731
+    step_cls = FastStep if cfg.recipe == "fast" else ModuleStep
     trainer = Trainer(
         cfg,
-        ModuleStep(cfg, wrapped, step_fn, ctx),
+        step_cls(cfg, wrapped, step_fn, ctx),
         loader,
         ctx,
         run,
@@ -336,6 +353,16 @@ def _train_data_parallel(cfg, ctx, run, model, loss_fn, data, src, eval_data, sk
         exporter=lambda metrics, step: export(unwrap(wrapped).state_dict(), metrics),
     )
     return trainer.fit()
+
+
+def init_whitening_from(model, data, src, cfg: VisionConfig) -> None:
+    """fastnet's whitening layer from the first `WHITEN_INIT_IMAGES` training images (decoded set), or from
+    that many images decoded for it (streamed input); the same images on every rank."""
+    if data is not None:
+        sample = data.images[:WHITEN_INIT_IMAGES]
+    else:
+        sample = decode_all(src, cfg.image_size, limit=min(cfg.limit or len(src), WHITEN_INIT_IMAGES)).images
+    init_whitening(model, normalize(sample))
 
 
 def _train_pipeline(cfg, ctx, run, model, loss_fn, data, eval_data, export):
