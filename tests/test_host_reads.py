@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import pytest
 import torch
-from helpers import DATA, run_cli
+from helpers import DATA, ROOT, run_cli
 from mariana.platform.core import hostreads
 from test_app_registry import _asr_data
 
@@ -113,33 +114,18 @@ def test_audit_counts_data_dependent_sizes_only_on_tensors_of_the_step(tmp_path)
 
 
 @pytest.mark.gpu
-def test_asr_step_runs_under_cuda_sync_debug_error(tmp_path, monkeypatch):
+def test_asr_step_runs_under_cuda_sync_debug_error(tmp_path):
     # A sync in the step (a device read, a blocking copy, a data-dependent size) raises under "error".
-    from mariana.apps.asr.batches import make_loader
+    sys.path.insert(0, str(ROOT / "bench"))
+    from asr_throughput import Ours, sync_check
     from mariana.apps.asr.configs import PRESETS
     from mariana.apps.asr.features import UtteranceSet, cached_features, feature_settings
-    from mariana.apps.asr.model import build_model
-    from mariana.apps.asr.train import BLANK, BucketBatchSampler, make_step_fn
-    from mariana.platform.core.steps import ModuleStep
-    from mariana.platform.dp.dist import DistContext
+    from mariana.apps.asr.train import BLANK
 
     data = _asr_data(tmp_path)
     cfg = dataclasses.replace(PRESETS["small"], batch_size=4, time_stretch=[0.8, 1.2], device="cuda")
     cache = cached_features(data / "train", feature_settings(cfg), 1, (1.0,))
     vocab = [BLANK] + sorted({w for u in cache.utts for w in u["words"]})
-    ds = UtteranceSet(cache, vocab)
-    dev = torch.device("cuda")
-    loader, tier = make_loader(cfg, ds, BucketBatchSampler(ds.lengths, cfg.batch_size), dev)
-    ctx = DistContext(device=dev)
-    step = ModuleStep(cfg, build_model(dataclasses.asdict(cfg), len(vocab)).to(dev), make_step_fn(cfg), ctx)
-    step.setup(10)
-    batches = list(loader.iterate(0))[:4]
-    step.train_step([batches[0]])  # lazy optimizer state and cuDNN/cuBLAS handles: before the check
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for b in batches[1:]:
-            step.train_step([b])
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert tier == "device"
+    ours = Ours(cfg, UtteranceSet(cache, vocab), torch.device("cuda"), len(vocab))
+    assert ours.tier == "device"
+    assert sync_check(ours) == "passed"
