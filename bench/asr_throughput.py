@@ -10,7 +10,7 @@ steps. Augmentation is off on both sides (the plain loop has none).
 Plain: the same network (a fresh one of the same preset) fed the same batches already spliced and on the
 device -> the same CTC loss -> the same clipping -> fused AdamW. It does strictly less work.
 
-Each round times ``--steps`` steps of ours, then of plain, over the same batches; the ratio is the median of
+Each round times ``--steps`` steps of ours and of plain over the same batches (which goes first alternates); the ratio is the median of
 the per-round ratios (ours frames/s / plain frames/s), so machine load hits both sides alike.
 ``--preset mariana`` is the 50.7M-parameter DNN (bf16 on a GPU) at about ``--frames-per-step`` frames.
 ``--compile-start`` also times two fresh processes' start-up with ``--compile`` (the second loads the
@@ -300,8 +300,12 @@ def main() -> None:
         plain.run()  # its warm-up
         rounds = []
         for r in range(args.rounds):
-            o_s, frames, _ = ours.run(steps)
-            p_s, p_frames = plain.run()
+            if r % 2:  # alternate which side goes first, so neither always follows the other
+                p_s, p_frames = plain.run()
+                o_s, frames, _ = ours.run(steps)
+            else:
+                o_s, frames, _ = ours.run(steps)
+                p_s, p_frames = plain.run()
             assert frames == p_frames
             rounds.append({"ours_s": o_s, "plain_s": p_s, "ratio": p_s / o_s, "frames": frames})
             print(f"round {r + 1}: ours {o_s:.3f}s plain {p_s:.3f}s ratio {p_s / o_s:.3f}", flush=True)
