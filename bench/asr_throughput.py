@@ -234,16 +234,21 @@ def start_probe(args) -> None:
         ours.run(3)
         t2 = time.perf_counter()
         compilecache.save(path)
-    print(json.dumps({"first_steps_s": t2 - t1, "process_s": t2 - t0, "loaded": loaded}))
+    from torch._dynamo.utils import counters
+
+    hits = {k: v for k, v in counters["inductor"].items() if "cache" in k}  # fxgraph_cache_hit, ...
+    print(json.dumps({"first_steps_s": t2 - t1, "process_s": t2 - t0, "loaded": loaded, "caches": hits}))
 
 
 def compile_starts(args) -> dict:
     """Two fresh processes with --compile: the first compiles (empty caches), the second loads the
-    artifacts the first saved (inductor's own cache dir is new for each, so only ours carries over)."""
+    artifacts the first saved (inductor's and Triton's own cache dirs are new for each, so only ours
+    carries over; ``caches`` shows inductor's cache hits)."""
     out = {}
     with tempfile.TemporaryDirectory() as cc:
         for name in ("first", "second"):
-            env = dict(os.environ, MARIANA_COMPILE_CACHE=cc, TORCHINDUCTOR_CACHE_DIR=str(Path(cc) / name))
+            fresh = {k: str(Path(cc) / name / k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+            env = dict(os.environ, MARIANA_COMPILE_CACHE=cc, **fresh)
             cmd = [
                 sys.executable,
                 __file__,
