@@ -89,6 +89,7 @@ def test_compiled_default_recipe_recompiles_nothing_after_the_first_epoch(tmp_pa
         real_write(self, record)
 
     monkeypatch.setattr(loop.MetricsLogger, "write", write)
+    monkeypatch.setenv("MARIANA_COMPILE_CACHE", str(tmp_path / "compile-cache"))
     small = PRESETS["small"]
     cfg = dataclasses.replace(
         small,
