@@ -1,24 +1,32 @@
-"""ASR training throughput: the `mariana` acoustic DNN trained from the on-disk feature cache vs a plain
-PyTorch loop over random tensors of the same shapes already on the device, same batch, same run.
+"""ASR training throughput: the platform's path as `mariana asr train` runs it vs a plain PyTorch loop, same
+run, interleaved rounds.
 
-Mariana path: FeatureCache (fp16 shards) -> length-bucketed IndexBatchLoader -> device -> splice (unfold) ->
-DNN -> CTC -> the platform's optimizer (fused AdamW), bf16 autocast on GPU (as `mariana asr train` runs it).
-Plain path: the same loss on the same batch shapes with nothing else: random frames already spliced to
-[B, T, 440] and already on the device, with the Mariana path's own batches' lengths and digit targets -> the
-same layer stack -> log-softmax -> the same CTC loss -> PyTorch's default AdamW; a second plain row uses the
-fused AdamW Mariana uses (the like-for-like row: same optimiser, same loss, same shapes), so the table also
-shows how much of the difference is the optimizer kernel.
-Frames/s counts the valid frames of the batches (the same batches on both paths). The three loops run
-``--rounds`` times one after the other and each loop's median round is reported. Usage::
+Ours: the feature cache in the tier training picks (`apps/asr/batches.make_loader`: on the device when it
+fits, batches gathered there; else RAM; else disk through one persistent DataLoader with training's
+``--num-workers``), built once for the whole bench -> `ModuleStep` (autocast bf16 on a GPU, gradient
+clipping, fused AdamW, LR schedule) over the step function training uses (splice on the device, CTC with
+host-side lengths), the loss summed on the device and read once per round, as the Trainer does between log
+steps. Augmentation is off on both sides (the plain loop has none).
+Plain: the same network (a fresh one of the same preset) fed the same batches already spliced and on the
+device -> the same CTC loss -> the same clipping -> fused AdamW. It does strictly less work.
 
-    .venv/bin/python bench/asr_throughput.py [--data PREPARED] [--preset mariana] [--batch-size 4] [--steps 3] [--rounds 3]
+Each round times ``--steps`` steps of ours and of plain over the same batches (which goes first alternates); the ratio is the median of
+the per-round ratios (ours frames/s / plain frames/s), so machine load hits both sides alike.
+``--preset mariana`` is the 50.7M-parameter DNN (bf16 on a GPU) at about ``--frames-per-step`` frames.
+``--compile-start`` also times two fresh processes' start-up with ``--compile`` (the second loads the
+artifacts the first saved, `platform/core/compilecache.py`). Usage::
+
+    .venv/bin/python bench/asr_throughput.py [--preset small|mariana] [--steps N] [--rounds 5] [--compile-start]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
+import json
+import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,23 +35,25 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_round, table, write_result  # noqa: E402
+from common import table, write_result  # noqa: E402
+from mariana.apps.asr.batches import make_loader  # noqa: E402
 from mariana.apps.asr.configs import PRESETS  # noqa: E402
 from mariana.apps.asr.data import prepare  # noqa: E402
 from mariana.apps.asr.features import cached_features  # noqa: E402
-from mariana.apps.asr.model import build_model  # noqa: E402
+from mariana.apps.asr.model import build_model, splice  # noqa: E402
 from mariana.apps.asr.train import (  # noqa: E402
     BLANK,
     BucketBatchSampler,
     UtteranceSet,
-    collate,
+    compile_model,
     feature_settings,
     flush_denormals_on_cpu,
     make_step_fn,
 )
-from mariana.platform.core.loop import move_to  # noqa: E402
+from mariana.platform.core import compilecache  # noqa: E402
 from mariana.platform.core.optim import build_optimizer  # noqa: E402
-from mariana.platform.dp.sampler import IndexBatchLoader  # noqa: E402
+from mariana.platform.core.steps import ModuleStep, autocast_for  # noqa: E402
+from mariana.platform.dp.dist import DistContext  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,211 +63,295 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def autocast(device, on: bool):
-    return torch.autocast(device.type, dtype=torch.bfloat16) if on else contextlib.nullcontext()
+def batches_from(loader, n: int):
+    """``n`` batches from epoch 0 on (the same ones every call: the sampler's order is seeded)."""
+    epoch, got = 0, 0
+    while got < n:
+        for b in loader.iterate(epoch):
+            yield b
+            got += 1
+            if got == n:
+                return
+        epoch += 1
 
 
-def bench_mariana(cfg, dataset, device, steps, warmup, bf16, compile_):
-    model = build_model(dataclasses.asdict(cfg), len(dataset.unit)).to(device)
-    fwd = torch.compile(model) if compile_ else model
-    opt = build_optimizer(cfg, model.parameters())  # as `mariana asr train` builds it (fused AdamW)
-    step_fn = make_step_fn(dataclasses.replace(cfg, spec_augment=False))
-    sampler = BucketBatchSampler(dataset.lengths, cfg.batch_size, seed=cfg.seed)
-    loader = IndexBatchLoader(
-        dataset,
-        sampler,
-        collate_fn=collate,
-        num_workers=cfg.num_workers,
-        pin_memory=device.type == "cuda",
-    )
-    frames, padded, t0, n = 0, 0, None, 0
-    shapes = []  # (lengths, targets, target_lengths, padded T) of each timed batch, for the plain loop
-    epoch, it = 0, iter(loader.iterate(0))
-    while n < warmup + steps:
-        try:
-            batch = next(it)
-        except StopIteration:
-            epoch += 1
-            it = iter(loader.iterate(epoch))
-            continue
-        if n == warmup:
-            sync(device)
-            t0 = time.perf_counter()
-        batch = move_to(batch, device)
-        with autocast(device, bf16):
-            loss, _ = step_fn(fwd, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if n >= warmup:
-            frames += int(batch["lengths"].sum())
-            padded += batch["feats"].shape[0] * batch["feats"].shape[1]
-            shapes.append(
-                tuple(batch[k].cpu() for k in ("lengths", "targets", "target_lengths"))
-                + (batch["feats"].shape[1],)
+class Ours:
+    """The platform's path: training's loader (built once) and `ModuleStep` over training's step fn."""
+
+    def __init__(self, cfg, dataset, device, n_units):
+        self.cfg, self.device = cfg, device
+        sampler = BucketBatchSampler(dataset.lengths, cfg.batch_size, seed=cfg.seed)
+        self.loader, self.tier = make_loader(cfg, dataset, sampler, device)
+        model = compile_model(build_model(dataclasses.asdict(cfg), n_units).to(device), cfg)
+        self.step = ModuleStep(cfg, model, make_step_fn(cfg), DistContext(device=device))
+        self.step.setup(10**6)
+        self.params = sum(p.numel() for p in model.parameters())
+
+    def run(self, steps: int, keep: bool = False):
+        """-> (seconds, valid frames, kept batches) of ``steps`` steps; the loss is read once at the end."""
+        sync(self.device)
+        t0 = time.perf_counter()
+        loss_sum, frames, kept = torch.zeros((), device=self.device), 0, []
+        for batch in batches_from(self.loader, steps):
+            loss, _ = self.step.train_step([batch])
+            loss_sum += loss
+            frames += int(batch["sizes"].lengths.sum())
+            if keep:
+                kept.append(batch)
+        float(loss_sum)  # the log step's read (syncs the device)
+        return time.perf_counter() - t0, frames, kept
+
+
+class Plain:
+    """The plain loop: same network, inputs spliced already and on the device, CTC, clipping, fused AdamW."""
+
+    def __init__(self, cfg, batches, device, n_units):
+        self.cfg, self.device = cfg, device
+        self.model = build_model(dataclasses.asdict(cfg), n_units).to(device)
+        self.fwd = compile_model(torch.nn.Sequential(self.model.body, self.model.out), cfg)
+        self.opt = build_optimizer(cfg, self.model.parameters())  # fused AdamW, as the platform's
+        self.batches = [
+            (
+                splice(b["feats"], cfg.context, b["lengths"]).contiguous(),
+                b["targets"],
+                b["sizes"].lengths,
+                b["sizes"].target_lengths,
             )
-        n += 1
-    sync(device)
-    wall = time.perf_counter() - t0
-    params = sum(p.numel() for p in model.parameters())
-    return {
-        "frames_per_s": frames / wall,
-        "frames_per_step": frames / steps,
-        "padded_per_step": padded / steps,
-        "step_s": wall / steps,
-        "params": params,
-        "shapes": shapes,
-    }
+            for b in batches
+        ]
+        self.frames = sum(int(lens.sum()) for _, _, lens, _ in self.batches)
+
+    def run(self):
+        sync(self.device)
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), device=self.device)
+        for x, tg, lens, tl in self.batches:
+            with autocast_for(self.cfg, self.device):
+                logp = torch.log_softmax(self.fwd(x).float(), dim=-1)
+            loss = torch.nn.functional.ctc_loss(
+                logp.transpose(0, 1), tg, lens, tl, blank=0, reduction="mean", zero_infinity=True
+            )
+            loss.backward()
+            if self.cfg.clip_grad > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            loss_sum += loss.detach()
+        float(loss_sum)
+        return time.perf_counter() - t0, self.frames
 
 
-def bench_plain(cfg, n_out, shapes, device, warmup, bf16, compile_, fused=False):
-    """The plain loop over ``shapes`` (the Mariana path's timed batches: lengths, targets, target lengths,
-    padded T), each batch's input drawn at random and spliced already; ``warmup`` untimed steps first."""
-    d_in = cfg.num_mel_bins * (2 * cfg.context + 1)
-    dims = [d_in] + [cfg.hidden] * cfg.layers
-    layers = []
-    for i in range(cfg.layers):
-        layers += [torch.nn.Linear(dims[i], dims[i + 1]), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers, torch.nn.Linear(dims[-1], max(n_out, cfg.output_units))).to(device)
-    fwd = torch.compile(model) if compile_ else model
-    # PyTorch's default AdamW (multi-tensor kernels); ``fused`` for the row that isolates that choice.
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True if fused else None)
-    batches = [
-        (torch.randn(len(lens), T, d_in, device=device), lens.to(device), tg.to(device), tl.to(device))
-        for lens, tg, tl, T in shapes
-    ]
-    order = [batches[i % len(batches)] for i in range(warmup)] + batches
-    for n, (x, lens, tg, tl) in enumerate(order):
-        if n == warmup:
-            sync(device)
-            t0 = time.perf_counter()
-        with autocast(device, bf16):
-            logp = torch.log_softmax(fwd(x).float(), dim=-1)
-        loss = torch.nn.functional.ctc_loss(
-            logp.transpose(0, 1), tg, lens, tl, blank=0, reduction="mean", zero_infinity=True
-        )
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    sync(device)
-    wall = time.perf_counter() - t0
-    frames = sum(int(lens.sum()) for lens, *_ in shapes)
-    return {
-        "frames_per_s": frames / wall,
-        "frames_per_step": frames / len(shapes),
-        "step_s": wall / len(shapes),
-        "params": sum(p.numel() for p in model.parameters()),
-    }
+class _TorchCtcUnchecked(torch.autograd.Function):
+    """torch's CTC loss with the sync check off inside it, forward and backward: its CUDA kernels copy their
+    length tables to the device synchronously (``at::tensor(lengths)``, ``tg_batch_offsets.cuda()`` in
+    LossCTC.cu), one sync per call whatever the caller does; the plain loop pays the same."""
+
+    @staticmethod
+    def forward(ctx, logp, targets, lengths, target_lengths, kw):
+        with torch.enable_grad():
+            lp = logp.detach().requires_grad_()
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                loss = _TORCH_CTC(lp, targets, lengths, target_lengths, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode("error")
+        ctx.lp, ctx.loss = lp, loss
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            (g,) = torch.autograd.grad(ctx.loss, ctx.lp, grad)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+        return g, None, None, None, None
+
+
+_TORCH_CTC = torch.nn.functional.ctc_loss
+
+
+def sync_check(ours: Ours, steps: int = 3) -> str:
+    """Run ``steps`` of ours under ``torch.cuda.set_sync_debug_mode("error")`` (torch's own CTC kernels
+    exempted, `_TorchCtcUnchecked`): "passed", or the error (the op that synchronised and where)."""
+    import traceback
+
+    batches = list(batches_from(ours.loader, steps + 1))
+    ours.step.train_step([batches[0]])  # lazy state first
+    torch.cuda.synchronize()
+
+    def ctc(logp, targets, lengths, target_lengths, **kw):
+        return _TorchCtcUnchecked.apply(logp, targets, lengths, target_lengths, kw)
+
+    torch.nn.functional.ctc_loss = ctc
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for b in batches[1:]:
+            ours.step.train_step([b])
+        return "passed"
+    except RuntimeError as e:
+        where = [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)[-4:]]
+        return f"{str(e).splitlines()[0]} at {' <- '.join(reversed(where))}"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        torch.nn.functional.ctc_loss = _TORCH_CTC
+
+
+def prepared(args, tmp: str) -> Path:
+    if args.data:
+        return Path(args.data)
+    data = Path(tmp) / "asr"
+    prepare(ROOT.parent / "shared/data/fsdd/recordings", data, ["yweweler"], utterances=40, max_digits=5)
+    return data
+
+
+def bench_config(args, device, lengths):
+    cfg = PRESETS[args.preset]
+    # no augmentation on either side; training's loader settings (tier rule, workers) otherwise
+    over = dict(spec_augment=False, time_stretch=[1.0, 1.0], compile=args.compile, device=device.type)
+    over |= dict(num_workers=args.num_workers, cache_gb=args.cache_gb)
+    if args.batch_size:
+        over["batch_size"] = args.batch_size
+    elif args.frames_per_step:
+        over["batch_size"] = max(1, round(args.frames_per_step / statistics.mean(lengths)))
+    return dataclasses.replace(cfg, **over)
+
+
+def start_probe(args) -> None:
+    """One fresh process: compile, load saved artifacts, 3 steps, save; prints its start-up seconds."""
+    t0 = time.perf_counter()
+    device = torch.device(args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = cached_features(prepared(args, tmp) / "train", feature_settings(PRESETS[args.preset]), 2)
+        vocab = [BLANK] + sorted({w for u in cache.utts for w in u["words"]})
+        ds = UtteranceSet(cache, vocab)
+        args.compile = True
+        cfg = bench_config(args, device, ds.lengths)
+        path = compilecache.cache_path(f"asr-bench|{args.preset}|{cfg.batch_size}", device)
+        loaded = compilecache.load(path)
+        ours = Ours(cfg, ds, device, len(vocab))
+        t1 = time.perf_counter()
+        ours.run(3)
+        t2 = time.perf_counter()
+        compilecache.save(path)
+    from torch._dynamo.utils import counters
+
+    hits = {k: v for k, v in counters["inductor"].items() if "cache" in k}  # fxgraph_cache_hit, ...
+    print(json.dumps({"first_steps_s": t2 - t1, "process_s": t2 - t0, "loaded": loaded, "caches": hits}))
+
+
+def compile_starts(args) -> dict:
+    """Two fresh processes with --compile: the first compiles (empty caches), the second loads the
+    artifacts the first saved (inductor's and Triton's own cache dirs are new for each, so only ours
+    carries over; ``caches`` shows inductor's cache hits)."""
+    out = {}
+    with tempfile.TemporaryDirectory() as cc:
+        for name in ("first", "second"):
+            fresh = {k: str(Path(cc) / name / k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+            env = dict(os.environ, MARIANA_COMPILE_CACHE=cc, **fresh)
+            cmd = [
+                sys.executable,
+                __file__,
+                "--start-probe",
+                "--preset",
+                args.preset,
+                "--device",
+                args.device,
+            ]
+            cmd += ["--frames-per-step", str(args.frames_per_step), "--batch-size", str(args.batch_size)]
+            cmd += ["--data", args.data] if args.data else []
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            out[name] = json.loads(p.stdout.strip().splitlines()[-1])
+            print(f"compile start {name}: {out[name]}", flush=True)
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--data",
-        default="",
-        help="prepared ASR folder (OUT of `mariana asr prepare`); "
-        "default: prepare a small one from ../shared/data/fsdd in a temp dir",
+        "--data", default="", help="prepared ASR folder (default: a small one from ../shared/data)"
     )
-    p.add_argument("--preset", default="mariana", help="model preset")
-    p.add_argument(
-        "--batch-size", type=int, default=0, help="utterances per step (0: 4 on CPU, preset on GPU)"
-    )
-    p.add_argument("--steps", type=int, default=0, help="timed steps (0: 3 on CPU, 50 on GPU)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=0,
-        help="rounds of all three loops, one after the other; each loop's median round is reported, so "
-        "the first round's cold start (allocator, page cache) counts for neither side (0: 3 on CPU, 1 on GPU)",
-    )
+    p.add_argument("--preset", default="small", help="model preset (small: the default recipe's network)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch-size", type=int, default=0, help="utterances per step (0: the preset's)")
+    p.add_argument("--frames-per-step", type=int, default=0, help="batch by mean frames (mariana: 8192)")
+    p.add_argument("--steps", type=int, default=0, help="timed steps per round (0: 10 on CPU, 40 on GPU)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (ratio: median over rounds)")
+    p.add_argument("--num-workers", type=int, default=0, help="loader workers (training's default: 0)")
+    p.add_argument("--cache-gb", type=float, default=4.0, help="training's --cache-gb (tier rule)")
     p.add_argument("--compile", action="store_true", help="torch.compile both models")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
+    p.add_argument("--compile-start", action="store_true", help="also time two fresh compiled starts")
+    p.add_argument("--start-probe", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--name", default="asr_throughput", help="result file name under bench/results")
+    p.add_argument("--json", default="", help="also write the result JSON here")
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    gpu = device.type == "cuda"
-    cfg = PRESETS[args.preset]
-    cfg = dataclasses.replace(
-        cfg, batch_size=args.batch_size or (cfg.batch_size if gpu else 4), num_workers=2 if gpu else 0
-    )
-    steps = args.steps or (50 if gpu else 3)
-    # As `mariana asr train` does on the CPU (see flush_denormals_on_cpu); the plain loop gets it too.
-    flush_denormals_on_cpu(device)
+    if args.preset == "mariana" and not args.batch_size and not args.frames_per_step:
+        args.frames_per_step = 8192
+    if args.start_probe:
+        return start_probe(args)
+    device = torch.device(args.device)
+    flush_denormals_on_cpu(device)  # as `mariana asr train` does on the CPU; the plain loop gets it too
+    steps = args.steps or (40 if device.type == "cuda" else 10)
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(args.data) if args.data else Path(tmp) / "asr"
-        if not args.data:
-            prepare(
-                ROOT.parent / "shared/data/fsdd/recordings", data, ["yweweler"], utterances=40, max_digits=5
-            )
-        cache = cached_features(data / "train", feature_settings(cfg), 2)
+        cache = cached_features(prepared(args, tmp) / "train", feature_settings(PRESETS[args.preset]), 2)
         vocab = [BLANK] + sorted({w for u in cache.utts for w in u["words"]})
-        dataset = UtteranceSet(cache, vocab)
-        runs: dict[str, list[dict]] = {"mariana": [], "plain": [], "fused": []}
-        for r in range(args.rounds or (1 if gpu else 3)):
-            m = bench_mariana(cfg, dataset, device, steps, args.warmup, gpu, args.compile)
-            shapes = m.pop("shapes")  # the same batches every round (the sampler's seed is fixed)
-            runs["mariana"].append(m)
-            runs["plain"].append(bench_plain(cfg, len(vocab), shapes, device, args.warmup, gpu, args.compile))
-            runs["fused"].append(
-                bench_plain(cfg, len(vocab), shapes, device, args.warmup, gpu, args.compile, fused=True)
-            )
-            print(
-                f"round {r + 1}: step s mariana {m['step_s']:.3f}, plain {runs['plain'][-1]['step_s']:.3f}, "
-                f"plain fused {runs['fused'][-1]['step_s']:.3f}",
-                flush=True,
-            )
-    m, plain, fused = (median_round(runs[k], "step_s") for k in ("mariana", "plain", "fused"))
-    frames = int(round(m["frames_per_step"]))
+        ds = UtteranceSet(cache, vocab)
+        cfg = bench_config(args, device, ds.lengths)
+        ours = Ours(cfg, ds, device, len(vocab))
+        t0 = time.perf_counter()
+        _, _, kept = ours.run(steps, keep=True)  # warm-up: compiles, allocates, keeps the batches
+        warm_s = time.perf_counter() - t0
+        plain = Plain(cfg, kept, device, len(vocab))
+        plain.run()  # its warm-up
+        rounds = []
+        for r in range(args.rounds):
+            if r % 2:  # alternate which side goes first, so neither always follows the other
+                p_s, p_frames = plain.run()
+                o_s, frames, _ = ours.run(steps)
+            else:
+                o_s, frames, _ = ours.run(steps)
+                p_s, p_frames = plain.run()
+            assert frames == p_frames
+            rounds.append({"ours_s": o_s, "plain_s": p_s, "ratio": p_s / o_s, "frames": frames})
+            print(f"round {r + 1}: ours {o_s:.3f}s plain {p_s:.3f}s ratio {p_s / o_s:.3f}", flush=True)
+        synced = sync_check(ours) if device.type == "cuda" else "not run (CPU)"
+        print(f"sync check: {synced}", flush=True)
+    starts = compile_starts(args) if args.compile_start else None
+    ratio = statistics.median(r["ratio"] for r in rounds)
+    mid = sorted(rounds, key=lambda r: r["ratio"])[(len(rounds) - 1) // 2]
     rows = [
-        {
-            "loop": "mariana (cache->splice->CTC)",
-            "frames/s": f"{m['frames_per_s']:.0f}",
-            "step s": f"{m['step_s']:.3f}",
-            "frames/step": frames,
-            "params M": f"{m['params'] / 1e6:.1f}",
-        },
-        {
-            "loop": "plain, CTC, default AdamW",
-            "frames/s": f"{plain['frames_per_s']:.0f}",
-            "step s": f"{plain['step_s']:.3f}",
-            "frames/step": frames,
-            "params M": f"{plain['params'] / 1e6:.1f}",
-        },
-        {
-            "loop": "plain, CTC, fused AdamW (like for like)",
-            "frames/s": f"{fused['frames_per_s']:.0f}",
-            "step s": f"{fused['step_s']:.3f}",
-            "frames/step": frames,
-            "params M": f"{fused['params'] / 1e6:.1f}",
-        },
+        {"loop": f"ours ({ours.tier} tier)", "frames/s": f"{mid['frames'] / mid['ours_s']:.0f}"},
+        {"loop": "plain, fused AdamW", "frames/s": f"{mid['frames'] / mid['plain_s']:.0f}"},
     ]
-    ratio = m["frames_per_s"] / plain["frames_per_s"]
-    print(table(rows, ["loop", "frames/s", "step s", "frames/step", "params M"]))
-    path = write_result(
-        "asr_throughput",
-        {
-            "preset": args.preset,
-            "device": str(device),
-            "bf16": gpu,
-            "compile": args.compile,
-            "steps": steps,
-            "rounds": {k: [round(x["step_s"], 4) for x in v] for k, v in runs.items()},
-            "batch_utterances": cfg.batch_size,
-            "threads": torch.get_num_threads(),
-            "mariana": m,
-            "plain": plain,
-            "plain_fused_adamw": fused,
-            "ratio": ratio,
-            "ratio_vs_plain_fused": m["frames_per_s"] / fused["frames_per_s"],
-        },
-    )
+    for r in rows:
+        r |= {"frames/step": round(mid["frames"] / steps), "params M": f"{ours.params / 1e6:.1f}"}
+    print(table(rows, ["loop", "frames/s", "frames/step", "params M"]))
+    result = {
+        "preset": args.preset,
+        "device": str(device),
+        "bf16": device.type == "cuda" and cfg.amp in ("auto", "bf16"),
+        "compile": args.compile,
+        "tier": ours.tier,
+        "num_workers": cfg.num_workers,
+        "batch_utterances": cfg.batch_size,
+        "frames_per_step": mid["frames"] / steps,
+        "params": ours.params,
+        "steps": steps,
+        "warmup_s": warm_s,
+        "threads": torch.get_num_threads(),
+        "rounds": rounds,
+        "ours_frames_per_s": mid["frames"] / mid["ours_s"],
+        "plain_frames_per_s": mid["frames"] / mid["plain_s"],
+        "ratio_vs_plain_fused": ratio,
+        "compile_start_s": starts,
+        "sync_debug_error_mode": synced,
+    }
+    path = write_result(args.name, result)
+    if args.json:
+        Path(args.json).write_text(Path(path).read_text())
     print(f"wrote {path}")
     print(
-        f"like for like (same CTC loss, same fused AdamW, same batches): mariana/plain "
-        f"{m['frames_per_s'] / fused['frames_per_s']:.2f}x ({m['frames_per_s']:.0f} vs "
-        f"{fused['frames_per_s']:.0f} frames/s); vs plain with PyTorch's default AdamW {ratio:.2f}x"
+        f"ours / plain (same CTC loss, fused AdamW, same batches): {ratio:.3f}x (median of per-round ratios)"
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 
 from mariana.platform.core.config import TrainConfig, opt
@@ -10,6 +11,11 @@ from mariana.platform.core.errors import MarianaError
 
 @dataclass
 class AsrConfig(TrainConfig):
+    RESUME_MAY_CHANGE: typing.ClassVar[frozenset[str]] = TrainConfig.RESUME_MAY_CHANGE | {
+        "cache_gb",
+        "compile",
+        "compile_backend",
+    }
     # The defaults are the best measured recipe (apps/asr/README.md, "Unseen speakers"): the TrainConfig
     # fields below are redeclared with its values.
     epochs: int = opt(6, "passes over the training data (ignored when --max-steps > 0)")
@@ -36,6 +42,17 @@ class AsrConfig(TrainConfig):
     )
     feature_jobs: int = opt(2, "parallel threads computing features into the cache")
     cache: str = opt("", "feature cache folder (default: DATA/<split>/feats/)", path=True)
+    cache_gb: float = opt(
+        4.0,
+        "host RAM the training features may take: a cache that fits the GPU (a quarter of its free memory) "
+        "goes there, else into RAM up to this many GB, else it is read from disk by loader workers",
+    )
+    compile: bool = opt(False, "torch.compile the model (longer start-up, faster steps; frames are bucketed)")
+    compile_backend: str = opt(
+        "inductor",
+        "torch.compile backend (aot_eager compiles in seconds, for tests)",
+        ["inductor", "aot_eager"],
+    )
     # model
     arch: str = opt(
         "dnn",
@@ -126,6 +143,8 @@ class AsrConfig(TrainConfig):
             )
         if min(self.freq_mask, self.time_mask, self.num_masks) < 0:
             raise MarianaError("--freq-mask, --time-mask and --num-masks must be >= 0")
+        if self.cache_gb < 0:
+            raise MarianaError(f"--cache-gb must be >= 0, got {self.cache_gb}")
         if self.feature_jobs < 1:
             raise MarianaError(f"--feature-jobs must be >= 1, got {self.feature_jobs}")
 

@@ -8,12 +8,14 @@ drawn length-bucketed so padding stays small; SpecAugment masks are applied on t
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from mariana.platform.core import compilecache
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.evaluator import evaluator_from
 from mariana.platform.core.export import export_model
@@ -23,12 +25,19 @@ from mariana.platform.core.steps import ModuleStep, unwrap
 from mariana.platform.core.warmstart import warm_start
 from mariana.platform.dp.ddp import apply_data_parallel
 from mariana.platform.dp.dist import init_distributed, teardown
-from mariana.platform.dp.sampler import IndexBatchLoader
 
+from .batches import bucket_frames, make_loader
 from .cmvn import FilePrior
 from .configs import AsrConfig
 from .decode import BigramLM, decode_set, error_rates
-from .features import FeatureCache, FeatureSettings, UtteranceSet, cached_features, collate, feature_settings
+from .features import (  # noqa: F401  (collate: re-exported for the benchmark)
+    FeatureCache,
+    FeatureSettings,
+    UtteranceSet,
+    cached_features,
+    collate,
+    feature_settings,
+)
 from .model import build_model
 
 BLANK = "<blank>"
@@ -87,29 +96,43 @@ def spec_augment(feats: torch.Tensor, cfg: AsrConfig) -> torch.Tensor:
     return x.squeeze(1).transpose(1, 2)
 
 
+def stretch_plan(
+    lengths: torch.Tensor, t: int, lo: float, hi: float, segment: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The random tempo change of a batch, on the host: lengths [B] valid frames of a batch padded to ``t``
+    -> (rate [B, t] output frames per input frame, 0 past each utterance's end; new lengths [B] (host, what
+    CTC needs); padded output frames, a bucket length >= every new length). Every run of ``segment`` input
+    frames (the whole utterance when 0) gets its own factor drawn log-uniformly from [lo, hi] (> 1 =
+    slower, more frames) from the CPU generator, so every device draws the same factors."""
+    b = len(lengths)
+    seg = segment if segment > 0 else t
+    nseg = -(-t // seg)
+    u = torch.rand(b, nseg)
+    rate = torch.exp(math.log(lo) + u * (math.log(hi) - math.log(lo)))
+    rate = rate.repeat_interleave(seg, dim=1)[:, :t] * (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1))
+    last = (lengths - 1).clamp_min(0)
+    new_len = rate.cumsum(1).gather(1, last.unsqueeze(1)).squeeze(1).floor().long().clamp_min(1)
+    return rate, new_len, bucket_frames(int(math.floor(t * hi)) + 1)
+
+
 def time_stretch(
     feats: torch.Tensor, lengths: torch.Tensor, lo: float, hi: float, segment: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random tempo change on the frame axis (pitch and spectra untouched), on the device.
 
-    feats [B, T, F] padded, lengths [B] -> (stretched feats [B, T', F], new lengths [B]). Every run of
-    ``segment`` input frames (the whole utterance when 0) is resampled by its own factor drawn
-    log-uniformly from [lo, hi] (> 1 = slower, more frames), by linear interpolation between frames, so
-    the model sees each word at more speaking rates than the training speakers have."""
+    feats [B, T, F] padded, lengths [B] on the host -> (stretched feats [B, T', F] with T' a bucket length
+    (`stretch_plan`), new lengths [B] on the host). Each segment is resampled by linear interpolation
+    between frames, so the model sees each word at more speaking rates than the training speakers have.
+    Nothing is read back from the device."""
     b, t, f = feats.shape
     dev = feats.device
-    seg = segment if segment > 0 else t
-    nseg = -(-t // seg)
-    u = torch.rand(b, nseg).to(dev)  # drawn on the CPU generator: the same factors on every device
-    rate = torch.exp(math.log(lo) + u * (math.log(hi) - math.log(lo)))  # output frames per input frame
-    rate = rate.repeat_interleave(seg, dim=1)[:, :t]
-    valid = torch.arange(t, device=dev).unsqueeze(0) < lengths.to(dev).unsqueeze(1)
-    rate = rate * valid
+    rate_h, new_len_h, t_out = stretch_plan(lengths, t, lo, hi, segment)
+    rate = rate_h.to(dev, non_blocking=True)
+    new_len = new_len_h.to(dev, non_blocking=True)
+    last = (lengths - 1).clamp_min(0).to(dev, non_blocking=True)
     end = torch.cumsum(rate, 1)  # output time at which each input frame ends
     start = end - rate  # ... and begins (non-decreasing, as searchsorted needs)
-    last = (lengths.to(dev) - 1).clamp_min(0)
-    new_len = end.gather(1, last.unsqueeze(1)).squeeze(1).floor().long().clamp_min(1)
-    out_t = torch.arange(int(new_len.max()), device=dev, dtype=start.dtype).unsqueeze(0).expand(b, -1)
+    out_t = torch.arange(t_out, device=dev, dtype=start.dtype).unsqueeze(0).expand(b, -1)
     k = (torch.searchsorted(start.contiguous(), out_t.contiguous(), right=True) - 1).clamp(0, t - 1)
     pos = k + ((out_t - start.gather(1, k)) / rate.gather(1, k).clamp_min(1e-6)).clamp(0, 1)
     pos = torch.minimum(pos, last.unsqueeze(1).to(pos.dtype))
@@ -119,23 +142,31 @@ def time_stretch(
     g0 = feats.gather(1, i0.unsqueeze(-1).expand(-1, -1, f))
     g1 = feats.gather(1, i1.unsqueeze(-1).expand(-1, -1, f))
     out = g0 + w * (g1 - g0)
-    mask = torch.arange(out.shape[1], device=dev).unsqueeze(0) < new_len.unsqueeze(1)
-    return out * mask.unsqueeze(-1), new_len.to(lengths.device)
+    mask = torch.arange(t_out, device=dev).unsqueeze(0) < new_len.unsqueeze(1)
+    return out * mask.unsqueeze(-1), new_len_h
 
 
 def make_step_fn(cfg: AsrConfig):
+    """One micro-batch's CTC loss -> (loss, utterances). The lengths CTC takes come from the batch's host
+    ``sizes`` (`HostSizes`; the model gets the device copy), so the step reads nothing back."""
+
     def step_fn(model, batch):
-        feats, lengths = batch["feats"], batch["lengths"]
+        feats = batch["feats"]
+        sizes = batch.get("sizes")
+        lengths = sizes.lengths if sizes is not None else batch["lengths"].cpu()
+        target_lengths = sizes.target_lengths if sizes is not None else batch["target_lengths"].cpu()
+        dev_lengths = batch["lengths"]
         if cfg.time_stretch != [1.0, 1.0]:
             feats, lengths = time_stretch(feats, lengths, *cfg.time_stretch, cfg.stretch_segment)
+            dev_lengths = lengths.to(feats.device, non_blocking=True)
         if cfg.spec_augment:
             feats = spec_augment(feats, cfg)
-        logp = model(feats, lengths)
+        logp = model(feats, dev_lengths)
         loss = F.ctc_loss(
             logp.transpose(0, 1),
             batch["targets"],
             lengths,
-            batch["target_lengths"],
+            target_lengths,
             blank=0,
             reduction="mean",
             zero_infinity=True,
@@ -143,6 +174,24 @@ def make_step_fn(cfg: AsrConfig):
         return loss, feats.shape[0]
 
     return step_fn
+
+
+def compile_model(model: torch.nn.Module, cfg: AsrConfig) -> torch.nn.Module:
+    """``--compile``: torch.compile with ``--compile-backend``; frames come in bucket lengths, so after the
+    first epoch no shape is new (tests/test_asr_speed.py checks it)."""
+    if not cfg.compile:
+        return model
+    return torch.compile(model, backend=cfg.compile_backend)
+
+
+def compile_cache_file(cfg: AsrConfig, n_units: int, device: torch.device) -> Path | None:
+    """``--compile``: where this model's compiled artifacts are kept between runs (`compilecache`)."""
+    if not cfg.compile:
+        return None
+    fields = ("arch", "features", "num_mel_bins", "num_ceps", "context", "hidden", "layers", "output_units")
+    fields += ("activation", "dropout", "norm", "batch_size", "amp", "compile_backend", "workers")
+    key = json.dumps({f: getattr(cfg, f) for f in fields} | {"units": n_units}, sort_keys=True)
+    return compilecache.cache_path(key, torch.device(device))
 
 
 def _prior(train_cache: FeatureCache, s: FeatureSettings) -> FilePrior | None:
@@ -210,9 +259,13 @@ def train(cfg: AsrConfig) -> dict:
         log.info("model: %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
         if cfg.init_from:
             warm_start(model, cfg.init_from, "asr")
-        model = apply_data_parallel(model, ctx, grad_comm=cfg.grad_comm)
+        model = compile_model(apply_data_parallel(model, ctx, grad_comm=cfg.grad_comm), cfg)
+        cached = compile_cache_file(cfg, len(vocab), ctx.device)
+        if cached is not None and compilecache.load(cached):
+            log.info("compiled artifacts loaded from %s", cached)
         sampler = BucketBatchSampler(train_set.lengths, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
-        loader = IndexBatchLoader(train_set, sampler, collate_fn=collate, num_workers=cfg.num_workers)
+        loader, tier = make_loader(cfg, train_set, sampler, ctx.device)
+        log.info("feature cache tier: %s (--cache-gb %g)", tier, cfg.cache_gb)
 
         def eval_fn(m):
             refs, hyps = decode_set(m, dev_set, vocab, cfg.beam, None, lm, cfg.lm_weight, cfg.word_bonus)
@@ -245,6 +298,8 @@ def train(cfg: AsrConfig) -> dict:
             exporter=export,
         )
         final = trainer.fit()
+        if cached is not None and ctx.is_main and compilecache.save(cached):
+            log.info("compiled artifacts saved to %s (the next run of this model starts faster)", cached)
         return final
     finally:
         teardown(ctx)

@@ -34,6 +34,7 @@ from .config import TrainConfig
 from .errors import MarianaError
 from .evaluator import Evaluator
 from .faults import FaultInjector
+from .hostreads import from_env as host_read_audit
 from .rundir import RunDir
 from .steps import TrainStep, autocast_for, move_to, unwrap  # noqa: F401  (re-exported)
 
@@ -274,6 +275,7 @@ class Trainer:
         last_loss = float("nan")
         eval_metrics: dict[str, float] = {}
         stopped_early = False
+        audit = host_read_audit(ctx.rank)  # MARIANA_AUDIT_HOST_READS: count host reads per step
         with self.logger.redirect(), self.logger.bar:
             if self.evaluator is not None and not resumed and getattr(cfg, "init_from", ""):
                 eval_metrics = self.evaluate("warm start")  # the starting point, for comparison
@@ -284,6 +286,10 @@ class Trainer:
                 t_data = time.perf_counter()
                 micro = [next(stream) for _ in range(self.accum)]
                 interval_wait += time.perf_counter() - t_data  # the step waiting for input
+                logged = evaluated = saved = False
+                if audit is not None:
+                    audit.begin()
+                    audit.__enter__()
                 loss, n = self.step_obj.train_step(micro)
                 loss_sum += loss
                 interval_samples += n
@@ -298,6 +304,7 @@ class Trainer:
                     stream = self._batches()
 
                 if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                    logged = True
                     if ctx.device.type == "cuda":
                         torch.cuda.synchronize()
                     now = time.perf_counter()
@@ -323,6 +330,7 @@ class Trainer:
                     last_log = time.perf_counter()
                 if self.evaluator is not None and self.step < self.total_steps:
                     if self.evaluator.due(self.step, epoch_ended):
+                        evaluated = True
                         eval_metrics = self.evaluate("epoch end" if epoch_ended else "scheduled")
                         stopped_early = self._agree(self.evaluator.should_stop)
                         if stopped_early and ctx.is_main:
@@ -335,7 +343,11 @@ class Trainer:
                                 self.evaluator.best_step,
                             )
                 if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step < self.total_steps:
+                    saved = True
                     self.save()
+                if audit is not None:
+                    audit.__exit__(None, None, None)
+                    audit.end(self.step, logged, evaluated, saved)
             stream.close()
             wall = time.perf_counter() - start_time
             if interval_steps:  # a loss not yet logged (early stop between log points)

@@ -14,7 +14,7 @@ import torch
 class Prefetcher:
     """Iterate ``it`` in a background thread, ``depth`` items ahead of the consumer.
 
-    ``device``: tensors (also inside tuples/lists) are copied there with ``non_blocking=True``, on a side
+    ``device``: tensors (also inside tuples/lists/dicts) are copied there with ``non_blocking=True``, on a side
     CUDA stream when it is a GPU (the consumer waits on an event before using a batch). ``transform(item)``
     runs in the thread too (e.g. batched JPEG decoding). An exception in the thread is re-raised in the
     consumer; ``close()`` stops the thread early (e.g. when training stops mid-epoch)."""
@@ -41,6 +41,8 @@ class Prefetcher:
             return item.to(self.device, non_blocking=True)
         if isinstance(item, tuple | list):
             return type(item)(self._move(b) for b in item)
+        if isinstance(item, dict):
+            return {k: self._move(v) for k, v in item.items()}
         return item
 
     def _prepare(self, item):
@@ -99,4 +101,7 @@ def _record_stream(batch, stream) -> None:
         batch.record_stream(stream)
     elif isinstance(batch, tuple | list):
         for b in batch:
+            _record_stream(b, stream)
+    elif isinstance(batch, dict):
+        for b in batch.values():
             _record_stream(b, stream)

@@ -67,7 +67,9 @@ class IndexBatchLoader:
     """The training loop's `BatchLoader` over a map-style dataset and a `ShardedBatchSampler`.
 
     ``collate_fn=None`` with a dataset that implements ``__getitems__`` returning a ready batch skips
-    per-sample Python work (the fast path); otherwise torch's default collate is used."""
+    per-sample Python work (the fast path); otherwise torch's default collate is used. One `DataLoader` is
+    built for the whole run (``builds`` counts them): its worker processes persist over epochs, and each
+    ``iterate`` only hands it that epoch's index lists."""
 
     def __init__(
         self,
@@ -80,22 +82,40 @@ class IndexBatchLoader:
         self.dataset, self.sampler = dataset, sampler
         self.collate_fn, self.num_workers, self.pin_memory = collate_fn, num_workers, pin_memory
         self.batches_per_epoch = sampler.batches_per_epoch
+        self.epoch_batches = _EpochBatches()
+        self.loader: DataLoader | None = None
+        self.builds = 0
 
     def iterate(self, epoch: int, start: int = 0) -> Iterator[Any]:
-        batch_lists = list(self.sampler.batches(epoch, start))
-        collate = self.collate_fn
-        if collate is None and hasattr(self.dataset, "__getitems__"):
-            collate = _identity
-        return iter(
-            DataLoader(
+        self.epoch_batches.lists = list(self.sampler.batches(epoch, start))
+        if self.loader is None:
+            collate = self.collate_fn
+            if collate is None and hasattr(self.dataset, "__getitems__"):
+                collate = _identity
+            self.loader = DataLoader(
                 self.dataset,
-                batch_sampler=batch_lists,
+                batch_sampler=self.epoch_batches,
                 collate_fn=collate,
                 num_workers=self.num_workers,
                 pin_memory=self.pin_memory,
                 prefetch_factor=4 if self.num_workers else None,
+                persistent_workers=self.num_workers > 0,
             )
-        )
+            self.builds += 1
+        return iter(self.loader)
+
+
+class _EpochBatches:
+    """The one DataLoader's batch sampler: the index lists of the epoch being iterated."""
+
+    def __init__(self):
+        self.lists: list[list[int]] = []
+
+    def __iter__(self):
+        return iter(self.lists)
+
+    def __len__(self) -> int:
+        return len(self.lists)
 
 
 def _identity(x):
