@@ -196,6 +196,7 @@ class Trainer:
         if self.evaluator is not None and t.get("evaluator"):
             self.evaluator.load_state_dict(t["evaluator"])
         if self.ctx.is_main:
+            self.run.drop_metrics_after(self.step)  # the steps after the checkpoint are done again
             log.info(
                 "resumed from step %d (epoch %d, batch %d)%s",
                 self.step,
