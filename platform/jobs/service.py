@@ -27,15 +27,59 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import Body, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from mariana.platform.core.errors import MarianaError
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from sqlalchemy import select
 
 from .db import CounterRecord, Database, Job, JobEvent, MetricRecord, default_url
 from .scheduler import Scheduler
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost", "testclient"}
+MAX_BODY = 1 << 20  # bytes of one request body (a job's argv and options; files are never uploaded)
+MAX_ARGV = 64 << 10  # bytes of a job's argv, all arguments together
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body exceeds ``limit`` bytes gets 413 with a one-line message (the
+    body is neither parsed nor echoed). Checks Content-Length up front and reads a chunked body up to the limit."""
+
+    def __init__(self, app, limit: int = MAX_BODY):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._refuse(send)
+        chunks, seen, more = [], 0, True
+        while more:  # read the whole body first (at most `limit` bytes), then hand it on in one message
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return await self.app(scope, _replay([msg], receive), send)
+            chunks.append(msg.get("body", b""))
+            seen, more = seen + len(chunks[-1]), msg.get("more_body", False)
+            if seen > self.limit:
+                return await self._refuse(send)
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([body], receive), send)
+
+    async def _refuse(self, send):
+        body = f'{{"detail": "request body too large (limit {self.limit} bytes)"}}'.encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+
+def _replay(messages: list, receive):
+    """An ASGI ``receive`` that returns ``messages`` first, then defers to ``receive``."""
+
+    async def replay():
+        return messages.pop(0) if messages else await receive()
+
+    return replay
 
 
 class SubmitRequest(BaseModel):
@@ -45,6 +89,14 @@ class SubmitRequest(BaseModel):
     priority: int = Field(0, description="higher runs first; FIFO within a priority")
     name: str = Field("", description="a label for the job")
     cwd: str = Field("", description="directory relative paths in argv refer to (default: the service's)")
+
+    @field_validator("argv")
+    @classmethod
+    def _argv_size(cls, argv: list[str]) -> list[str]:
+        size = sum(len(a.encode()) + 1 for a in argv)
+        if size > MAX_ARGV:
+            raise ValueError(f"argv is {size} bytes; the limit is {MAX_ARGV}")
+        return argv
 
 
 def _free_port() -> int:
@@ -93,6 +145,7 @@ def create_app(home: str | Path, db_url: str | None = None, slots: int | None = 
         lifespan=lifespan,
     )
     app.state.db, app.state.scheduler, app.state.home = db, sched, home
+    app.add_middleware(BodyLimit)
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
@@ -104,6 +157,12 @@ def create_app(home: str | Path, db_url: str | None = None, slots: int | None = 
                 if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].strip(), token):
                     return JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401)
         return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        # FastAPI's default answer echoes each wrong value back ("input"): a big body would come back whole
+        errors = [{k: v for k, v in err.items() if k in ("type", "loc", "msg")} for err in e.errors()]
+        return JSONResponse({"detail": errors}, status_code=422)
 
     @app.exception_handler(MarianaError)
     async def bad_input(request: Request, e: MarianaError):
