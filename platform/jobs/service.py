@@ -7,7 +7,8 @@ REST API (JSON; ``/docs`` documents it):
   ``GET /api/jobs`` -> ``{"jobs": [...]}`` newest first; ``GET /api/jobs/{id}`` -> job + config + counters.
 - ``GET /api/jobs/{id}/metrics?after=SEQ``, ``/counters``, ``/logs?tail=N`` (or ``?offset=BYTES``),
   ``/events``, ``/files/{path}`` (inside the run directory only).
-- ``POST /api/jobs/{id}/cancel|retry|serve``; ``GET /healthz``.
+- ``POST /api/jobs/{id}/cancel|retry|serve``, ``POST /api/jobs/{id}/serve/stop``; ``GET /healthz``.
+- Request bodies are capped at ``MAX_BODY`` bytes (413, body unread) and a job's argv at ``MAX_ARGV``.
 
 Auth: with a token configured, every mutating request (anything but GET/HEAD/OPTIONS) needs
 ``Authorization: Bearer TOKEN`` (401 otherwise), and so do ``/api`` reads from other hosts than loopback.
@@ -137,6 +138,11 @@ def create_app(home: str | Path, db_url: str | None = None, slots: int | None = 
             sched.stop()
             for proc, _ in servers.values():  # model servers started from the UI end with the service
                 proc.terminate()
+            for proc, _ in servers.values():
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
 
     app = FastAPI(
         title="Mariana jobs",
@@ -198,6 +204,12 @@ def create_app(home: str | Path, db_url: str | None = None, slots: int | None = 
             job = get_job(s, job_id)
             out = job.to_dict()
             out["counters"] = job.counters
+        model = Path(job.run_dir) / "model.safetensors"
+        if not out.get("export") and model.is_file():  # a running job's best model so far (early stopping)
+            out["export"] = str(model)
+        with servers_lock:
+            proc_url = servers.get(job_id)
+        out["served"] = proc_url[1] if proc_url and proc_url[0].poll() is None else None
         cfg = Path(job.run_dir) / "config.toml"
         try:
             out["config"] = tomllib.loads(cfg.read_text()) if cfg.is_file() else None
@@ -306,6 +318,22 @@ def create_app(home: str | Path, db_url: str | None = None, slots: int | None = 
             url = f"http://127.0.0.1:{port}"
             servers[job_id] = (proc, url)
         return {"url": url, "pid": proc.pid}
+
+    @app.post("/api/jobs/{job_id}/serve/stop")
+    def serve_stop(job_id: int) -> dict:
+        """Stop the model server started by ``/serve`` (SIGTERM, SIGKILL after 10 s) and reap it."""
+        with servers_lock:
+            entry = servers.pop(job_id, None)
+        if entry is None:
+            raise HTTPException(404, f"job {job_id} has no model server running")
+        proc, url = entry
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return {"stopped": url, "exit_code": proc.returncode}
 
     try:
         from .ui import mount_ui

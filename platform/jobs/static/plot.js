@@ -84,6 +84,7 @@ class LinePlot {
   setSeries(series) {
     this.series = series.map((s, i) => ({
       name: s.name,
+      faint: Boolean(s.faint),
       color: s.color || PLOT_COLORS[i % PLOT_COLORS.length],
       points: s.points
         .filter((p) => Number.isFinite(p[0]) && Number.isFinite(p[1]))
@@ -100,7 +101,8 @@ class LinePlot {
     svg.setAttribute("width", W);
     svg.setAttribute("height", H);
     svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
-    const m = {left: 62, right: 14, top: this.opts.title ? 26 : 10, bottom: 40};
+    // right: room for half the last x tick's label, centred on the frame's right edge ("3,000")
+    const m = {left: 62, right: 32, top: this.opts.title ? 26 : 10, bottom: 40};
     const pw = W - m.left - m.right;
     const ph = H - m.top - m.bottom;
     this.geom = null;
@@ -164,7 +166,7 @@ class LinePlot {
       const d = s.points.map((p, i) => `${i ? "L" : "M"}${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`);
       svgEl(
         "path",
-        {d: d.join(""), stroke: s.color, class: "plot-line", "data-series": s.name,
+        {d: d.join(""), stroke: s.color, class: s.faint ? "plot-line faint" : "plot-line", "data-series": s.name,
          "data-points": String(s.points.length)},
         lines,
       );
