@@ -19,6 +19,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from helpers import DATA, ROOT, cli_env, free_port, last_line, run_cli
+from mariana.platform.jobs.client import JobsClient
+from mariana.platform.jobs.scheduler import PRUNED
 from mariana.platform.jobs.ui import STATIC_DIR, mount_ui
 
 CHROMIUM = "/usr/bin/chromium"
@@ -275,11 +277,20 @@ def test_jobs_pages_in_a_real_browser(tmp_path: Path):
             with pytest.raises(OSError):
                 _get_json(f"{served}/healthz", timeout=2)
 
+            # A tuning trial stopped by the tuner's pruner (its very call) is "pruned" with no Retry.
+            trial = _submit(url, ["pctr", "train", *common, "--max-steps", "20000"])
+            JobsClient(url).cancel(trial, reason=f"{PRUNED} at step 20")
             # Cancel the long job from the jobs page.
             page.goto(f"{url}/")
             row = page.locator(f'tr[data-job-id="{slow}"]')
             row.locator("button.cancel").click()
             expect(row).to_have_attribute("data-state", "cancelled", timeout=60_000)
+            expect(row.locator(".state")).to_have_text("cancelled")
+            expect(row.locator("button.retry")).to_be_visible()
+            pruned = page.locator(f'tr[data-job-id="{trial}"]')
+            expect(pruned).to_have_attribute("data-state", "cancelled", timeout=60_000)
+            expect(pruned.locator(".state")).to_have_text("pruned")
+            expect(pruned.locator("button.retry")).to_be_hidden()
             page.screenshot(path=shots / "jobs-after-cancel.png", full_page=True)
 
             # A job that does not exist: one clear message, no empty cards (its 404 is expected: own page)

@@ -35,7 +35,7 @@ from pydantic import BaseModel, Field, field_validator
 from sqlalchemy import select
 
 from .db import CounterRecord, Database, Job, JobEvent, MetricRecord, default_url
-from .scheduler import Scheduler
+from .scheduler import PRUNED, Scheduler
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost", "testclient"}
 MAX_BODY = 1 << 20  # bytes of one request body (a job's argv and options; files are never uploaded)
@@ -98,6 +98,17 @@ class SubmitRequest(BaseModel):
         if size > MAX_ARGV:
             raise ValueError(f"argv is {size} bytes; the limit is {MAX_ARGV}")
         return argv
+
+
+class CancelRequest(BaseModel):
+    reason: str | None = Field(None, max_length=500, description="why (kept as the job's error line)")
+
+
+def view(job: Job, now: float | None = None) -> dict:
+    """The REST job object, plus ``pruned``: a tuning trial its pruner stopped (shown as "pruned")."""
+    out = job.to_dict(now)
+    out["pruned"] = job.state == "cancelled" and (job.error or "").startswith(PRUNED)
+    return out
 
 
 def _free_port() -> int:
@@ -196,13 +207,13 @@ def create_app(home: str | Path, db_url: str | None = None, slots: int | None = 
             if state:
                 q = q.where(Job.state == state)
             now = time.time()
-            return {"jobs": [j.to_dict(now) for j in s.scalars(q)]}
+            return {"jobs": [view(j, now) for j in s.scalars(q)]}
 
     @app.get("/api/jobs/{job_id}")
     def show(job_id: int) -> dict:
         with db.read() as s:
             job = get_job(s, job_id)
-            out = job.to_dict()
+            out = view(job)
             out["counters"] = job.counters
         model = Path(job.run_dir) / "model.safetensors"
         if not out.get("export") and model.is_file():  # a running job's best model so far (early stopping)
@@ -278,9 +289,9 @@ def create_app(home: str | Path, db_url: str | None = None, slots: int | None = 
         return FileResponse(_confined(job.run_dir, path))
 
     @app.post("/api/jobs/{job_id}/cancel")
-    def cancel(job_id: int) -> dict:
+    def cancel(job_id: int, body: CancelRequest | None = None) -> dict:
         try:
-            return sched.cancel(job_id).to_dict()
+            return view(sched.cancel(job_id, body.reason if body else None))
         except KeyError:
             raise HTTPException(404, f"no job {job_id}") from None
 

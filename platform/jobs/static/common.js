@@ -129,11 +129,21 @@ function jobCommand(job) {
   return job.app || job.command || "";
 }
 
+// A job's state as shown: "pruned" for a tuning trial its pruner stopped (state cancelled, job.pruned).
+function shownState(job) {
+  return job.pruned ? "pruned" : job.state;
+}
+
 function stateBadge(state) {
   const span = document.createElement("span");
   span.className = `state state-${state}`;
   span.textContent = state;
   return span;
+}
+
+// Retry (--resume) makes sense for a failed or cancelled job, not for a trial the tuner pruned on purpose.
+function canRetry(job) {
+  return (job.state === "failed" || job.state === "cancelled") && !job.pruned;
 }
 
 // Creates an element: el("td", {class: "x", "data-a": 1}, child | "text", ...).

@@ -104,7 +104,7 @@ function renderHeader(job) {
   setText(document.getElementById("title"), `Job ${job.id}${job.name ? ` · ${job.name}` : ""}`);
   const stateEl = document.getElementById("state");
   stateEl.setAttribute("data-state", job.state);
-  if (stateEl.textContent !== job.state) stateEl.replaceChildren(stateBadge(job.state));
+  if (stateEl.textContent !== shownState(job)) stateEl.replaceChildren(stateBadge(shownState(job)));
   const cmd = document.getElementById("cmdline");
   cmd.replaceChildren(
     el("div", {}, el("span", {class: "muted"}, "command "), el("code", {id: "argv"}, argvText(job))),
@@ -126,7 +126,7 @@ function renderHeader(job) {
   errEl.hidden = !job.error;
   setText(errEl, job.error || "");
   document.getElementById("cancel").hidden = !(job.state === "queued" || job.state === "running");
-  document.getElementById("retry").hidden = !(job.state === "failed" || job.state === "cancelled");
+  document.getElementById("retry").hidden = !canRetry(job);
   renderModel(job);
   renderServed(job.served);
 }
