@@ -100,7 +100,7 @@ class MetricsLogger:
         self.run, self.ctx = run, ctx
         # a worker's stderr is a pipe that the launcher shows on the terminal (rank 0 only); one process
         # draws the bar only on a terminal (no bar frames in job-service logs or captured output)
-        visible = sys.stderr.isatty() or "TORCHELASTIC_RUN_ID" in os.environ
+        visible = sys.stderr.isatty() or os.environ.get("MARIANA_CONSOLE_TTY") == "1"  # set by the launcher
         on_tty_or_forced = enabled and ctx.is_main and visible
         self.bar = tqdm(
             total=total,
