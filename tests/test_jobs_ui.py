@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import time
@@ -185,6 +186,7 @@ def test_jobs_pages_in_a_real_browser(tmp_path: Path):
         # A short run that finishes, and a long one watched while it trains (cancelled at the end).
         short = _submit(url, ["pctr", "train", *common, "--max-steps", "60", "--eval-every", "20"])
         slow = _submit(url, ["pctr", "train", *common, "--max-steps", "20000", "--eval-every", "20"])
+        twin = _submit(url, ["pctr", "train", *common, "--max-steps", "60", "--eval-every", "20"])  # = short
 
         errors: list[str] = []
         with sync_playwright() as p:
@@ -240,17 +242,27 @@ def test_jobs_pages_in_a_real_browser(tmp_path: Path):
                 "the short job to end",
             )
             assert _get_json(f"{url}/api/jobs/{short}")["state"] == "succeeded"
+            _wait_for(
+                lambda: _get_json(f"{url}/api/jobs/{twin}")["state"] == "succeeded", 120, "the twin job"
+            )
             page.goto(f"{url}/")
-            for job_id in (short, slow):
+            for job_id in (short, slow, twin):
                 page.locator(f'tr[data-job-id="{job_id}"] input.pick').check()
             page.click("#compare-selected")
-            page.wait_for_url(f"{url}/compare?ids={short},{slow}")
+            page.wait_for_url(re.compile(r"/compare\?ids=\d+,\d+,\d+$"))
+            order = [int(x) for x in page.url.split("ids=")[1].split(",")]
+            assert sorted(order) == sorted((short, slow, twin)), page.url
+            first, later = sorted((short, twin), key=order.index)
             loss = page.locator("#plot-loss svg")
-            for job_id in (short, slow):
+            for job_id in (short, slow, twin):
                 expect(loss.locator(f'path[data-series^="#{job_id}"]')).to_have_count(1, timeout=30_000)
-                expect(loss.locator(".plot-legend-text", has_text=f"#{job_id}")).to_have_count(1)
+                legend = re.compile(rf"^#{job_id}\b")
+                expect(loss.locator(".plot-legend-text", has_text=legend)).to_have_count(1)
             counts = json.loads(loss.get_attribute("data-series-points"))
-            assert len(counts) == 2 and all(n > 0 for n in counts.values()), counts
+            assert len(counts) == 3 and all(n > 0 for n in counts.values()), counts
+            # identical runs do not hide each other: the later one is dashed and named after its twin
+            same = loss.locator(f'path[data-series="#{later} (= #{first})"]')
+            expect(same).to_have_attribute("stroke-dasharray", "6 4")
             page.screenshot(path=shots / "compare.png", full_page=True)
             _assert_plots_fill_and_labels_fit(page)
 

@@ -88,6 +88,7 @@ class LinePlot {
     this.series = series.map((s, i) => ({
       name: s.name,
       faint: Boolean(s.faint),
+      dash: s.dash || null,
       color: s.color || PLOT_COLORS[i % PLOT_COLORS.length],
       points: s.points
         .filter((p) => Number.isFinite(p[0]) && Number.isFinite(p[1]))
@@ -173,6 +174,7 @@ class LinePlot {
          "data-points": String(s.points.length)},
         lines,
       );
+      if (s.dash) lines.lastChild.setAttribute("stroke-dasharray", s.dash);
       if (s.points.length <= 40) {
         for (const p of s.points) {
           svgEl("circle", {cx: sx(p[0]), cy: sy(p[1]), r: 2.5, fill: s.color, class: "plot-dot"}, lines);
