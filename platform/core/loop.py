@@ -219,7 +219,9 @@ class Trainer:
         if self.ctx.watchdog is not None:
             self.ctx.watchdog.disarm()  # evaluation has no collectives of the step's kind and may be long
         self.ctx.set_phase("eval")
-        metrics = {k: float(v) for k, v in self.step_obj.evaluate(ev.fn).items()}
+        metrics = {
+            k: v if type(v) is int else float(v) for k, v in self.step_obj.evaluate(ev.fn).items()
+        }  # counts stay int
         best = ev.record(self.step, metrics)
         best = self._agree(best)
         record = {
@@ -230,7 +232,7 @@ class Trainer:
         self.history.append(record)
         self.logger.write(record)
         if self.ctx.is_main:
-            shown = " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+            shown = " ".join(f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4f}" for k, v in metrics.items())
             log.info(
                 "step %d (%s): eval %s%s", self.step, reason, shown, " (best)" if best and ev.monitor else ""
             )
