@@ -5,11 +5,14 @@ app. Each app's routes come from its spec (`mariana.platform.core.registry.AppSp
 ``POST /v1/<app>/...``), mounted as one router per app; an app's routes exist whether or not its model
 was given (a stable API schema) and answer 404 naming the missing ``--<app>`` flag when it was not. The
 generic routes are here: ``GET /healthz``, ``GET /metrics`` (Prometheus text), ``POST /v1/admin/reload``,
-``/docs``. Every client error is a 4xx with a JSON body ``{"error": "<what is wrong>", ...}``; request
+``/docs``. ``/v1/admin/reload`` switches only to run dirs inside ``ServeConfig.roots()`` (403 otherwise) and,
+with a token (``--token-file``), needs ``Authorization: Bearer TOKEN``, as does every request from off
+loopback. Every client error is a 4xx with a JSON body ``{"error": "<what is wrong>", ...}``; request
 bodies are size-limited (per route, as the app's routes declared) before they are read.
 """
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -17,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,6 +39,7 @@ log = logging.getLogger("mariana.serving")
 
 SMALL_BODY = 64 * 1024  # routes without a payload (health, metrics, admin)
 GENERIC_PATHS = ("/healthz", "/metrics", "/v1/admin/reload")
+LOOPBACK = {"127.0.0.1", "::1", "testclient"}
 
 
 @dataclass
@@ -53,6 +58,15 @@ class ServeConfig:
     workers: int = 1
     watch: bool = False
     watch_interval_s: float = 2.0
+    # POST /v1/admin/reload may switch only to run dirs inside these folders (symlinks resolved); empty:
+    # the folders holding the run dirs served at start (runs/day1 -> any run under runs/)
+    reload_roots: list[str] = field(default_factory=list)
+    token: str | None = None  # bearer token: needed by /v1/admin/* always, by anything from off loopback
+
+    def roots(self) -> list[Path]:
+        """The resolved folders ``/v1/admin/reload`` may take a run dir from."""
+        dirs = self.reload_roots or [str(Path(d).resolve().parent) for d in self.models.values()]
+        return [Path(d).resolve() for d in dirs]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -298,6 +312,13 @@ def generic_router(svc: Service) -> APIRouter:
             return error(422, "run_dir needs app (which model to switch)")
         if not targets:
             return error(404, "no model is served")
+        if req.run_dir is not None:
+            roots = svc.cfg.roots()
+            if not any(Path(req.run_dir).resolve().is_relative_to(r) for r in roots):
+                where = ", ".join(map(str, roots))
+                return error(
+                    403, f"run_dir {req.run_dir} is outside the reload roots ({where}); see --reload-root"
+                )
         done = {}
         for a in targets:
             try:
@@ -347,6 +368,18 @@ def create_app(cfg: ServeConfig | None = None) -> FastAPI:
     for router in svc.routers():
         app.include_router(router)
     known = frozenset(GENERIC_PATHS) | {getattr(r, "path", "") for r in app.routes}
+    if cfg.token:
+        token = cfg.token
+
+        @app.middleware("http")
+        async def auth(request: Request, call_next):
+            remote = request.client.host if request.client else ""
+            if request.url.path.startswith("/v1/admin/") or remote not in LOOPBACK:
+                given = request.headers.get("authorization", "")
+                if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].strip(), token):
+                    return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
+            return await call_next(request)
+
     app.add_middleware(BodyLimitMiddleware, limits=svc.limits)
     # outermost: counts the 413s and 415s too
     app.add_middleware(MetricsMiddleware, metrics=metrics, batchers=svc.batchers, known_paths=known)

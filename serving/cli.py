@@ -31,6 +31,17 @@ def _serve(args, argv) -> int:
         raise MarianaError("--max-wait-ms and --threads must be >= 0, --watch-interval > 0")
     if not 0 <= args.port <= 65535:
         raise MarianaError(f"--port {args.port}: expected 0..65535")
+    from mariana.platform.jobs.client import read_token
+
+    token = read_token(args.token_file) if args.token_file else None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not token:
+        raise MarianaError(
+            f"--host {args.host} is reachable from other machines: give --token-file FILE (a secret that "
+            "requests from other hosts and every /v1/admin request must present), or bind 127.0.0.1"
+        )
+    for root in args.reload_root or []:
+        if not os.path.isdir(root):
+            raise MarianaError(f"--reload-root {root}: no such directory")
     cfg = ServeConfig(
         models=models,
         max_batch=args.max_batch,
@@ -42,6 +53,8 @@ def _serve(args, argv) -> int:
         workers=args.workers,
         watch=args.watch or args.workers > 1,  # with several processes, file watching keeps them in step
         watch_interval_s=args.watch_interval,
+        reload_roots=[os.path.abspath(r) for r in args.reload_root or []],
+        token=token,
     )
     import uvicorn
 
@@ -171,6 +184,19 @@ def register(sub) -> None:
         "--watch", action="store_true", help="reload a model when its run dir's model files change"
     )
     p.add_argument("--watch-interval", type=float, default=2.0, help="seconds between --watch polls")
+    p.add_argument(
+        "--reload-root",
+        action="append",
+        metavar="DIR",
+        help="POST /v1/admin/reload may switch to run dirs inside DIR only (repeatable; default: the folders "
+        "holding the run dirs given)",
+    )
+    p.add_argument(
+        "--token-file",
+        default=None,
+        help="file holding a bearer token: /v1/admin requests and every request from another host must send "
+        "`Authorization: Bearer TOKEN`; required with a --host other than loopback",
+    )
     p.add_argument(
         "--log-level",
         default="warning",

@@ -43,10 +43,14 @@ def params(run):
 def test_two_workers_equal_one_process_with_double_batch(frappe, tmp_path):
     run_cli(mlp_args(frappe, tmp_path / "one", "--batch-size", "64", "--max-steps", "8"), check=True)
     p = run_cli(
-        mlp_args(frappe, tmp_path / "two", "--batch-size", "32", "--max-steps", "8", "--workers", "2"),
+        mlp_args(frappe, tmp_path / "two", "--batch-size", "32", "--max-steps", "8", "--workers", "2",
+                 "--progress", "--ckpt-every", "4"),
         check=True,
-    )
+    )  # fmt: skip
     assert last_line(p.stdout).startswith("validation AUC")
+    # piped output (issue 30): no progress-bar frames, no DEBUG lines (checkpoints go to RUN/logs only)
+    assert "step/s" not in p.stderr and "DEBUG" not in p.stderr, p.stderr[-2000:]
+    assert "checkpoint at step 4 written" in (tmp_path / "two" / "logs" / "rank-0.log").read_text()
     a, b = params(tmp_path / "one"), params(tmp_path / "two")
     assert a.keys() == b.keys()
     for k in a:

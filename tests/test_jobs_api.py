@@ -119,6 +119,19 @@ def test_bad_input(service, tmp_path):
     assert "asks for 5 slots" in refused(["pctr", "train", "--servers", "2", "--workers=3"])
     assert svc.http.post("/api/jobs", json={"argv": "mlp train"}).status_code == 422
 
+    # Oversized bodies (issue 30): 413 before parsing, never echoed back; an argv over 64 KiB is refused.
+    big = json.dumps({"argv": ["mlp", "train", "x" * (20 << 20)]}).encode()
+    for content in (
+        big,
+        iter([big[i : i + (1 << 20)] for i in range(0, len(big), 1 << 20)]),
+    ):  # sized, chunked
+        r = svc.http.post("/api/jobs", content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and len(r.content) < 200 and "too large" in r.text, r.text[:200]
+    r = svc.http.post("/api/jobs", json={"argv": ["mlp", "train", "--name", "y" * (200 << 10)]})
+    assert r.status_code == 422 and len(r.content) < 1000 and "argv is" in r.text, r.text[:300]
+    r = svc.http.post("/api/jobs", json={"argv": ["mlp", "train"], "priority": "z" * 500_000})
+    assert r.status_code == 422 and len(r.content) < 1000, r.text[:300]  # a wrong value is not echoed
+
     # Bad flags are the job's own business: it fails with the command's one-line error.
     missing = tmp_path / "missing.libfm"
     bad = svc.http.post("/api/jobs", json={"argv": ["mlp", "train", "--data", str(missing)]}).json()["id"]

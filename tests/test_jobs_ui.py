@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import time
@@ -19,6 +20,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from helpers import DATA, ROOT, cli_env, free_port, last_line, run_cli
+from mariana.platform.jobs.client import JobsClient
+from mariana.platform.jobs.scheduler import PRUNED
 from mariana.platform.jobs.ui import STATIC_DIR, mount_ui
 
 CHROMIUM = "/usr/bin/chromium"
@@ -140,6 +143,39 @@ def _points(page, selector: str) -> int:
     return int(page.eval_on_selector(selector, "svg => svg.getAttribute('data-points')") or 0)
 
 
+def _assert_plots_fill_and_labels_fit(page) -> None:
+    """Every plot on the page spans >= 90 % of its container's width and no text of it (tick labels, axis
+    labels, legend) reaches past its SVG's edges (a clipped last x tick read "3,00C")."""
+    # plus a probe plot of the page's own plot module whose x axis ends at 3,000 (a 5-character last tick)
+    page.evaluate(
+        """() => {
+            const box = document.createElement('div');
+            box.className = 'plot-box';
+            box.id = 'probe';
+            document.querySelector('.plots').appendChild(box);
+            new LinePlot(box, {title: 'probe', yLabel: 'y'}).setSeries([{name: 'p', points: [[0, 1], [3000, 2]]}]);
+        }"""
+    )
+    report = page.evaluate(
+        """() => [...document.querySelectorAll('.plot-box')].map((box) => {
+            const svg = box.querySelector('svg');
+            const W = svg.getBoundingClientRect().width;
+            const out = [...svg.querySelectorAll('text')].filter((t) => {
+                const b = t.getBBox();
+                const m = t.getCTM ? t.transform.baseVal.consolidate() : null;
+                if (m) return false;  // the rotated y label: placed by its transform
+                return b.x < 0 || b.x + b.width > W + 0.5;
+            }).map((t) => t.textContent);
+            return {id: box.id, ratio: W / box.parentElement.clientWidth, clipped: out};
+        })"""
+    )
+    page.evaluate("() => document.getElementById('probe').remove()")
+    assert len(report) >= 2, report
+    for r in report:
+        assert r["ratio"] >= 0.9, r
+        assert not r["clipped"], r
+
+
 @pytest.mark.slow
 def test_jobs_pages_in_a_real_browser(tmp_path: Path):
     expect, sync_playwright = _require_browser()
@@ -149,7 +185,8 @@ def test_jobs_pages_in_a_real_browser(tmp_path: Path):
         common = ["--data", FRAPPE, "--preset", "debug", "--log-every", "5"]
         # A short run that finishes, and a long one watched while it trains (cancelled at the end).
         short = _submit(url, ["pctr", "train", *common, "--max-steps", "60", "--eval-every", "20"])
-        slow = _submit(url, ["pctr", "train", *common, "--max-steps", "20000"])
+        slow = _submit(url, ["pctr", "train", *common, "--max-steps", "20000", "--eval-every", "20"])
+        twin = _submit(url, ["pctr", "train", *common, "--max-steps", "60", "--eval-every", "20"])  # = short
 
         errors: list[str] = []
         with sync_playwright() as p:
@@ -182,6 +219,14 @@ def test_jobs_pages_in_a_real_browser(tmp_path: Path):
             after = _points(page, "#plot-loss svg")
             assert after > before > 0
             assert _points(page, "#plot-throughput svg") > 0
+            # throughput: the raw samples/s faint, its EMA over it (as many points)
+            thr = page.locator("#plot-throughput svg")
+            expect(thr.locator('path.faint[data-series="samples/s raw"]')).to_have_count(1)
+            ema = thr.locator('path[data-series="samples/s (EMA 0.2)"]')
+            assert ema.get_attribute("data-points") == thr.locator("path.faint").get_attribute("data-points")
+            # a running job's best model so far (exported at an evaluation) is shown, not "no model yet"
+            expect(page.locator("#model-link")).to_be_visible(timeout=60_000)
+            _assert_plots_fill_and_labels_fit(page)
             expect(page.locator("#argv")).to_contain_text("--max-steps 20000")
             expect(page.locator("#log")).not_to_be_empty(timeout=30_000)
             page.screenshot(path=shots / "job.png", full_page=True)
@@ -197,18 +242,29 @@ def test_jobs_pages_in_a_real_browser(tmp_path: Path):
                 "the short job to end",
             )
             assert _get_json(f"{url}/api/jobs/{short}")["state"] == "succeeded"
+            _wait_for(
+                lambda: _get_json(f"{url}/api/jobs/{twin}")["state"] == "succeeded", 120, "the twin job"
+            )
             page.goto(f"{url}/")
-            for job_id in (short, slow):
+            for job_id in (short, slow, twin):
                 page.locator(f'tr[data-job-id="{job_id}"] input.pick').check()
             page.click("#compare-selected")
-            page.wait_for_url(f"{url}/compare?ids={short},{slow}")
+            page.wait_for_url(re.compile(r"/compare\?ids=\d+,\d+,\d+$"))
+            order = [int(x) for x in page.url.split("ids=")[1].split(",")]
+            assert sorted(order) == sorted((short, slow, twin)), page.url
+            first, later = sorted((short, twin), key=order.index)
             loss = page.locator("#plot-loss svg")
-            for job_id in (short, slow):
+            for job_id in (short, slow, twin):
                 expect(loss.locator(f'path[data-series^="#{job_id}"]')).to_have_count(1, timeout=30_000)
-                expect(loss.locator(".plot-legend-text", has_text=f"#{job_id}")).to_have_count(1)
+                legend = re.compile(rf"^#{job_id}\b")
+                expect(loss.locator(".plot-legend-text", has_text=legend)).to_have_count(1)
             counts = json.loads(loss.get_attribute("data-series-points"))
-            assert len(counts) == 2 and all(n > 0 for n in counts.values()), counts
+            assert len(counts) == 3 and all(n > 0 for n in counts.values()), counts
+            # identical runs do not hide each other: the later one is dashed and named after its twin
+            same = loss.locator(f'path[data-series="#{later} (= #{first})"]')
+            expect(same).to_have_attribute("stroke-dasharray", "6 4")
             page.screenshot(path=shots / "compare.png", full_page=True)
+            _assert_plots_fill_and_labels_fit(page)
 
             # The finished job's page: its validation curve, the exported model and "serve this model".
             page.goto(f"{url}/jobs/{short}")
@@ -222,14 +278,39 @@ def test_jobs_pages_in_a_real_browser(tmp_path: Path):
             )
             page.click("#serve")
             expect(page.locator("#served-url")).to_contain_text("http://127.0.0.1:", timeout=30_000)
+            served = page.locator("#served-url").get_attribute("href")
+            _wait_for(lambda: _get_json(f"{served}/healthz")["status"] == "ok", 60, "the model server")
             page.screenshot(path=shots / "job-finished.png", full_page=True)
+            # ... and its stop control: the server is gone (no zombie left behind), the page says so
+            page.click("#serve-stop")
+            expect(page.locator("#serve-url")).to_have_text("server stopped", timeout=30_000)
+            expect(page.locator("#serve-stop")).to_be_hidden()
+            assert _get_json(f"{url}/api/jobs/{short}")["served"] is None
+            with pytest.raises(OSError):
+                _get_json(f"{served}/healthz", timeout=2)
 
+            # A tuning trial stopped by the tuner's pruner (its very call) is "pruned" with no Retry.
+            trial = _submit(url, ["pctr", "train", *common, "--max-steps", "20000"])
+            JobsClient(url).cancel(trial, reason=f"{PRUNED} at step 20")
             # Cancel the long job from the jobs page.
             page.goto(f"{url}/")
             row = page.locator(f'tr[data-job-id="{slow}"]')
             row.locator("button.cancel").click()
             expect(row).to_have_attribute("data-state", "cancelled", timeout=60_000)
+            expect(row.locator(".state")).to_have_text("cancelled")
+            expect(row.locator("button.retry")).to_be_visible()
+            pruned = page.locator(f'tr[data-job-id="{trial}"]')
+            expect(pruned).to_have_attribute("data-state", "cancelled", timeout=60_000)
+            expect(pruned.locator(".state")).to_have_text("pruned")
+            expect(pruned.locator("button.retry")).to_be_hidden()
             page.screenshot(path=shots / "jobs-after-cancel.png", full_page=True)
+
+            # A job that does not exist: one clear message, no empty cards (its 404 is expected: own page)
+            missing = browser.new_page(viewport={"width": 1300, "height": 1000})
+            missing.goto(f"{url}/jobs/999")
+            expect(missing.locator("#status")).to_contain_text("job 999 does not exist", timeout=15_000)
+            expect(missing.locator("#job-body")).to_be_hidden()
+            expect(missing.locator("#title")).to_have_text("Job 999 not found")
             browser.close()
         assert not errors, errors
         for name in ("jobs.png", "job.png", "compare.png"):

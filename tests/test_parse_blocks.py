@@ -4,6 +4,8 @@ ones: same tensors, same skips and messages."""
 from __future__ import annotations
 
 import random
+import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import pytest
 import torch
@@ -43,8 +45,31 @@ def test_read_blocks_yields_every_line_once_with_its_number(tmp_path, tail):
         assert part == list(enumerate(lines))[123:321]
 
 
+def _out_of_order_square(done: list, events: dict):
+    """x -> x * x, where every even x finishes only after x + 1 has: completion order is not input order."""
+
+    def fn(x: int) -> int:
+        if x % 2 == 0 and not events[x + 1].wait(10):
+            raise AssertionError(f"{x + 1} never ran while {x} waited")
+        done.append(x)
+        events[x].set()
+        return x * x
+
+    return fn
+
+
 def test_ordered_map_keeps_order_on_threads():
-    assert list(ordered_map(lambda x: x * x, range(100), threads=2, ahead=1)) == [x * x for x in range(100)]
+    done: list[int] = []
+    events = {x: threading.Event() for x in range(41)}
+    got = list(ordered_map(_out_of_order_square(done, events), range(40), threads=2, ahead=1))
+    assert got == [x * x for x in range(40)]
+    assert done != sorted(done)  # the threads really finished out of order
+    # the same function through a completion-order map gives another order: the check above can fail
+    done2: list[int] = []
+    events = {x: threading.Event() for x in range(41)}
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(_out_of_order_square(done2, events), x) for x in range(40)]
+        assert [f.result() for f in as_completed(futures)] != got
 
 
 MALFORMED_LIBFM = [

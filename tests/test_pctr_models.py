@@ -197,7 +197,10 @@ def test_l2_flag_defaults_and_negative_values_are_refused():
     from mariana.platform.core.errors import MarianaError
 
     cfg = PctrConfig()
-    assert cfg.l2_emb == 0.01 and cfg.weight_decay == 0.0
+    assert cfg.l2_emb_value() == 0.01 and cfg.weight_decay == 0.0
+    # LR has no embedding vectors to calibrate: L2 only shrinks its weights (issue 30's AUC regression)
+    assert PctrConfig(model="lr").l2_emb_value() == 0.0
+    assert PctrConfig(model="lr", l2_emb=0.01).l2_emb_value() == 0.01
     for kw in ({"l2_emb": -1.0}, {"l2_emb": float("nan")}, {"weight_decay": -0.1}):
         with pytest.raises(MarianaError, match="must be a finite number >= 0"):
             PctrConfig(**kw).validate()

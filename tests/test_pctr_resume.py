@@ -63,17 +63,27 @@ def test_killed_run_resumes_exactly_from_an_epoch_end_checkpoint(frappe, straigh
     out = tmp_path / "killed"
     # checkpoint at step 10 = the end of epoch 1 (10 batches), before its validation; SIGKILL before step 13
     p = run_cli(
-        args(frappe, out, "--max-steps", "16", "--ckpt-every", "10"),
+        args(frappe, out, "--max-steps", "16", "--ckpt-every", "10", "--log-every", "1"),
         env={"MARIANA_FAULT": "kill:rank=0:step=13"},
     )
     assert p.returncode != 0 and not (out / "metrics.json").exists()
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000010"
     again = run_cli(args(frappe, out, "--max-steps", "16", "--ckpt-every", "10"))
     assert again.returncode == 2 and "--resume" in again.stderr  # never trained over without --resume
-    run_cli(args(frappe, out, "--max-steps", "16", "--ckpt-every", "10", "--resume"), check=True)
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert 12 in steps  # the killed attempt logged steps past its checkpoint, which the resume redoes
+    run_cli(
+        args(frappe, out, "--max-steps", "16", "--ckpt-every", "10", "--resume", "--log-every", "1"),
+        check=True,
+    )
     assert_same_model(straight, out)
     epochs = json.loads((out / "metrics.json").read_text())["epochs"]
     assert [(e["epoch"], e["step"]) for e in epochs] == [(0, 10), (1, 16)]
+    # metrics.jsonl: each step's train record once, in order (curves must not double back after a resume)
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "loss" in r] == list(range(1, 17))
+    keys = [(r["step"], tuple(sorted(r.keys() - {"time"}))) for r in recs]
+    assert len(keys) == len(set(keys))
 
 
 def test_schedule_warmup_and_eval_every_are_honoured(frappe, tmp_path):

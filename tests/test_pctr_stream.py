@@ -6,6 +6,7 @@ failed request."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,9 +18,11 @@ import httpx
 import pytest
 import torch
 from helpers import DATA, ROOT, cli_env, run_cli
+from mariana.apps.pctr.predict import load_predictor
 from mariana.apps.pctr.stream import LogFile, parse_export_every, scan
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import load_exported
+from sklearn.metrics import roc_auc_score
 from test_serving_helpers import Server, strip_label
 
 CRITEO = DATA / "criteo" / "criteo_sample.tsv"
@@ -136,6 +139,10 @@ def test_files_dropped_while_running_each_consumed_once(tmp_path):
     proc = start(["--data", d, "--out", run, *MODEL, "--export-every", "1"], log)
     try:
         wait_for(lambda: consumed(run) == 1, 120, "the first file", proc, log)
+        snap = tmp_path / "after-f0"  # the model exported after f0: progressive AUC on f1 must be its score
+        snap.mkdir()
+        for name in ("model.safetensors", "model.json"):
+            shutil.copy(run / name, snap / name)
         growing = d / ".f9.tsv.part"
         with open(growing, "w") as g:
             g.write("this is not a criteo line\n")  # would be counted as skipped if ever read
@@ -174,7 +181,16 @@ def test_files_dropped_while_running_each_consumed_once(tmp_path):
     assert totals["files"] == 5 and totals["rows"] == 1060 and totals["skipped_lines"] == 1
     counters = [json.loads(x) for x in (run / "counters" / "worker-0.jsonl").read_text().splitlines()]
     assert [c["file"] for c in counters] == [e["name"] for e in led]
-    assert all(c["train_lag_s"] >= 0 and 0 <= c["progressive_auc"] <= 1 for c in counters)
+    assert all(c["train_lag_s"] >= 0 for c in counters)
+    # progressive AUC = the score of the model BEFORE it trained on the file, computed independently (the
+    # serving predictor + scikit-learn); the final model (trained on f1 and more) gives another value
+    f1 = chunk(1)
+    labels = [int(x.split("\t", 1)[0]) for x in f1]
+    before, _ = load_predictor(snap).predict_lines([x.split("\t", 1)[1] for x in f1])
+    after, _ = load_predictor(run).predict_lines([x.split("\t", 1)[1] for x in f1])
+    assert counters[1]["file"] == "f1.tsv"
+    assert abs(counters[1]["progressive_auc"] - roc_auc_score(labels, before)) < 1e-5
+    assert abs(roc_auc_score(labels, after) - counters[1]["progressive_auc"]) > 1e-3
     assert "SIGTERM received" in log.read_text()
     assert "skipped 1 malformed line in" in log.read_text()
 

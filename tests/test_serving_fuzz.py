@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import json
 import socket
+import wave
+from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+from helpers import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mariana.apps.asr.features import FeatureSettings, fbank, load_audio
 from test_serving_helpers import FRAPPE, head_lines, libfm_run, serve, strip_label
 
 JSON_SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=30)
@@ -21,12 +26,66 @@ ANY_JSON = st.recursive(
 )
 
 
+def _asr_run(d: Path) -> Path:
+    """An untrained ASR model exported as `mariana asr train` exports it (the upload path only needs one)."""
+    import dataclasses
+
+    import torch
+    from mariana.apps.asr.cmvn import FilePrior
+    from mariana.apps.asr.configs import PRESETS
+    from mariana.apps.asr.model import build_model
+    from mariana.apps.asr.train import BLANK
+    from mariana.platform.core.export import export_model
+
+    cfg = dataclasses.asdict(PRESETS["debug"])
+    vocab = [BLANK, "one", "two"]
+    torch.manual_seed(0)
+    model = build_model(cfg, len(vocab))
+    feats = fbank(load_audio(_wav(d / "prior.wav"), FeatureSettings()), FeatureSettings()).numpy()
+    s1, s2 = feats.astype(np.float64).sum(0), (feats.astype(np.float64) ** 2).sum(0)
+    prior = FilePrior.from_speaker_stats({"s": {"sum": s1, "sumsq": s2, "frames": len(feats)}})
+    extra = {"vocab": vocab, "cmvn_prior": prior.to_dict()}
+    export_model(d / "asr-run", model.state_dict(), app="asr", arch="dnn-ctc", config=cfg, extra=extra)
+    return d / "asr-run"
+
+
+def _wav(path: Path, samples: int = 4000) -> Path:
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(8000)
+        f.writeframes((np.random.default_rng(0).standard_normal(samples) * 3000).astype("<i2").tobytes())
+    return path
+
+
+def _vision_run(d: Path) -> Path:
+    """A vision CNN trained for one step on 8 random 32x32 images (2 classes)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in ("cat", "dog"):
+        (d / "imgs" / c).mkdir(parents=True)
+        for i in range(4):
+            Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(
+                d / "imgs" / c / f"{i}.jpg"
+            )
+    args = ["vision", "train", "--data", d / "imgs", "--out", d / "vision-run", "--preset", "debug"]
+    p = run_cli([*args, "--limit", "0", "--max-steps", "1", "--batch-size", "4", "--eval-limit", "0", "--no-progress"],
+                check=True)  # fmt: skip
+    assert "final {" not in p.stdout + p.stderr  # no raw JSON dump on the console (issue 30)
+    return d / "vision-run"
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = serve(
-        ["--pctr", libfm_run(tmp_path_factory), "--max-instances", "50", "--max-body-bytes", "200000"],
-        tmp_path_factory,
-    )
+    """Serves all three apps, so the upload routes decode what they get (not "not served")."""
+    d = tmp_path_factory.mktemp("fuzz-models")
+    models = ["--pctr", libfm_run(tmp_path_factory), "--asr", _asr_run(d), "--vision", _vision_run(d)]
+    s = serve([*models, "--max-instances", "50", "--max-body-bytes", "200000"], tmp_path_factory)
+    # the upload routes are live: a real WAV / image is answered 200
+    wav, img = _wav(d / "ok.wav").read_bytes(), (d / "imgs" / "cat" / "0.jpg").read_bytes()
+    assert s.client.post("/v1/asr/transcribe", files={"file": ("a.wav", wav)}).status_code == 200
+    assert s.client.post("/v1/vision/classify", files={"file": ("a.jpg", img)}).status_code == 200
     yield s
     s.stop()
 
@@ -82,8 +141,8 @@ def test_hand_written_malformed_requests(server):
         ("get", "/v1/pctr/predict", {}, 405),
         ("get", "/nope", {}, 404),
         ("post", "/v1/admin/reload", {"json": {"app": "nope"}}, 404),
-        ("post", "/v1/admin/reload", {"json": {"app": "pctr", "run_dir": "/nonexistent"}}, 422),
-        ("post", "/v1/admin/reload", {"json": {"run_dir": "/tmp"}}, 422),
+        ("post", "/v1/admin/reload", {"json": {"app": "pctr", "run_dir": "/nonexistent"}}, 403),
+        ("post", "/v1/admin/reload", {"json": {"run_dir": "/tmp"}}, 422),  # which of the 3 apps?
         ("post", "/v1/admin/reload", {"json": {"bogus": 1}}, 422),
         ("post", "/v1/admin/reload", {"content": b"x" * 100_000, "headers": J}, 413),
         ("post", "/v1/asr/transcribe", {"content": b"not multipart"}, 422),
@@ -91,7 +150,7 @@ def test_hand_written_malformed_requests(server):
             "post",
             "/v1/vision/classify",
             {"files": {"file": ("x.png", b"\x89PNG\r\n\x1a\n" + b"0" * 10)}},
-            404,
+            422,  # served: a truncated PNG is refused by the decoder
         ),
     ]
     for method, path, kw, want in cases:
@@ -210,7 +269,9 @@ def test_property_based_uploads(server):
         path=st.sampled_from(["/v1/asr/transcribe", "/v1/vision/classify"]),
     )
     def prop(data, field, path):
-        check(server.client.post(path, files={field: ("f", data)}))
+        r = server.client.post(path, files={field: ("f", data)})
+        check(r)
+        assert "not served" not in r.text and "--asr" not in r.text and "--vision" not in r.text, r.text
 
     prop()
     assert server.alive()

@@ -39,7 +39,21 @@ def test_reload_during_steady_stream(runs, tmp_path, tmp_path_factory):
     expected = dict([_expected(a, lines), _expected(b, lines)])
     assert len(expected) == 2, "the two runs must have different versions"
     bad = _corrupt_copy(a, tmp_path / "bad")
-    srv = serve(["--pctr", a], tmp_path_factory)
+    (tmp_path / "token").write_text("reload-secret\n")
+    root = tmp_path_factory.getbasetemp()  # a, b and bad live under it; the Frappe folder does not
+    srv = serve(["--pctr", a, "--reload-root", root, "--token-file", tmp_path / "token"], tmp_path_factory)
+    # admin requests need the token; a run dir outside --reload-root (symlinks resolved) is refused unread
+    assert srv.client.post("/v1/admin/reload", json={}).status_code == 401
+    assert (
+        srv.client.post("/v1/admin/reload", json={}, headers={"Authorization": "Bearer no"}).status_code
+        == 401
+    )
+    srv.client.headers["Authorization"] = "Bearer reload-secret"
+    (tmp_path / "escape").symlink_to(FRAPPE.parent)
+    for outside in (FRAPPE.parent, tmp_path / "escape"):
+        r = srv.client.post("/v1/admin/reload", json={"app": "pctr", "run_dir": str(outside)})
+        assert r.status_code == 403 and "outside the reload roots" in r.json()["error"], r.text
+    assert srv.client.get("/healthz").status_code == 200  # loopback reads and predictions need no token
     results, stop = [], threading.Event()
 
     def client(k: int):

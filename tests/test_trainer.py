@@ -107,6 +107,28 @@ def test_eval_every_epoch_evaluates_at_each_epoch_end(tmp_path):
     assert epochs == [0, 1, 2]
 
 
+def test_eval_log_line_prints_counts_as_integers(tmp_path):
+    """A count among the metrics (vision's "images") reads "images 200", not "images 200.0000" (issue 30)."""
+    import logging
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: lines.append(rec.getMessage())
+    logger = logging.getLogger("mariana")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        ev = Evaluator(lambda m: {"top1": 12.5, "images": 200}, every=EPOCH, monitor="top1")
+        _, trainer = make(cfg_(tmp_path, epochs=1), tmp_path, Loader(2, 4), ev)
+        trainer.fit()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    shown = [x for x in lines if "eval top1" in x]
+    assert shown and "top1 12.5000 images 200" in shown[0] and "200.0000" not in shown[0], shown
+
+
 def test_grad_accum_equals_one_large_batch(tmp_path):
     big = Loader(4, 16)
     small = Loader(8, 8)

@@ -201,6 +201,7 @@ def test_bad_space_files_are_one_line_errors(tmp_path: Path, frappe_slice: Path)
 def test_study_page_in_a_real_browser(tmp_path: Path, frappe_slice: Path):
     """Trials as jobs of a real service; the study page in Chromium: trials sortable by the metric, the
     metric per trial over steps, parameter importances, the nav link."""
+    from optuna.trial import TrialState
     from test_jobs_ui import _browser, _require_browser, _service, _watched_page
 
     expect, sync_playwright = _require_browser()
@@ -247,6 +248,15 @@ def test_study_page_in_a_real_browser(tmp_path: Path, frappe_slice: Path):
                 timeout=15_000,
             )
             expect(page.locator("#importance tr[data-param]")).to_have_count(3, timeout=15_000)
+            # the by-trial chart: whole trial numbers on its x axis, pruned trials at their last value
+            xticks = page.eval_on_selector_all(
+                "#plot-history .plot-xtick", "ts => ts.map((t) => t.textContent)"
+            )
+            assert xticks and all(t.isdigit() for t in xticks), xticks
+            counts = json.loads(page.locator("#plot-history svg").get_attribute("data-series-points"))
+            pruned = [t for t in study.get_trials() if t.state == TrialState.PRUNED and t.intermediate_values]
+            assert counts["pruned (last value)"] == len(pruned), (counts, len(pruned))
+            assert counts["trial value"] == sum(t.state == TrialState.COMPLETE for t in study.get_trials())
             page.screenshot(path=tmp_path / "study.png", full_page=True)
             browser.close()
         assert not errors, errors

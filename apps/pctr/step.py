@@ -278,7 +278,7 @@ class LocalStep:
                 self.dense_opt,
                 autocast=self.amp,
                 clip_grad=cfg.clip_grad,
-                l2_emb=cfg.l2_emb,
+                l2_emb=cfg.l2_emb_value(),
                 weight_decay=cfg.weight_decay,
             )
             n += len(batch)
@@ -457,7 +457,7 @@ class PSWorkerStep:
             remote_dense=True,
             autocast=self.amp,
             clip_grad=self.cfg.clip_grad,
-            l2_emb=self.cfg.l2_emb,
+            l2_emb=self.cfg.l2_emb_value(),
             weight_decay=self.cfg.weight_decay,
             pulled=pulled,
         )

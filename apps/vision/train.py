@@ -292,7 +292,8 @@ def _train(cfg: VisionConfig, ctx) -> dict[str, Any]:
         if skipped:
             run.write_final({"skipped": [{"path": p, "reason": r} for p, r in skipped]}, "skipped.json")
         run.write_final(final)
-        log.info("final %s", json.dumps({k_: v for k_, v in final.items() if not isinstance(v, list)}))
+        # RUN/logs only (DEBUG): the console's last line states the result
+        log.debug("final %s", json.dumps({k_: v for k_, v in final.items() if not isinstance(v, list)}))
     return final
 
 

@@ -101,7 +101,7 @@ class MetricsLogger:
         self.run, self.ctx = run, ctx
         # a worker's stderr is a pipe that the launcher shows on the terminal (rank 0 only); one process
         # draws the bar only on a terminal (no bar frames in job-service logs or captured output)
-        visible = sys.stderr.isatty() or "TORCHELASTIC_RUN_ID" in os.environ
+        visible = sys.stderr.isatty() or os.environ.get("MARIANA_CONSOLE_TTY") == "1"  # set by the launcher
         on_tty_or_forced = enabled and ctx.is_main and visible
         self.bar = tqdm(
             total=total,
@@ -197,6 +197,7 @@ class Trainer:
         if self.evaluator is not None and t.get("evaluator"):
             self.evaluator.load_state_dict(t["evaluator"])
         if self.ctx.is_main:
+            self.run.drop_metrics_after(self.step)  # the steps after the checkpoint are done again
             log.info(
                 "resumed from step %d (epoch %d, batch %d)%s",
                 self.step,
@@ -219,7 +220,9 @@ class Trainer:
         if self.ctx.watchdog is not None:
             self.ctx.watchdog.disarm()  # evaluation has no collectives of the step's kind and may be long
         self.ctx.set_phase("eval")
-        metrics = {k: float(v) for k, v in self.step_obj.evaluate(ev.fn).items()}
+        metrics = {
+            k: v if type(v) is int else float(v) for k, v in self.step_obj.evaluate(ev.fn).items()
+        }  # counts stay int
         best = ev.record(self.step, metrics)
         best = self._agree(best)
         record = {
@@ -230,7 +233,7 @@ class Trainer:
         self.history.append(record)
         self.logger.write(record)
         if self.ctx.is_main:
-            shown = " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+            shown = " ".join(f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4f}" for k, v in metrics.items())
             log.info(
                 "step %d (%s): eval %s%s", self.step, reason, shown, " (best)" if best and ev.monitor else ""
             )

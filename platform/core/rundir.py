@@ -48,6 +48,26 @@ class RunDir:
         with open(self.metrics_jsonl, "a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def drop_metrics_after(self, step: int) -> int:
+        """Remove the ``metrics.jsonl`` records of steps after ``step`` (a resume redoes those steps from the
+        checkpoint at ``step``; kept, they would repeat steps and curves would double back). Records without
+        a step and lines that are not JSON stay. Returns how many records went; rewrites the file atomically."""
+        if not self.metrics_jsonl.is_file():
+            return 0
+        keep, dropped = [], 0
+        for line in self.metrics_jsonl.read_text().splitlines(keepends=True):
+            try:
+                s = json.loads(line).get("step")
+            except (ValueError, AttributeError):
+                s = None
+            if isinstance(s, int | float) and s > step:
+                dropped += 1
+            else:
+                keep.append(line)
+        if dropped:
+            atomic_write_text(self.metrics_jsonl, "".join(keep))
+        return dropped
+
     def write_final(self, metrics: dict[str, Any], name: str = "metrics.json") -> None:
         atomic_write_text(self.path / name, json.dumps(metrics, indent=2, sort_keys=True) + "\n")
 

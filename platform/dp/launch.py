@@ -112,7 +112,7 @@ def run_torchrun(args: list[str], run_dir: str | Path, nproc_per_node: int, cons
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from .workerio import CONSOLE_RANK_ENV, RUN_DIR_ENV
+    from .workerio import CONSOLE_RANK_ENV, CONSOLE_TTY_ENV, RUN_DIR_ENV
 
     run_dir = Path(run_dir).absolute()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -122,6 +122,8 @@ def run_torchrun(args: list[str], run_dir: str | Path, nproc_per_node: int, cons
         os.environ["OMP_NUM_THREADS"] = str(worker_threads(nproc_per_node))
     os.environ[RUN_DIR_ENV] = str(run_dir)
     os.environ[CONSOLE_RANK_ENV] = str(console_rank)
+    # the workers' stderr is a pipe to this agent: they draw a progress bar only when this one is a terminal
+    os.environ[CONSOLE_TTY_ENV] = "1" if sys.stderr.isatty() else "0"
     _quiet_launcher_logs(run_dir)
     try:
         run(parse_args(args))

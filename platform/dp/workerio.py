@@ -23,6 +23,7 @@ from pathlib import Path
 
 RUN_DIR_ENV = "MARIANA_RUN_DIR"
 CONSOLE_RANK_ENV = "MARIANA_CONSOLE_RANK"
+CONSOLE_TTY_ENV = "MARIANA_CONSOLE_TTY"  # "1" when the launcher's stderr is a terminal
 
 
 def error_file(run_dir: str | Path, rank: int | str) -> Path:

@@ -71,8 +71,8 @@ class JobsClient:
     def metrics(self, job_id: int, after: int = 0) -> dict:
         return self.request("GET", f"/api/jobs/{job_id}/metrics", params={"after": after})
 
-    def cancel(self, job_id: int) -> dict:
-        return self.request("POST", f"/api/jobs/{job_id}/cancel")
+    def cancel(self, job_id: int, reason: str | None = None) -> dict:
+        return self.request("POST", f"/api/jobs/{job_id}/cancel", json={"reason": reason} if reason else None)
 
     def retry(self, job_id: int) -> dict:
         return self.request("POST", f"/api/jobs/{job_id}/retry")

@@ -32,6 +32,7 @@ from .executor import Executor, Handle, LocalExecutor, StartError
 from .logstore import LogStore, log_error
 from .resources import normalize
 
+PRUNED = "pruned by mariana tune"  # the cancel reason of a trial the tuner's pruner stopped (no Retry)
 LOGSTORE_NICE = 10  # the LogStore thread yields the CPU to training processes
 REFUSED_APPS = {"jobs", "submit"}  # the service does not run its own client commands
 
@@ -188,18 +189,19 @@ class Scheduler:
         self.wake()
         return job
 
-    def cancel(self, job_id: int) -> Job:
+    def cancel(self, job_id: int, reason: str | None = None) -> Job:
+        """Cancel a queued or running job; ``reason`` (e.g. ``PRUNED``) becomes the job's ``error`` line."""
         with self.db.write() as s:
             job = s.get(Job, job_id)
             if job is None:
                 raise KeyError(job_id)
             if job.state == "queued":
-                job.state, job.ended = "cancelled", time.time()
-                add_event(s, job.id, "cancelled", "cancelled while queued")
+                job.state, job.ended, job.error = "cancelled", time.time(), reason
+                add_event(s, job.id, "cancelled", reason or "cancelled while queued")
                 return job
             if job.state != "running" or job.cancel_requested:
                 return job
-            job.cancel_requested = True
+            job.cancel_requested, job.error = True, reason
             add_event(s, job.id, "cancelling", "SIGTERM to the job's process group")
             handle = handle_of(job)
         if handle is not None:
@@ -319,7 +321,7 @@ class Scheduler:
             if rc == -1000:
                 rc, error = None, error or "the job's process ended without recording an exit status"
             if j.cancel_requested:
-                state = "cancelled"
+                state, error = "cancelled", error or j.error  # keeps a cancel's reason (PRUNED)
             elif rc == 0:
                 state = "succeeded"
             else:

@@ -7,7 +7,8 @@ REST API (JSON; ``/docs`` documents it):
   ``GET /api/jobs`` -> ``{"jobs": [...]}`` newest first; ``GET /api/jobs/{id}`` -> job + config + counters.
 - ``GET /api/jobs/{id}/metrics?after=SEQ``, ``/counters``, ``/logs?tail=N`` (or ``?offset=BYTES``),
   ``/events``, ``/files/{path}`` (inside the run directory only).
-- ``POST /api/jobs/{id}/cancel|retry|serve``; ``GET /healthz``.
+- ``POST /api/jobs/{id}/cancel|retry|serve``, ``POST /api/jobs/{id}/serve/stop``; ``GET /healthz``.
+- Request bodies are capped at ``MAX_BODY`` bytes (413, body unread) and a job's argv at ``MAX_ARGV``.
 
 Auth: with a token configured, every mutating request (anything but GET/HEAD/OPTIONS) needs
 ``Authorization: Bearer TOKEN`` (401 otherwise), and so do ``/api`` reads from other hosts than loopback.
@@ -27,15 +28,59 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import Body, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from mariana.platform.core.errors import MarianaError
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from sqlalchemy import select
 
 from .db import CounterRecord, Database, Job, JobEvent, MetricRecord, default_url
-from .scheduler import Scheduler
+from .scheduler import PRUNED, Scheduler
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost", "testclient"}
+MAX_BODY = 1 << 20  # bytes of one request body (a job's argv and options; files are never uploaded)
+MAX_ARGV = 64 << 10  # bytes of a job's argv, all arguments together
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body exceeds ``limit`` bytes gets 413 with a one-line message (the
+    body is neither parsed nor echoed). Checks Content-Length up front and reads a chunked body up to the limit."""
+
+    def __init__(self, app, limit: int = MAX_BODY):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._refuse(send)
+        chunks, seen, more = [], 0, True
+        while more:  # read the whole body first (at most `limit` bytes), then hand it on in one message
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return await self.app(scope, _replay([msg], receive), send)
+            chunks.append(msg.get("body", b""))
+            seen, more = seen + len(chunks[-1]), msg.get("more_body", False)
+            if seen > self.limit:
+                return await self._refuse(send)
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([body], receive), send)
+
+    async def _refuse(self, send):
+        body = f'{{"detail": "request body too large (limit {self.limit} bytes)"}}'.encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+
+def _replay(messages: list, receive):
+    """An ASGI ``receive`` that returns ``messages`` first, then defers to ``receive``."""
+
+    async def replay():
+        return messages.pop(0) if messages else await receive()
+
+    return replay
 
 
 class SubmitRequest(BaseModel):
@@ -47,6 +92,25 @@ class SubmitRequest(BaseModel):
     cwd: str = Field("", description="directory relative paths in argv refer to (default: the service's)")
     resources: dict = Field({}, description="nodes, tasks_per_node, gpus_per_node, cpus_per_task, time, "
                             "partition (see platform/jobs/resources.py); the executor refuses what it cannot honour")  # fmt: skip
+
+    @field_validator("argv")
+    @classmethod
+    def _argv_size(cls, argv: list[str]) -> list[str]:
+        size = sum(len(a.encode()) + 1 for a in argv)
+        if size > MAX_ARGV:
+            raise ValueError(f"argv is {size} bytes; the limit is {MAX_ARGV}")
+        return argv
+
+
+class CancelRequest(BaseModel):
+    reason: str | None = Field(None, max_length=500, description="why (kept as the job's error line)")
+
+
+def view(job: Job, now: float | None = None) -> dict:
+    """The REST job object, plus ``pruned``: a tuning trial its pruner stopped (shown as "pruned")."""
+    out = job.to_dict(now)
+    out["pruned"] = job.state == "cancelled" and (job.error or "").startswith(PRUNED)
+    return out
 
 
 def _free_port() -> int:
@@ -88,6 +152,11 @@ def create_app(home: str | Path, db_url: str | None = None, slots: int | None = 
             sched.stop()
             for proc, _ in servers.values():  # model servers started from the UI end with the service
                 proc.terminate()
+            for proc, _ in servers.values():
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
 
     app = FastAPI(
         title="Mariana jobs",
@@ -96,6 +165,7 @@ def create_app(home: str | Path, db_url: str | None = None, slots: int | None = 
         lifespan=lifespan,
     )
     app.state.db, app.state.scheduler, app.state.home = db, sched, home
+    app.add_middleware(BodyLimit)
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
@@ -107,6 +177,12 @@ def create_app(home: str | Path, db_url: str | None = None, slots: int | None = 
                 if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].strip(), token):
                     return JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401)
         return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        # FastAPI's default answer echoes each wrong value back ("input"): a big body would come back whole
+        errors = [{k: v for k, v in err.items() if k in ("type", "loc", "msg")} for err in e.errors()]
+        return JSONResponse({"detail": errors}, status_code=422)
 
     @app.exception_handler(MarianaError)
     async def bad_input(request: Request, e: MarianaError):
@@ -134,14 +210,20 @@ def create_app(home: str | Path, db_url: str | None = None, slots: int | None = 
             if state:
                 q = q.where(Job.state == state)
             now = time.time()
-            return {"jobs": [j.to_dict(now) for j in s.scalars(q)]}
+            return {"jobs": [view(j, now) for j in s.scalars(q)]}
 
     @app.get("/api/jobs/{job_id}")
     def show(job_id: int) -> dict:
         with db.read() as s:
             job = get_job(s, job_id)
-            out = job.to_dict()
+            out = view(job)
             out["counters"] = job.counters
+        model = Path(job.run_dir) / "model.safetensors"
+        if not out.get("export") and model.is_file():  # a running job's best model so far (early stopping)
+            out["export"] = str(model)
+        with servers_lock:
+            proc_url = servers.get(job_id)
+        out["served"] = proc_url[1] if proc_url and proc_url[0].poll() is None else None
         cfg = Path(job.run_dir) / "config.toml"
         try:
             out["config"] = tomllib.loads(cfg.read_text()) if cfg.is_file() else None
@@ -210,9 +292,9 @@ def create_app(home: str | Path, db_url: str | None = None, slots: int | None = 
         return FileResponse(_confined(job.run_dir, path))
 
     @app.post("/api/jobs/{job_id}/cancel")
-    def cancel(job_id: int) -> dict:
+    def cancel(job_id: int, body: CancelRequest | None = None) -> dict:
         try:
-            return sched.cancel(job_id).to_dict()
+            return view(sched.cancel(job_id, body.reason if body else None))
         except KeyError:
             raise HTTPException(404, f"no job {job_id}") from None
 
@@ -250,6 +332,22 @@ def create_app(home: str | Path, db_url: str | None = None, slots: int | None = 
             url = f"http://127.0.0.1:{port}"
             servers[job_id] = (proc, url)
         return {"url": url, "pid": proc.pid}
+
+    @app.post("/api/jobs/{job_id}/serve/stop")
+    def serve_stop(job_id: int) -> dict:
+        """Stop the model server started by ``/serve`` (SIGTERM, SIGKILL after 10 s) and reap it."""
+        with servers_lock:
+            entry = servers.pop(job_id, None)
+        if entry is None:
+            raise HTTPException(404, f"job {job_id} has no model server running")
+        proc, url = entry
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return {"stopped": url, "exit_code": proc.returncode}
 
     try:
         from .ui import mount_ui

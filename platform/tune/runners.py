@@ -69,7 +69,7 @@ class LocalRunner:
             text = ""
         return False, last_error_line(text) or f"exit status {rc}"
 
-    def cancel(self, handle: dict) -> None:
+    def cancel(self, handle: dict, reason: str | None = None) -> None:
         _kill_group(handle["pid"], handle.get("pid_start"), signal.SIGTERM)
 
     def wait_cancelled(self, handle: dict, timeout: float = 10.0) -> None:
@@ -121,8 +121,8 @@ class JobRunner:
             return False, "cancelled through the job service"
         return False, job.get("error") or f"exit status {job.get('exit_code')}"
 
-    def cancel(self, handle: dict) -> None:
-        self.client.cancel(handle["job_id"])
+    def cancel(self, handle: dict, reason: str | None = None) -> None:
+        self.client.cancel(handle["job_id"], reason)
 
     def wait_cancelled(self, handle: dict, timeout: float = 10.0) -> None:
         pass  # the service escalates to SIGKILL itself

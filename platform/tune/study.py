@@ -38,6 +38,7 @@ from typing import Any
 from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.config import load_toml, to_toml
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.jobs.scheduler import PRUNED
 
 from .apps import RESERVED, AppInfo
 from .space import Space, flag_args
@@ -265,7 +266,7 @@ def run_study(o: TuneOptions, runner) -> int:
                 status = runner.poll(f.handle)  # before reading: records written before the exit are in
                 pruned = _report(f, o.monitor)
                 if pruned is not None and status is None:
-                    runner.cancel(f.handle)
+                    runner.cancel(f.handle, reason=f"{PRUNED} at step {pruned}")
                     runner.wait_cancelled(f.handle)
                 if pruned is not None:
                     study.tell(f.trial, state=TrialState.PRUNED)

@@ -129,11 +129,21 @@ function jobCommand(job) {
   return job.app || job.command || "";
 }
 
+// A job's state as shown: "pruned" for a tuning trial its pruner stopped (state cancelled, job.pruned).
+function shownState(job) {
+  return job.pruned ? "pruned" : job.state;
+}
+
 function stateBadge(state) {
   const span = document.createElement("span");
   span.className = `state state-${state}`;
   span.textContent = state;
   return span;
+}
+
+// Retry (--resume) makes sense for a failed or cancelled job, not for a trial the tuner pruned on purpose.
+function canRetry(job) {
+  return (job.state === "failed" || job.state === "cancelled") && !job.pruned;
 }
 
 // Creates an element: el("td", {class: "x", "data-a": 1}, child | "text", ...).
@@ -178,17 +188,29 @@ function formatCell(v) {
 // Points [[x, value], ...] of `field` by source: from the metrics records when any of them carries the
 // field (one source, ""), else from the counters history, one source per reporter (parameter-server
 // workers report loss and per-epoch val_* there). xOf(row) gives a row's x (NaN drops the point).
+// A record whose step is not after the previous one's starts a resumed attempt (from its checkpoint): the
+// earlier records of those steps are superseded, so curves never double back.
+function lastAttempt(rows) {
+  const out = [];
+  for (const r of rows) {
+    while (out.length && out[out.length - 1].step >= r.step) out.pop();
+    out.push(r);
+  }
+  return out;
+}
+
 function fieldPoints(records, history, field, xOf) {
   const has = (r) => typeof r[field] === "number" && typeof r.step === "number";
-  if (records.some(has)) return new Map([["", records.filter(has).map((r) => [xOf(r), r[field]])]]);
+  if (records.some(has)) return new Map([["", lastAttempt(records.filter(has)).map((r) => [xOf(r), r[field]])]]);
   const bySource = new Map();
   for (const h of history) {
     if (!has(h)) continue;
     const src = h.source || "counters";
     if (!bySource.has(src)) bySource.set(src, []);
-    bySource.get(src).push([xOf(h), h[field]]);
+    bySource.get(src).push(h);
   }
-  return new Map([...bySource.entries()].sort((a, b) => a[0].localeCompare(b[0])));
+  const points = (rows) => lastAttempt(rows).map((h) => [xOf(h), h[field]]);
+  return new Map([...bySource.entries()].sort((a, b) => a[0].localeCompare(b[0])).map(([k, v]) => [k, points(v)]));
 }
 
 // Is this metrics-record field a validation metric (eval_auc, val_logloss, ...)?

@@ -30,11 +30,24 @@ function runSeries(run, field) {
   }));
 }
 
+// Runs with the very same curve would hide each other: a later one is dashed and named "= #earlier".
+function markTwins(series) {
+  const seen = new Map();
+  return series.map((s) => {
+    const key = JSON.stringify(s.points);
+    if (!s.points.length || !seen.has(key)) {
+      seen.set(key, s.name);
+      return s;
+    }
+    return {...s, name: `${s.name} (= ${seen.get(key)})`, dash: "6 4"};
+  });
+}
+
 function redraw() {
   const xl = plotsState.xaxis === "step" ? "step" : "wall time since start (s)";
   const list = IDS.map((id) => runs.get(id)).filter((r) => r && r.job);
   plotsState.loss.setXLabel(xl);
-  plotsState.loss.setSeries(list.flatMap((r) => runSeries(r, "loss")));
+  plotsState.loss.setSeries(markTwins(list.flatMap((r) => runSeries(r, "loss"))));
   const fields = new Set();
   for (const r of list) {
     for (const rec of [...r.records, ...r.history]) for (const k of Object.keys(rec)) if (isValidationField(k)) fields.add(k);
@@ -50,7 +63,7 @@ function redraw() {
       plotsState.val.set(f, plot);
     }
     plot.setXLabel(xl);
-    plot.setSeries(list.flatMap((r) => runSeries(r, f)).filter((s) => s.points.length));
+    plot.setSeries(markTwins(list.flatMap((r) => runSeries(r, f)).filter((s) => s.points.length)));
   }
 }
 

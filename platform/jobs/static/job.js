@@ -49,11 +49,23 @@ function seriesFor(field, label, colorIndex) {
   }));
 }
 
+// Exponential moving average of a series' y (weight EMA_ALPHA on the newest point), for noisy throughput.
+const EMA_ALPHA = 0.2;
+function ema(points) {
+  let m = null;
+  return points.map(([x, y]) => [x, (m = m === null ? y : m + EMA_ALPHA * (y - m))]);
+}
+
 function redrawPlots() {
   plots.loss.setXLabel(xLabel());
   plots.loss.setSeries(seriesFor("loss", "loss", 0));
   plots.throughput.setXLabel(xLabel());
-  plots.throughput.setSeries(seriesFor("samples_per_s", "samples/s", 0));
+  // the raw samples/s faint, its EMA drawn over it
+  const raw = seriesFor("samples_per_s", "samples/s", 0);
+  plots.throughput.setSeries([
+    ...raw.map((s) => ({...s, name: `${s.name} raw`, faint: true})),
+    ...raw.map((s) => ({...s, name: `${s.name} (EMA ${EMA_ALPHA})`, points: ema(s.points)})),
+  ]);
 
   const fields = new Set();
   for (const r of [...state.records, ...state.history]) {
@@ -92,7 +104,7 @@ function renderHeader(job) {
   setText(document.getElementById("title"), `Job ${job.id}${job.name ? ` · ${job.name}` : ""}`);
   const stateEl = document.getElementById("state");
   stateEl.setAttribute("data-state", job.state);
-  if (stateEl.textContent !== job.state) stateEl.replaceChildren(stateBadge(job.state));
+  if (stateEl.textContent !== shownState(job)) stateEl.replaceChildren(stateBadge(shownState(job)));
   const cmd = document.getElementById("cmdline");
   cmd.replaceChildren(
     el("div", {}, el("span", {class: "muted"}, "command "), el("code", {id: "argv"}, argvText(job))),
@@ -114,8 +126,9 @@ function renderHeader(job) {
   errEl.hidden = !job.error;
   setText(errEl, job.error || "");
   document.getElementById("cancel").hidden = !(job.state === "queued" || job.state === "running");
-  document.getElementById("retry").hidden = !(job.state === "failed" || job.state === "cancelled");
+  document.getElementById("retry").hidden = !canRetry(job);
   renderModel(job);
+  renderServed(job.served);
 }
 
 // The exported model's files, linked through GET /api/jobs/{id}/files/{path} (paths relative to run dir).
@@ -142,6 +155,18 @@ function renderModel(job) {
     el("a", {href: href(`${base}model.json`)}, `${base}model.json`),
   );
   serve.hidden = false;
+}
+
+// "serving at URL" + Stop while the service runs a model server for this job (job.served), else nothing.
+function renderServed(url) {
+  const span = document.getElementById("serve-url");
+  const stop = document.getElementById("serve-stop");
+  if ((span.getAttribute("data-url") || "") === (url || "")) return;
+  span.setAttribute("data-url", url || "");
+  if (url) span.replaceChildren("serving at ", el("a", {href: url, id: "served-url"}, url));
+  else if (span.getAttribute("data-stopped")) span.replaceChildren("server stopped");
+  else span.replaceChildren();
+  stop.hidden = !url;
 }
 
 function renderTable(container, rowsData, headers) {
@@ -216,7 +241,10 @@ async function refresh() {
     job = await api(`/api/jobs/${JOB_ID}`);
   } catch (e) {
     if (e.status === 404) {
-      showStatus(`job ${JOB_ID} does not exist`, true);
+      document.title = `Job ${JOB_ID} not found · Mariana`;
+      setText(document.getElementById("title"), `Job ${JOB_ID} not found`);
+      document.getElementById("job-body").hidden = true; // no empty cards under the message
+      showStatus(`job ${JOB_ID} does not exist: see the jobs list`, true, true);
       state.stop();
       return;
     }
@@ -250,8 +278,10 @@ async function action(name, button) {
   try {
     const body = await apiPost(`/api/jobs/${JOB_ID}/${name}`);
     if (name === "serve") {
-      const url = body.url;
-      document.getElementById("serve-url").replaceChildren("serving at ", el("a", {href: url, id: "served-url"}, url));
+      renderServed(body.url);
+    } else if (name === "serve/stop") {
+      document.getElementById("serve-url").setAttribute("data-stopped", "1");
+      renderServed(null);
     } else if (name === "retry" && body && body.id !== undefined && Number(body.id) !== JOB_ID) {
       window.location.href = `/jobs/${body.id}`; // the retry is a new job
     } else {
@@ -280,8 +310,8 @@ document.addEventListener("DOMContentLoaded", () => {
       redrawPlots();
     });
   }
-  for (const name of ["cancel", "retry", "serve"]) {
-    const button = document.getElementById(name);
+  for (const [name, id] of [["cancel", "cancel"], ["retry", "retry"], ["serve", "serve"], ["serve/stop", "serve-stop"]]) {
+    const button = document.getElementById(id);
     button.addEventListener("click", () => action(name, button));
   }
   if (!Number.isInteger(JOB_ID)) {

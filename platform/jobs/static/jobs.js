@@ -53,13 +53,13 @@ function updateRow(row, job) {
   setText(cells.command, jobCommand(job));
   cells.command.title = (job.argv || []).join(" ");
   const badge = cells.state.firstChild;
-  if (!badge || badge.textContent !== job.state) cells.state.replaceChildren(stateBadge(job.state));
+  if (!badge || badge.textContent !== shownState(job)) cells.state.replaceChildren(stateBadge(shownState(job)));
   setText(cells.started, formatTime(job.started));
   setText(cells.duration, formatDuration(jobDuration(job)));
   setText(cells.best, formatBest(job.best_metric));
   setText(cells.slots, job.slots === null || job.slots === undefined ? "–" : String(job.slots));
   row.cancel.hidden = !(job.state === "queued" || job.state === "running");
-  row.retry.hidden = !(job.state === "failed" || job.state === "cancelled");
+  row.retry.hidden = !canRetry(job);
 }
 
 function render(jobs) {

@@ -3,6 +3,7 @@
 //
 // Usage:
 //   const plot = new LinePlot(containerElement, {title: "loss", xLabel: "step", yLabel: "loss"});
+//   (option integerX: x ticks at whole numbers only, e.g. trial numbers)
 //   plot.setSeries([{name: "loss", points: [[x, y], ...]}, ...]);   // re-renders
 //
 // The <svg> carries data-points (all drawn points) and data-series-points (JSON: series name -> points),
@@ -23,8 +24,9 @@ function svgEl(tag, attrs, parent) {
   return el;
 }
 
-// Tick values covering [lo, hi] with about `count` ticks at 1, 2 or 5 times a power of ten.
-function niceTicks(lo, hi, count) {
+// Tick values covering [lo, hi] with about `count` ticks at 1, 2 or 5 times a power of ten (whole
+// numbers only with `integer`, e.g. trial numbers).
+function niceTicks(lo, hi, count, integer) {
   if (!(hi > lo)) {
     const pad = Math.abs(lo) * 0.05 || 1;
     lo -= pad;
@@ -33,7 +35,8 @@ function niceTicks(lo, hi, count) {
   const raw = (hi - lo) / Math.max(1, count);
   const mag = Math.pow(10, Math.floor(Math.log10(raw)));
   const norm = raw / mag;
-  const step = (norm <= 1 ? 1 : norm <= 2 ? 2 : norm <= 5 ? 5 : 10) * mag;
+  let step = (norm <= 1 ? 1 : norm <= 2 ? 2 : norm <= 5 ? 5 : 10) * mag;
+  if (integer) step = Math.max(1, step);
   const start = Math.floor(lo / step) * step;
   const end = Math.ceil(hi / step) * step;
   const ticks = [];
@@ -84,6 +87,8 @@ class LinePlot {
   setSeries(series) {
     this.series = series.map((s, i) => ({
       name: s.name,
+      faint: Boolean(s.faint),
+      dash: s.dash || null,
       color: s.color || PLOT_COLORS[i % PLOT_COLORS.length],
       points: s.points
         .filter((p) => Number.isFinite(p[0]) && Number.isFinite(p[1]))
@@ -100,7 +105,8 @@ class LinePlot {
     svg.setAttribute("width", W);
     svg.setAttribute("height", H);
     svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
-    const m = {left: 62, right: 14, top: this.opts.title ? 26 : 10, bottom: 40};
+    // right: room for half the last x tick's label, centred on the frame's right edge ("3,000")
+    const m = {left: 62, right: 32, top: this.opts.title ? 26 : 10, bottom: 40};
     const pw = W - m.left - m.right;
     const ph = H - m.top - m.bottom;
     this.geom = null;
@@ -131,7 +137,7 @@ class LinePlot {
       ymin = Math.min(ymin, y);
       ymax = Math.max(ymax, y);
     }
-    const xt = niceTicks(xmin, xmax, Math.max(2, Math.floor(pw / 90)));
+    const xt = niceTicks(xmin, xmax, Math.max(2, Math.floor(pw / 90)), this.opts.integerX);
     const yt = niceTicks(ymin, ymax, Math.max(2, Math.floor(ph / 45)));
     const sx = (x) => m.left + ((x - xt.lo) / (xt.hi - xt.lo)) * pw;
     const sy = (y) => m.top + ph - ((y - yt.lo) / (yt.hi - yt.lo)) * ph;
@@ -164,10 +170,11 @@ class LinePlot {
       const d = s.points.map((p, i) => `${i ? "L" : "M"}${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`);
       svgEl(
         "path",
-        {d: d.join(""), stroke: s.color, class: "plot-line", "data-series": s.name,
+        {d: d.join(""), stroke: s.color, class: s.faint ? "plot-line faint" : "plot-line", "data-series": s.name,
          "data-points": String(s.points.length)},
         lines,
       );
+      if (s.dash) lines.lastChild.setAttribute("stroke-dasharray", s.dash);
       if (s.points.length <= 40) {
         for (const p of s.points) {
           svgEl("circle", {cx: sx(p[0]), cy: sy(p[1]), r: 2.5, fill: s.color, class: "plot-dot"}, lines);

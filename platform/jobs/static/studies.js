@@ -88,7 +88,7 @@ function renderPlots(study) {
   const monitor = (study.user_attrs && study.user_attrs.monitor) || "value";
   if (!historyPlot) {
     historyPlot = new LinePlot(document.getElementById("plot-history"),
-      {title: `${monitor} by trial`, xLabel: "trial", yLabel: monitor});
+      {title: `${monitor} by trial`, xLabel: "trial", yLabel: monitor, integerX: true});
     curvesPlot = new LinePlot(document.getElementById("plot-curves"),
       {title: `${monitor} during training (each trial)`, xLabel: "step", yLabel: monitor});
   }
@@ -99,9 +99,12 @@ function renderPlots(study) {
     best = best === null ? t.value : better(best, t.value);
     return [t.number, best];
   });
+  // a pruned trial at the last value it reported (where the pruner stopped it)
+  const pruned = study.trials.filter((t) => t.state === "pruned" && t.intermediate.length > 0);
   historyPlot.setSeries([
     {name: "trial value", points: done.map((t) => [t.number, t.value])},
     {name: "best so far", points: bestSoFar},
+    {name: "pruned (last value)", points: pruned.map((t) => [t.number, t.intermediate[t.intermediate.length - 1][1]])},
   ]);
   curvesPlot.setSeries(study.trials.filter((t) => t.intermediate.length > 0)
     .map((t) => ({name: `trial ${t.number} (${t.state})`, points: t.intermediate})));
