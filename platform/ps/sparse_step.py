@@ -129,6 +129,19 @@ class FixedShapeStep:
         grads = torch.autograd.grad(out.sum(), params, allow_unused=True)
         return {n for n, g in zip(self.names, grads) if g is not None}
 
+    def autograd_grads(self, w0, e0, vals, dense, labels):
+        """The eager backward: (dense gradients ``m.<name>`` -> [..], d loss / d w [B, F], d loss / d e
+        [B, F, K - 1], loss []) with ``torch.autograd`` over the live parameters."""
+        w, e = w0.requires_grad_(True), e0.requires_grad_(True)
+        named = dict(self.model.named_parameters())
+        used = [n for n in self.names if n in self.used]
+        with self.autocast() if self.autocast is not None else contextlib.nullcontext():
+            logits = self.model.forward_parts(w, e, vals, dense)
+        loss = F.binary_cross_entropy_with_logits(logits.float(), labels)
+        grads = torch.autograd.grad(loss, [w, e, *(named[n] for n in used)], allow_unused=True)
+        gw, ge = (torch.zeros_like(t) if g is None else g for g, t in zip(grads[:2], (w, e)))
+        return {f"m.{n}": g for n, g in zip(used, grads[2:])}, gw, ge, loss
+
     def step(self, params: dict[str, torch.Tensor], ids, vals, dense, labels, row_opt: RowOptConfig):
         """The whole step as one function of tensors (what ``torch.compile(fullgraph=True)`` takes);
         ``params``: ``m.<name>`` -> the dense parameters' values. Returns (loss [], dense gradients in
@@ -147,7 +160,10 @@ class FixedShapeStep:
                 logits = functional_call(self.parts, {**rest, **p}, (w, e, v, dense))
             return F.binary_cross_entropy_with_logits(logits.float(), labels)
 
-        (gp, gw, ge), loss = grad_and_value(loss_fn, argnums=(0, 1, 2))(trained, w0, e0)
+        if torch.compiler.is_compiling():  # one graph: the backward through torch.func
+            (gp, gw, ge), loss = grad_and_value(loss_fn, argnums=(0, 1, 2))(trained, w0, e0)
+        else:  # eager: autograd, bit for bit the parameter-server worker's gradients
+            gp, gw, ge, loss = self.autograd_grads(w0, e0, v, dense, labels)
         g = torch.cat([gw.unsqueeze(-1), ge], -1).reshape(N, K).to(weight.dtype)
         rows, valid = slots.rows, slots.valid
         if self.trim:  # the U distinct rows only: a host read, free on the CPU (see the class docstring)
