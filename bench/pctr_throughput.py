@@ -284,7 +284,20 @@ def main(argv=None) -> int:
         action="store_true",
         help="only the CPU target's rows (ours and the dense-layers floor, fp32 and bf16, per-round ratios)",
     )
+    ap.add_argument("--device", default="cpu", help="cuda: the in-process comparison of bench/pctr_device.py")
+    ap.add_argument("--in-process", action="store_true", help="bench/pctr_device.py's comparison on --device")
+    ap.add_argument("--dim", type=int, default=16, help="--in-process: embedding dim")
+    ap.add_argument("--hidden", default="512,256", help="--in-process: MLP widths")
+    ap.add_argument("--steps", type=int, default=30, help="--in-process: timed steps per round")
+    ap.add_argument("--compile", action="store_true", help="--in-process: also the torch.compile'd step")
     args = ap.parse_args(argv)
+    if args.device != "cpu" or args.in_process:
+        from pctr_device import device_rounds
+
+        res = device_rounds(args)
+        out = write_result("pctr_device", {"benchmark": "pctr_device", "setup": vars(args), "results": res})
+        print(f"results in {out}")
+        return 0
     torch.set_num_threads(2)
     path = Path(args.data)
     path.parent.mkdir(parents=True, exist_ok=True)
