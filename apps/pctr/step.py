@@ -200,7 +200,7 @@ def local_step(
     weight_decay=0.0,
     unit_vals: bool = False,
 ):
-    """`train_step` on an in-process shard through `FixedShapeStep` (no host reads, fixed shapes):
+    """`train_step` on an in-process shard through `FixedShapeStep` (the one-process step):
     (loss [], the step object)."""
     fixed = FixedShapeStep(
         model,
