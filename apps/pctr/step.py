@@ -27,6 +27,8 @@ from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.optim import build_scheduler, lr_factor
 from mariana.platform.core.rundir import RunDir
 from mariana.platform.core.steps import autocast_for
+from mariana.platform.ps.sparse_step import FixedShapeStep, clip_
+from mariana.platform.ps.worker import LocalClient
 
 from .configs import PctrConfig
 from .data import Batch
@@ -138,6 +140,9 @@ def train_step(
     The batch's looked-up rows enter autograd as two leaves, ``w [B, F]`` and ``e [B, F, dim]``; their
     gradients are summed per unique row with one ``index_add_`` into ``[U, 1 + dim]`` (cheaper on CPU than
     the embedding backward over a ``[U, K]`` leaf). ``autocast`` (a context factory) wraps the forward."""
+    if isinstance(client, LocalClient) and not remote_dense and pulled is None:  # the fixed-shape step
+        loss, _ = local_step(model, client.shard, batch, dense_opt, autocast, clip_grad, l2_emb, weight_decay)
+        return loss
     uniq, inv, rows, dense_flat = gather_rows(client, batch.ids, step, device, remote_dense, pulled)
     if remote_dense and dense_flat is not None:
         from mariana.platform.ps.dense import unflatten_into
@@ -184,14 +189,42 @@ def train_step(
     return loss.detach()
 
 
-@torch.no_grad()
-def clip_(grads: list[torch.Tensor], max_norm: float) -> None:
-    """Scale ``grads`` in place so that their joint L2 norm is at most ``max_norm`` (as
-    ``torch.nn.utils.clip_grad_norm_`` does for parameters)."""
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
+def local_step(
+    model,
+    shard,
+    batch: Batch,
+    dense_opt,
+    autocast=None,
+    clip_grad=0.0,
+    l2_emb=0.0,
+    weight_decay=0.0,
+    unit_vals: bool = False,
+):
+    """`train_step` on an in-process shard through `FixedShapeStep` (the one-process step):
+    (loss [], the step object)."""
+    fixed = FixedShapeStep(
+        model,
+        shard.weight[TABLE],
+        shard.state[TABLE],
+        shard.seen[TABLE],
+        unit_vals=unit_vals,
+        autocast=autocast,
+        clip_grad=clip_grad,
+        l2_emb=l2_emb,
+        weight_decay=weight_decay,
+    )
+    return apply_dense(fixed, batch, shard.opt, dense_opt), fixed
+
+
+def apply_dense(fixed: FixedShapeStep, batch: Batch, row_opt, dense_opt) -> torch.Tensor:
+    """Run ``fixed`` on ``batch`` (its rows updated in place), hand the dense gradients to the model's
+    parameters and step ``dense_opt`` (if any). Returns the loss []."""
+    loss, grads = fixed(batch.ids, batch.vals, batch.dense, batch.labels, row_opt)
+    for p, g in zip(fixed.model.dense_parameters(), grads):
+        p.grad = g
+    if dense_opt is not None:
+        dense_opt.step()
+    return loss
 
 
 @torch.no_grad()
@@ -254,6 +287,19 @@ class LocalStep:
             self.idmap = IdMap(s.num_fields, s.rows_per_field, cfg.admit_after, cfg.evict, cfg.sketch_width)
             setup.idmap = self.idmap  # exported with the table
         self._lrs = {"lr": cfg.lr, "sparse_lr": cfg.sparse_lr}
+        # criteo's values are all 1 by construction (decided once per data set, not per batch)
+        unit = setup.schema.format == "criteo" and getattr(setup, "image", None) is None
+        self.fixed = FixedShapeStep(
+            self.model,
+            self.shard.weight[TABLE],
+            self.shard.state[TABLE],
+            self.shard.seen[TABLE],
+            unit_vals=unit,
+            autocast=self.amp,
+            clip_grad=cfg.clip_grad,
+            l2_emb=cfg.l2_emb_value(),
+            weight_decay=cfg.weight_decay,
+        )
 
     def setup(self, total_steps: int) -> None:
         self.total = total_steps
@@ -269,18 +315,7 @@ class LocalStep:
             batch = batch.to(self.device)
             if self.idmap is not None:
                 batch = self.map_ids(batch)
-            loss = loss + train_step(
-                self.model,
-                self.client,
-                batch,
-                self.t,
-                self.device,
-                self.dense_opt,
-                autocast=self.amp,
-                clip_grad=cfg.clip_grad,
-                l2_emb=cfg.l2_emb_value(),
-                weight_decay=cfg.weight_decay,
-            )
+            loss = loss + apply_dense(self.fixed, batch, self.shard.opt, self.dense_opt)
             n += len(batch)
         self.sched.step()
         self.t += 1
