@@ -109,7 +109,7 @@ def _eval(args, argv) -> int:
     resolve_sources(args.data)
     check_data_path(args.model, "--model")
     out = eval_result_path(args.model, result_name(args.data), args.split)
-    r = evaluate_run(args.model, args.data, args.format, args.split, args.split_fractions, args.device, out)
+    r = evaluate_run(args.model, args.data, args.format, args.split, args.device, out)
     _warn_skipped(args.data, {"skipped_lines": r["skipped"], "skipped_examples": r["skipped_examples"]})
     print(
         f"AUC {r['auc']:.4f} logloss {r['logloss']:.4f} on {args.data} ({args.split} split, {r['rows']} rows)"
@@ -153,9 +153,9 @@ def register(sub) -> None:
         "--split",
         choices=["all", "train", "val", "test"],
         default="all",
-        help="score only this row-order split of the file",
+        help="score only this row-order split of the file, cut with the fractions the run was trained with "
+        "(its config.toml's split); a split the run does not have is refused",
     )
-    e.add_argument("--split-fractions", default="0.8,0.1,0.1", help="train,val,test fractions for --split")
     e.add_argument("--device", default="cpu", help="cpu or cuda")
     e.set_defaults(func=_eval)
     _register_drift(g)
