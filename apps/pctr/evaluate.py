@@ -5,10 +5,10 @@ Writes ``out`` (the CLI passes ``RUN/eval/<data>[-<split>].json``): {auc, loglos
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
+from mariana.platform.core import jsonfile
 from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.metrics import auc_logloss
@@ -92,5 +92,5 @@ def evaluate_run(
     }
     out = Path(out) if out is not None else eval_result_path(run_dir, data, split)
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
+    atomic_write_text(out, jsonfile.dumps(result, indent=2) + "\n")
     return result
