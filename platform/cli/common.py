@@ -87,6 +87,19 @@ def check_fresh_run_dir(cfg: Any) -> None:
                 "start a new run there)"
             )
         check_resume_config(cfg, out)
+        done = checkpoint_step(latest)
+        if getattr(cfg, "max_steps", 0) and done is not None and cfg.max_steps <= done:
+            raise MarianaError(
+                f"--resume: the run has already done {done} steps and --max-steps is {cfg.max_steps}; "
+                "pass a larger --max-steps to train further"
+            )
+
+
+def checkpoint_step(latest: Path) -> int | None:
+    """The step of the checkpoint ``RUN/checkpoints/latest`` names (``step_00000040`` -> 40), or None."""
+    name = latest.read_text().strip()
+    digits = name.rpartition("_")[2]
+    return int(digits) if digits.isdigit() else None
 
 
 def run_training(
