@@ -28,7 +28,7 @@ def _warn_skipped(data: str, final: dict) -> None:
     print(f"mariana: warning: skipped {n} malformed line{'s' * (n != 1)} in {data}{where}", file=sys.stderr)
 
 
-def _check_run_dir(cfg) -> None:
+def _check_run_dir(cfg, command: str = "pctr train") -> None:
     """The platform's --out/--resume checks, plus: a finished run written before one-process checkpoints
     existed (a model but no checkpoint) is not trained over either."""
     from pathlib import Path
@@ -36,7 +36,7 @@ def _check_run_dir(cfg) -> None:
     from mariana.platform.cli.common import check_fresh_run_dir
     from mariana.platform.core.errors import MarianaError
 
-    check_fresh_run_dir(cfg)
+    check_fresh_run_dir(cfg, command)
     out = Path(cfg.out)
     if not cfg.resume and any((out / n).exists() for n in ("model.safetensors", "metrics.json")):
         raise MarianaError(
@@ -119,6 +119,7 @@ def _eval(args, argv) -> int:
 
 def register(sub) -> None:
     from mariana.platform.cli.common import add_train_parser
+    from mariana.platform.cli.outputs import mark_output
 
     from .configs import PRESETS, PctrConfig
 
@@ -126,7 +127,7 @@ def register(sub) -> None:
         "pctr", help="click-through-rate prediction (LR/FM/DNN/DeepFM/DCN, parameter servers)"
     )
     g = grp.add_subparsers(dest="pctr_command", required=True, metavar="COMMAND")
-    add_train_parser(
+    t = add_train_parser(
         g,
         "train",
         PctrConfig,
@@ -134,6 +135,7 @@ def register(sub) -> None:
         _train,
         PRESETS,
     )
+    mark_output(t, "--image-cache", "continue", "pctr image cache")
     e = g.add_parser(
         "eval",
         help="AUC/logloss of a trained run on a data file; writes RUN/eval/<data>[-<split>].json",
@@ -208,6 +210,9 @@ def _register_drift(g) -> None:
             f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default, help=helps[f.name]
         )
     d.set_defaults(func=_drift_logs)
+    from mariana.platform.cli.outputs import mark_output
+
+    mark_output(d, "--out", "never")
 
 
 def _stream(args, argv) -> int:
@@ -237,7 +242,7 @@ def _stream(args, argv) -> int:
         cfg.num_fields = int(
             load_toml(saved).get("num_fields", 0)
         )  # the stream inferred it from its first file
-    check_fresh_run_dir(cfg)
+    check_fresh_run_dir(cfg, "pctr stream")
     if not cfg.resume and any((Path(cfg.out) / n).exists() for n in ("model.safetensors", "metrics.json")):
         raise MarianaError(
             f"{cfg.out} already holds a run; pass --resume to continue it or choose another --out"
@@ -279,10 +284,11 @@ def _stream_ps(cfg, argv) -> int:
 def _register_stream(g) -> None:
     """``mariana pctr stream``: follow a folder of new log files (`stream.py`)."""
     from mariana.platform.cli.common import add_train_parser
+    from mariana.platform.cli.outputs import mark_output
 
     from .stream import STREAM_PRESETS, StreamConfig
 
-    add_train_parser(
+    s = add_train_parser(
         g,
         "stream",
         StreamConfig,
@@ -293,3 +299,4 @@ def _register_stream(g) -> None:
         _stream,
         STREAM_PRESETS,
     )
+    mark_output(s, "--image-cache", "continue", "pctr image cache")

@@ -14,6 +14,7 @@ import importlib
 import sys
 
 from ..core.errors import MarianaError
+from .outputs import guard_parsed
 
 # The platform's commands, listed after the applications' groups.
 PLATFORM_COMMANDS = [
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     worker = WorkerIO.install()
     args = build_parser().parse_args(argv)
     try:
+        if worker is None:  # a worker re-runs its launcher's command: the launcher checked its outputs
+            guard_parsed(args)
         rc = args.func(args, argv)
     except MarianaError as e:
         if worker is None:

@@ -65,7 +65,7 @@ class TrainConfig:
 
     RESUME_MAY_CHANGE: typing.ClassVar[frozenset[str]] = frozenset(
         {
-            "out", "config", "preset", "resume",  # where the run is and how the values were given
+            "out", "config", "preset", "resume", "force",  # where the run is and how the values were given
             "epochs", "max_steps",  # how long to train (the LR schedule follows the new length)
             "log_every", "eval_every", "ckpt_every", "progress",  # reporting
             "early_stop", "init_from",  # when to stop; the warm start only matters before the first step
@@ -128,6 +128,11 @@ class TrainConfig:
     ckpt_every: int = opt(0, "optimizer steps between checkpoints; 0 checkpoints only at the end")
     seed: int = opt(0, "random seed (model init, shuffling, augmentation)")
     resume: bool = opt(False, "continue from the last checkpoint in --out")
+    force: bool = opt(
+        False,
+        "train into an --out that holds data this command did not create, or over a finished run (its "
+        "checkpoints, model and metrics are removed first)",
+    )
     amp: str = opt(
         "auto", "mixed precision: auto = bf16 autocast on GPU, off on CPU", ["auto", "bf16", "off"]
     )
