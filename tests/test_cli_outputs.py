@@ -9,7 +9,6 @@ import re
 
 import pytest
 from cliwalk import leaf_parsers, run_main
-
 from mariana.platform.cli.outputs import MARKER, output_actions
 
 OUTPUTS = [(path, a) for path, p in leaf_parsers() for a in output_actions(p)]

@@ -16,7 +16,8 @@ is written (`guard_output`):
   made, ``tune`` continues its study). ``never`` (``asr prepare``, ``pctr drift-logs``): re-running into its
   own output replaces it, so that needs ``--force`` too.
 
-``job.log`` (the job service's log of this very invocation, written before the command starts) does not
+A run directory written before the marker existed (no marker, a ``config.toml``) counts as a run of the
+command, so its own checks (``--resume``, finished run) apply. ``job.log`` (the job service's log of this very invocation, written before the command starts) does not
 count as existing data."""
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def guard_output(path: str, flag: str, command: str, reuse: str, force: bool) ->
             )
         held = sorted(e.name for e in p.iterdir() if e.name not in IGNORED)
         made_by = owner(p)
-        if held and not (made_by == command and reuse != "never"):
+        legacy_run = reuse == "run" and made_by is None and (p / "config.toml").is_file()
+        if held and not (made_by == command and reuse != "never") and not legacy_run:
             what = (
                 f"the output of an earlier `mariana {made_by}`"
                 if made_by
