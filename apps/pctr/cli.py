@@ -7,8 +7,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+# pCTR's way to learn a new day from yesterday's model (README, "Fresh click models")
+INCREMENTAL = "to learn the new data from it: --init-from RUN --init-train-state --split 1,0,0 --epochs 1"
 
-def _headline(m: dict) -> str:
+
+def _headline(m: dict, cfg=None) -> str:
+    if cfg is not None:
+        from mariana.platform.core.warmstart import warm_start_note
+
+        return _headline(m) + warm_start_note(cfg, m, INCREMENTAL)
     auc = m.get("val_auc", float("nan"))
     if auc != auc and "steps" in m and not m.get("epochs"):  # NaN: no validation rows (--split 1,0,0)
         return f"trained {m['steps']} steps (no validation rows); exported the final model"
@@ -73,7 +80,7 @@ def _train(args, argv) -> int:
 
         final = train_local(cfg, setup)
         _warn_skipped(cfg.data, final)
-        print(_headline(final))
+        print(_headline(final, cfg))
         return 0
     from mariana.platform.core.rundir import RunDir
     from mariana.platform.ps.master import run_job
@@ -92,7 +99,7 @@ def _train(args, argv) -> int:
     if rc == 0 and final.is_file():
         m = json.loads(final.read_text())
         _warn_skipped(cfg.data, m)
-        print(_headline(m))
+        print(_headline(m, cfg))
     elif rc == 0:
         print("mariana: error: the job ended without writing metrics.json", file=sys.stderr)
         return 1

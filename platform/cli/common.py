@@ -154,6 +154,8 @@ def run_training(
         from .outputs import command_of
 
         check_fresh_run_dir(cfg, command_of(args)[0])
+    from ..core.warmstart import warm_start_note
+
     rc = launch_if_needed(cfg, argv)
     if rc is not None:
         if rc == 0:
@@ -161,9 +163,10 @@ def run_training(
             if final.is_file():
                 import json
 
-                print(headline(json.loads(final.read_text())))
+                m = json.loads(final.read_text())
+                print(headline(m) + warm_start_note(cfg, m))
         return rc
     final = train_fn(cfg)
     if final is not None and not in_worker():  # under torchrun the launcher prints it once
-        print(headline(final))
+        print(headline(final) + warm_start_note(cfg, final))
     return 0
