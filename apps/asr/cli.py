@@ -32,9 +32,12 @@ def _prepare(args, argv):
         print(f"skipped {len(r.skipped)} unreadable recording(s):")
         for path, reason in r.skipped:
             print(f"  {path}: {reason}")
+    only = ""
+    if not r.counts["train"] and not r.counts["dev"]:
+        only = f" (a test-only set: `mariana asr eval --model RUN --data {args.out}/test`)"
     print(
         f"prepared {args.out}: train {r.counts['train']} dev {r.counts['dev']} test {r.counts['test']} "
-        f"utterances, skipped {len(r.skipped)}"
+        f"utterances, skipped {len(r.skipped)}{only}"
     )
     return 0
 

@@ -261,7 +261,8 @@ def prepare(
 
     ``utterances``: connected-digit utterances per speaker (FSDD input only). Speakers in
     ``test_speakers`` go to test only and ``dev_speakers`` to dev only; the rest to train (for FSDD input at
-    least one speaker must be left to train on; a Kaldi data dir may become a test-only set). Without test
+    least one speaker must be left to train on, unless every speaker is named in ``test_speakers``: a
+    test-only set, e.g. to evaluate a trained model on new speakers; a Kaldi data dir may become one too). Without test
     speakers the last speaker (sorted) is held out for test. Unreadable recordings are skipped and counted.
 
     ``synth``: an FSDD-layout folder of synthetic speakers (``mariana asr synth``) added to the training
@@ -319,9 +320,10 @@ def prepare(
                 "(expected an FSDD recordings folder or a Kaldi data dir)"
             )
         speakers = sorted(by_spk)
+        test_only = bool(test_speakers) and synth is None  # named test speakers only: a test set to eval on
         if not test_speakers:
             test_speakers = speakers[-1:]
-        split_of = _split_speakers(speakers, test_speakers, dev_speakers)
+        split_of = _split_speakers(speakers, test_speakers, dev_speakers, need_train=not test_only)
         synth_spk: dict[str, list[tuple[int, Path]]] = {}
         if synth is not None and synth_ratio > 0:
             synth_spk = _synth_speakers(Path(synth), speakers)
