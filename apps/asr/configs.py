@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from mariana.platform.core.config import TrainConfig, opt
 from mariana.platform.core.errors import MarianaError
@@ -10,6 +11,7 @@ from mariana.platform.core.errors import MarianaError
 
 @dataclass
 class AsrConfig(TrainConfig):
+    EVAL_METRICS: ClassVar[tuple[str, ...]] = ("wer", "ser")
     # The defaults are the best measured recipe (apps/asr/README.md, "Unseen speakers"): the TrainConfig
     # fields below are redeclared with its values.
     epochs: int = opt(6, "passes over the training data (ignored when --max-steps > 0)")

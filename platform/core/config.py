@@ -73,6 +73,9 @@ class TrainConfig:
             "device", "amp", "grad_comm", "num_workers",  # where and how fast, not what
         }
     )  # fmt: skip
+    # The metrics the app's evaluation reports (without eval_/val_): --monitor is checked against them
+    # before any worker starts (empty: only the name's direction is checked)
+    EVAL_METRICS: typing.ClassVar[tuple[str, ...]] = ()
 
     data: str = opt("", "training data path (file or folder; see the app's docs for the layout)", path=True)
     out: str = opt(
@@ -158,9 +161,15 @@ class TrainConfig:
         if not (math.isfinite(self.timeout) and self.timeout > 0):
             raise MarianaError(f"--timeout must be > 0 seconds, got {self.timeout}")
         if self.monitor:
-            from .evaluator import higher_is_better
+            from .evaluator import higher_is_better, metric_name
 
             higher_is_better(self.monitor)  # an unknown metric name is refused before any worker starts
+            reported = type(self).EVAL_METRICS
+            if reported and metric_name(self.monitor) not in reported:
+                raise MarianaError(
+                    f"--monitor {self.monitor}: the evaluation reports no such metric (this job's "
+                    f"evaluation reports: {', '.join(reported)})"
+                )
         if self.init_from and not os.path.exists(self.init_from):
             raise MarianaError(f"--init-from {self.init_from}: no such run directory or model file")
         if self.optimizer != "sgd" and self.momentum != 0.9:
