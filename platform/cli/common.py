@@ -42,7 +42,7 @@ def add_train_parser(
                 names = ", ".join(sorted(presets))
                 action.metavar = "{" + ",".join(sorted(presets)) + "}"
                 action.help = f"named preset of defaults: {names} (see the app's configs.py)"
-    p.set_defaults(func=func)
+    p.set_defaults(func=func, _config=(cfg_cls, presets))
     return p
 
 

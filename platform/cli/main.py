@@ -74,6 +74,21 @@ def _fix_help_formatters(parser: argparse.ArgumentParser) -> None:
                 _fix_help_formatters(sub)
 
 
+def check_command(argv: list[str]) -> None:
+    """Validate a ``mariana`` command line without running it (``mariana submit`` before queueing): its
+    flags as the command's own parser reads them (argparse's usage + error, exit 2) and, for a training
+    command, its resolved config (`MarianaError`, the same line the command would print) with --data
+    given. Paths are not checked: the job runs where the service runs."""
+    args = build_parser().parse_args(argv)
+    spec = getattr(args, "_config", None)
+    if spec is not None:
+        from ..core.config import resolve_config
+
+        cfg = resolve_config(spec[0], args, spec[1] or {})
+        if hasattr(cfg, "data") and not cfg.data:
+            raise MarianaError("--data is required")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit code. In a worker started by our launcher, output goes to the
     rank's log file and a failure is recorded for the launcher's one-line summary (`dp.workerio`)."""

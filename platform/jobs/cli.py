@@ -90,6 +90,9 @@ def _submit(args, argv) -> int:
 
     if not args.job:
         raise MarianaError("nothing to submit: expected `mariana submit [options] APP COMMAND [ARGS...]`")
+    from mariana.platform.cli.main import check_command
+
+    check_command(args.job)  # what the command would refuse is refused now, not after queueing
     job = _client(args).submit(args.job, args.priority, args.name, os.getcwd())
     print(f"submitted job {job['id']}: {' '.join(job['argv'])} ({job['slots']} slot(s), run dir {job['run_dir']})",
           file=sys.stderr)  # fmt: skip
