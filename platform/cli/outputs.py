@@ -16,7 +16,8 @@ is written (`guard_output`):
   made, ``tune`` continues its study). ``never`` (``asr prepare``, ``pctr drift-logs``): re-running into its
   own output replaces it, so that needs ``--force`` too.
 
-A run directory written before the marker existed (no marker, a ``config.toml``) counts as a run of the
+A run directory written before the marker existed (no marker; a config.toml, metrics.json, checkpoints/
+or model) counts as a run of the
 command, so its own checks (``--resume``, finished run) apply. ``job.log`` (the job service's log of this very invocation, written before the command starts) does not
 count as existing data."""
 
@@ -32,6 +33,8 @@ from ..core.errors import MarianaError
 MARKER = ".mariana-output"
 IGNORED = frozenset({MARKER, "job.log"})
 REUSE = ("run", "continue", "never")
+# what a run directory from before the marker holds (any of them): it counts as a run of the command
+RUN_LAYOUT = ("config.toml", "metrics.json", "checkpoints", "model.safetensors")
 
 
 def mark_output(parser: argparse.ArgumentParser, flag: str, reuse: str, kind: str = "") -> None:
@@ -79,11 +82,11 @@ def guard_output(path: str, flag: str, command: str, reuse: str, force: bool) ->
     if p.exists() and not force:
         if not p.is_dir():
             raise MarianaError(
-                f"{flag} {path}: is an existing file; pass --force to replace it or choose another {flag}"
+                f"{flag} {path}: exists and is not a folder (is an existing file); choose another {flag}"
             )
         held = sorted(e.name for e in p.iterdir() if e.name not in IGNORED)
         made_by = owner(p)
-        legacy_run = reuse == "run" and made_by is None and (p / "config.toml").is_file()
+        legacy_run = reuse == "run" and made_by is None and any((p / n).exists() for n in RUN_LAYOUT)
         if held and not (made_by == command and reuse != "never") and not legacy_run:
             what = (
                 f"the output of an earlier `mariana {made_by}`"
@@ -97,8 +100,11 @@ def guard_output(path: str, flag: str, command: str, reuse: str, force: bool) ->
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        what = "run directory" if reuse == "run" else "folder"
-        raise MarianaError(f"{flag} {path}: cannot create the {what} ({e.strerror or e})") from None
+        if reuse == "run":
+            raise MarianaError(
+                f"{flag} {path}: cannot create the run directory ({e.strerror or e})"
+            ) from None
+        raise MarianaError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
     try:
         if owner(p) != command:
             stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
