@@ -69,6 +69,9 @@ def _riff_data_shortfall(f) -> tuple[int, int] | None:
     return None
 
 
+AUDIO_FORMATS = "WAV/FLAC/OGG"  # what soundfile decodes here: transcribe, eval and the REST route alike
+
+
 def read_wav(path: str | Path | io.BytesIO) -> tuple[np.ndarray, int]:
     """Read a WAV file as mono float32 samples in [-1, 1] -> (samples [N], sample rate Hz).
 
@@ -98,7 +101,7 @@ def read_wav(path: str | Path | io.BytesIO) -> tuple[np.ndarray, int]:
     except Exception as e:  # soundfile raises LibsndfileError / RuntimeError / TypeError on bad input
         reason = str(e).replace(repr(path), "").strip(": ")
         reason = reason.removeprefix("Error opening").strip(": ") or type(e).__name__
-        raise MarianaError(f"{name}: unreadable audio, expected a WAV/FLAC/OGG file ({reason})") from None
+        raise MarianaError(f"{name}: unreadable audio, expected a {AUDIO_FORMATS} file ({reason})") from None
     if data.shape[0] == 0:
         raise MarianaError(f"{name}: audio has no samples")
     return data.mean(axis=1).astype(np.float32), int(sr)
