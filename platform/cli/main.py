@@ -96,6 +96,33 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     worker = WorkerIO.install()
+    try:
+        try:
+            rc = _main(argv, worker)
+        except (
+            SystemExit
+        ):  # --help, argparse errors: their output is flushed here, where a closed pipe is caught
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:  # the reader went away (`... | head -1`): stop quietly, as `cat` and `ls` do
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by a closed pipe
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise BrokenPipeError again."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout without a file descriptor (tests, embedding)
+        pass
+
+
+def _main(argv: list[str], worker) -> int:
     args = build_parser().parse_args(argv)
     try:
         if worker is None:  # a worker re-runs its launcher's command: the launcher checked its outputs

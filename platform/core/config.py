@@ -174,6 +174,10 @@ class TrainConfig:
             raise MarianaError(f"--init-from {self.init_from}: no such run directory or model file")
         if self.optimizer != "sgd" and self.momentum != 0.9:
             raise MarianaError(f"--momentum applies to --optimizer sgd only (this job uses {self.optimizer})")
+        if self.rdzv_endpoint:
+            from ..dp.endpoint import check_endpoint
+
+            check_endpoint(self.rdzv_endpoint)
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise MarianaError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
 
