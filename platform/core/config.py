@@ -364,13 +364,18 @@ def apply_values(cfg: C, values: dict[str, Any], source: str) -> C:
 
 
 def resolve_config(cls: type[C], args: argparse.Namespace, presets: dict[str, C] | None = None) -> C:
-    """Build the config: defaults < --preset < --config TOML < flags the user typed. Validates it."""
+    """Build the config: defaults < --preset < --config TOML < flags the user typed. Validates it.
+    With ``--resume``, the run's own ``RUN/config.toml`` takes the place of the defaults and the preset,
+    so only what changes needs typing (`saved_run_values`)."""
     presets = presets or {}
     given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}  # type: ignore[arg-type]
     cfg = cls()
     toml_path = given.get("config") or ""
     toml_values = load_toml(toml_path) if toml_path else {}
     preset = given.get("preset") or toml_values.get("preset") or ""
+    saved = saved_run_values(cls, given, toml_values)
+    if saved:
+        cfg, preset = apply_values(cfg, saved, "the run's config.toml"), ""
     if preset:
         if preset not in presets:
             raise MarianaError(
@@ -385,6 +390,19 @@ def resolve_config(cls: type[C], args: argparse.Namespace, presets: dict[str, C]
     if hasattr(cfg, "validate"):
         cfg.validate()  # type: ignore[attr-defined]
     return cfg
+
+
+def saved_run_values(cls: type, given: dict[str, Any], toml_values: dict[str, Any]) -> dict[str, Any]:
+    """With --resume (typed or in the TOML file): the values of ``OUT/config.toml`` that ``cls`` has
+    (``{}`` without --resume or without that file), ``resume`` and ``force`` left out."""
+    if not (given.get("resume") or toml_values.get("resume")):
+        return {}
+    out = given.get("out") or toml_values.get("out") or cls().out
+    path = Path(out) / "config.toml"
+    if not path.is_file():
+        return {}
+    names = {f.name for f in fields(cls)} - {"resume", "force", "config"}
+    return {k: v for k, v in load_toml(path).items() if k in names}
 
 
 def _toml_value(v: Any) -> str:
