@@ -130,7 +130,7 @@ def load_exported(
     if path.is_dir():
         path = path / WEIGHTS
     if not path.is_file():
-        raise MarianaError(f"no exported model at {path} (train first, or point --model at a run directory)")
+        raise MarianaError(f"no exported model at {path} (train first, or give the run directory)")
     on_cpu = torch.device(device).type == "cpu"
     tensors = {}
     try:
