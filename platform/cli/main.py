@@ -14,7 +14,7 @@ import importlib
 import sys
 
 from ..core.errors import MarianaError
-from .outputs import guard_parsed
+from .outputs import guard_parsed, mark_made
 
 # The platform's commands, listed after the applications' groups.
 PLATFORM_COMMANDS = [
@@ -124,10 +124,14 @@ def _silence_stdout() -> None:
 
 def _main(argv: list[str], worker) -> int:
     args = build_parser().parse_args(argv)
+    outputs = []
     try:
         if worker is None:  # a worker re-runs its launcher's command: the launcher checked its outputs
-            guard_parsed(args)
-        rc = args.func(args, argv)
+            outputs = guard_parsed(args)
+        try:
+            rc = args.func(args, argv)
+        finally:
+            mark_made(outputs)
     except MarianaError as e:
         if worker is None:
             print(f"mariana: error: {e}", file=sys.stderr)

@@ -75,9 +75,10 @@ def owner(folder: Path) -> str | None:
         return None
 
 
-def guard_output(path: str, flag: str, command: str, reuse: str, force: bool) -> Path:
-    """Check ``path`` (the value of ``flag``) as the module says, create the folder and write its marker;
-    returns the folder. MarianaError (one line) when it holds data ``command`` may not replace."""
+def guard_output(path: str, flag: str, command: str, reuse: str, force: bool, create: bool = True) -> Path:
+    """Check ``path`` (the value of ``flag``) as the module says, create the folder and write its marker
+    (``create``; else `mark` does it once the command has run); returns the folder. MarianaError (one
+    line) when it holds data ``command`` may not replace."""
     p = Path(path)
     if p.exists() and not force:
         if not p.is_dir():
@@ -97,6 +98,8 @@ def guard_output(path: str, flag: str, command: str, reuse: str, force: bool) ->
                 f"{flag} {path}: already holds {what}; pass --force to write into it anyway, or choose "
                 f"another {flag}"
             )
+    if not create:
+        return p
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -106,19 +109,38 @@ def guard_output(path: str, flag: str, command: str, reuse: str, force: bool) ->
             ) from None
         raise MarianaError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
     try:
-        if owner(p) != command:
-            stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-            (p / MARKER).write_text(json.dumps({"command": command, "created": stamp}) + "\n")
+        mark(p, command)
     except OSError as e:
         raise MarianaError(f"{flag} {path}: cannot be written ({e.strerror or e})") from None
     return p
 
 
-def guard_parsed(args: argparse.Namespace) -> None:
-    """`guard_output` for every marked flag of the parsed command that was given a value, except run
-    directories (reuse ``run``): a train command's ``--out`` may come from a TOML file, so
-    `common.check_fresh_run_dir` checks the resolved value."""
+def mark(folder: Path, command: str) -> None:
+    """Write ``folder``'s marker naming ``command`` (unless it names it already)."""
+    if owner(folder) != command:
+        stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        (folder / MARKER).write_text(json.dumps({"command": command, "created": stamp}) + "\n")
+
+
+def guard_parsed(args: argparse.Namespace) -> list[tuple[Path, str]]:
+    """`guard_output` (without creating anything: a command that refuses its input leaves no folder) for
+    every marked flag of the parsed command that was given a value, except run directories (reuse
+    ``run``: a train command's ``--out`` may come from a TOML file, so `common.check_fresh_run_dir`
+    checks the resolved value). Returns ``[(folder, command)]`` for `mark_made` after the command ran."""
+    checked = []
     for dest, (flag, command, reuse) in (getattr(args, "_outputs", None) or {}).items():
         value = getattr(args, dest, None)
         if value and reuse != "run":
-            guard_output(value, flag, command, reuse, bool(getattr(args, "force", False)))
+            force = bool(getattr(args, "force", False))
+            checked.append((guard_output(value, flag, command, reuse, force, create=False), command))
+    return checked
+
+
+def mark_made(checked: list[tuple[Path, str]]) -> None:
+    """After the command ran: mark each checked output folder it made or wrote into (see `guard_parsed`)."""
+    for folder, command in checked:
+        if folder.is_dir():
+            try:
+                mark(folder, command)
+            except OSError:
+                pass  # a folder the command could write but not this: nothing to recognise it by later
