@@ -35,6 +35,13 @@ IGNORED = frozenset({MARKER, "job.log", "trial.log"})
 REUSE = ("run", "continue", "never")
 # what a run directory from before the marker holds (any of them): it counts as a run of the command
 RUN_LAYOUT = ("config.toml", "metrics.json", "checkpoints", "model.safetensors")
+# the same for the commands that continue their own output: the file each writes first, so that a folder
+# it made but could not mark (killed before the end) is still recognised
+LAYOUT = {
+    "tune": ("study.json",),
+    "asr synth": ("synth.json",),
+    "asr eval": ("eval.json", "*-data/loso.json"),
+}
 
 
 def mark_output(parser: argparse.ArgumentParser, flag: str, reuse: str, kind: str = "") -> None:
@@ -82,13 +89,14 @@ def guard_output(path: str, flag: str, command: str, reuse: str, force: bool, cr
     p = Path(path)
     if p.exists() and not force:
         if not p.is_dir():
-            raise MarianaError(
-                f"{flag} {path}: exists and is not a folder (is an existing file); choose another {flag}"
-            )
+            if reuse == "run":
+                raise MarianaError(f"{flag} {path}: is an existing file, expected a run directory")
+            raise MarianaError(f"{flag} {path}: exists and is not a folder (expected an output folder)")
         held = sorted(e.name for e in p.iterdir() if e.name not in IGNORED)
         made_by = owner(p)
-        legacy_run = reuse == "run" and made_by is None and any((p / n).exists() for n in RUN_LAYOUT)
-        if held and not (made_by == command and reuse != "never") and not legacy_run:
+        layout = RUN_LAYOUT if reuse == "run" else LAYOUT.get(command, ()) if reuse == "continue" else ()
+        legacy = made_by is None and any(any(p.glob(n)) for n in layout)
+        if held and not (made_by == command and reuse != "never") and not legacy:
             what = (
                 f"the output of an earlier `mariana {made_by}`"
                 if made_by
