@@ -7,7 +7,6 @@ import time
 
 import pytest
 from cliwalk import leaf_parsers, option, run_main
-
 from mariana.platform.core.evaluator import HIGHER_IS_BETTER
 
 TRAIN = [p for p, parser in leaf_parsers() if option(parser, "--monitor") and p[-1] == "train"]

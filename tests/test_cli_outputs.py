@@ -14,14 +14,22 @@ from mariana.platform.cli.outputs import MARKER, output_actions
 OUTPUTS = [(path, a) for path, p in leaf_parsers() for a in output_actions(p)]
 # flags that name a path written into but are not guarded, with why
 EXEMPT = {
-    ("jobs", "serve", "--home"): "the service's own state folder (jobs.db, runs/job-ID): opened and continued",
+    (
+        "jobs",
+        "serve",
+        "--home",
+    ): "the service's own state folder (jobs.db, runs/job-ID): opened and continued",
 }
 
 
 def _looks_like_output(a: argparse.Action) -> bool:
     """A flag named like a folder written into (--out, --*-dir, --*cache, --home) that takes a free value."""
     names = " ".join(a.option_strings)
-    return bool(re.search(r"--(out|home|[\w-]*cache|[\w-]*-dir)( |$)", names)) and a.choices is None and a.nargs != 0
+    return (
+        bool(re.search(r"--(out|home|[\w-]*cache|[\w-]*-dir)( |$)", names))
+        and a.choices is None
+        and a.nargs != 0
+    )
 
 
 def test_every_output_looking_flag_is_guarded():
@@ -47,7 +55,9 @@ def _required_argv(parser: argparse.ArgumentParser, placeholder) -> list[str]:
     return [str(x) for x in argv]
 
 
-@pytest.mark.parametrize("path,action", OUTPUTS, ids=[" ".join(p) + " " + a.option_strings[0] for p, a in OUTPUTS])
+@pytest.mark.parametrize(
+    "path,action", OUTPUTS, ids=[" ".join(p) + " " + a.option_strings[0] for p, a in OUTPUTS]
+)
 def test_output_flag_refuses_foreign_data(path, action, tmp_path, capsys):
     parser = dict(leaf_parsers())[path]
     theirs = tmp_path / "theirs"
@@ -88,7 +98,10 @@ def tiny(tmp_path_factory, data_dir):
 
 def _pctr(data, run, *extra):
     return ["pctr", "train", "--data", data, "--out", run, "--preset", "debug", "--batch-size", "16"] + [
-        "--max-steps", "2", "--no-progress", *extra
+        "--max-steps",
+        "2",
+        "--no-progress",
+        *extra,
     ]
 
 
