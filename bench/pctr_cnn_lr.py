@@ -209,8 +209,6 @@ def main(argv=None) -> int:
                     log_file,
                     "--split",
                     "test",
-                    "--split-fractions",
-                    SPLIT,
                 ],
                 logs / f"{model}-{name}-eval.log",
             )

@@ -5,6 +5,21 @@ from __future__ import annotations
 import argparse
 
 
+def _wait_for_exports(models: dict[str, str], interval_s: float) -> None:
+    """``--watch`` on a run that has not exported yet (a stream or a training just started): wait for its
+    first ``model.safetensors`` (one line saying so) instead of failing; Ctrl-C stops the wait."""
+    import time
+    from pathlib import Path
+
+    waiting = {app: Path(run) for app, run in models.items() if Path(run).is_dir() or not Path(run).suffix}
+    waiting = {app: p for app, p in waiting.items() if not (p / "model.safetensors").is_file()}
+    if waiting:
+        runs = ", ".join(f"--{app} {p}" for app, p in waiting.items())
+        print(f"waiting for the first exported model of {runs} (--watch)", flush=True)
+    while any(not (p / "model.safetensors").is_file() for p in waiting.values()):
+        time.sleep(interval_s)
+
+
 def _serve(args, argv) -> int:
     import os
 
@@ -56,6 +71,8 @@ def _serve(args, argv) -> int:
         reload_roots=[os.path.abspath(r) for r in args.reload_root or []],
         token=token,
     )
+    if cfg.watch:
+        _wait_for_exports(models, args.watch_interval)
     import uvicorn
 
     sock = _bind(args.host, args.port)  # before loading models: a busy port fails at once

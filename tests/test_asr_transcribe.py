@@ -127,6 +127,17 @@ def test_transcribe_equals_eval_cmvn_file_and_the_server(tiny_run, tmp_path):
             with open(path, "rb") as f:
                 r = srv.client.post("/v1/asr/transcribe", files={"file": ("a.wav", f.read(), "audio/wav")})
             assert r.status_code == 200 and r.json()["transcript"] == hyps[utt], r.text
+        import soundfile as sf  # issue 30.13: FLAC (which `asr transcribe` reads) is accepted over REST too
+
+        utt, path = next(iter(wavs.items()))
+        flac = io.BytesIO()
+        sf.write(flac, *sf.read(path, dtype="int16"), format="FLAC")
+        r = srv.client.post("/v1/asr/transcribe", files={"file": ("a.flac", flac.getvalue(), "audio/flac")})
+        assert r.status_code == 200 and r.json()["transcript"] == hyps[utt], r.text
+        r = srv.client.post(
+            "/v1/asr/transcribe", files={"file": ("a.txt", b"hello, not audio", "text/plain")}
+        )
+        assert r.status_code == 415 and "WAV/FLAC/OGG" in r.json()["error"], r.text
         short = io.BytesIO()  # a complete 100-byte WAV: 28 samples, 3.5 ms
         with wave.open(short, "wb") as w:
             w.setnchannels(1), w.setsampwidth(2), w.setframerate(8000), w.writeframes(b"\x10\x00" * 28)

@@ -107,7 +107,7 @@ def test_round_trip_submit_list_show_logs_wait_cancel_retry(service, tmp_path):
 
 def test_bad_input(service, tmp_path):
     svc = service
-    assert_cli_error(run_cli(["submit", "--url", svc.url, "nope", "train"]), "unknown app 'nope'")
+    assert_cli_error(run_cli(["submit", "--url", svc.url, "nope", "train"]), "invalid choice: 'nope'")
 
     def refused(argv: list[str]) -> str:
         r = svc.http.post("/api/jobs", json={"argv": argv})

@@ -21,7 +21,13 @@ def test_cli_writes_days_deterministically(tmp_path):
     a = run_cli([*cmd, "--out", tmp_path / "a", "--seed", "7"], check=True)
     run_cli([*cmd, "--out", tmp_path / "b", "--seed", "7"], check=True)
     run_cli([*cmd, "--out", tmp_path / "c", "--seed", "8"], check=True)
-    assert _files(tmp_path / "a") == ["_generator.json", "day-01.tsv", "day-02.tsv", "day-03.tsv"]
+    assert _files(tmp_path / "a") == [
+        ".mariana-output",
+        "_generator.json",
+        "day-01.tsv",
+        "day-02.tsv",
+        "day-03.tsv",
+    ]
     assert a.stderr.count("rows, CTR") == 3  # one progress line per day
     for day in ("day-01.tsv", "day-02.tsv", "day-03.tsv"):
         assert (tmp_path / "a" / day).read_bytes() == (tmp_path / "b" / day).read_bytes()

@@ -32,9 +32,12 @@ def _prepare(args, argv):
         print(f"skipped {len(r.skipped)} unreadable recording(s):")
         for path, reason in r.skipped:
             print(f"  {path}: {reason}")
+    only = ""
+    if not r.counts["train"] and not r.counts["dev"]:
+        only = f" (a test-only set: `mariana asr eval --model RUN --data {args.out}/test`)"
     print(
         f"prepared {args.out}: train {r.counts['train']} dev {r.counts['dev']} test {r.counts['test']} "
-        f"utterances, skipped {len(r.skipped)}"
+        f"utterances, skipped {len(r.skipped)}{only}"
     )
     return 0
 
@@ -221,6 +224,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def register(sub) -> None:
     from mariana.platform.cli.common import add_train_parser
+    from mariana.platform.cli.outputs import mark_output
 
     from .configs import PRESETS, AsrConfig
 
@@ -254,6 +258,7 @@ def register(sub) -> None:
         help="synthetic training utterances per real training utterance (shared by the synthetic speakers)",
     )
     p.set_defaults(func=_prepare)
+    mark_output(p, "--out", "never")
 
     y = g.add_parser(
         "synth",
@@ -272,10 +277,12 @@ def register(sub) -> None:
     y.add_argument("--jobs", type=int, default=2, help="speakers synthesised in parallel processes")
     y.add_argument("--data", default="", help="unused; synth needs no input data")
     y.set_defaults(func=_synth)
+    mark_output(y, "--out", "continue")
 
-    add_train_parser(
+    t = add_train_parser(
         g, "train", AsrConfig, "train the acoustic DNN with CTC (--workers N data parallel)", _train, PRESETS
     )
+    mark_output(t, "--cache", "continue", "asr feature cache")
 
     e = g.add_parser(
         "eval",
@@ -370,6 +377,7 @@ def register(sub) -> None:
         help="--loso: prepare and train every fold again, even if already done",
     )
     e.set_defaults(func=_eval)
+    mark_output(e, "--out", "continue")
 
     t = g.add_parser(
         "transcribe",

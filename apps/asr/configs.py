@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import typing
 from dataclasses import dataclass
+from typing import ClassVar
 
 from mariana.platform.core.config import TrainConfig, opt
 from mariana.platform.core.errors import MarianaError
@@ -11,11 +11,12 @@ from mariana.platform.core.errors import MarianaError
 
 @dataclass
 class AsrConfig(TrainConfig):
-    RESUME_MAY_CHANGE: typing.ClassVar[frozenset[str]] = TrainConfig.RESUME_MAY_CHANGE | {
+    RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = TrainConfig.RESUME_MAY_CHANGE | {
         "cache_gb",
         "compile",
         "compile_backend",
     }
+    EVAL_METRICS: ClassVar[tuple[str, ...]] = ("wer", "ser")
     # The defaults are the best measured recipe (apps/asr/README.md, "Unseen speakers"): the TrainConfig
     # fields below are redeclared with its values.
     epochs: int = opt(6, "passes over the training data (ignored when --max-steps > 0)")

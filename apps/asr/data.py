@@ -69,6 +69,9 @@ def _riff_data_shortfall(f) -> tuple[int, int] | None:
     return None
 
 
+AUDIO_FORMATS = "WAV/FLAC/OGG"  # what soundfile decodes here: transcribe, eval and the REST route alike
+
+
 def read_wav(path: str | Path | io.BytesIO) -> tuple[np.ndarray, int]:
     """Read a WAV file as mono float32 samples in [-1, 1] -> (samples [N], sample rate Hz).
 
@@ -98,7 +101,7 @@ def read_wav(path: str | Path | io.BytesIO) -> tuple[np.ndarray, int]:
     except Exception as e:  # soundfile raises LibsndfileError / RuntimeError / TypeError on bad input
         reason = str(e).replace(repr(path), "").strip(": ")
         reason = reason.removeprefix("Error opening").strip(": ") or type(e).__name__
-        raise MarianaError(f"{name}: unreadable audio, expected a WAV/FLAC/OGG file ({reason})") from None
+        raise MarianaError(f"{name}: unreadable audio, expected a {AUDIO_FORMATS} file ({reason})") from None
     if data.shape[0] == 0:
         raise MarianaError(f"{name}: audio has no samples")
     return data.mean(axis=1).astype(np.float32), int(sr)
@@ -261,7 +264,8 @@ def prepare(
 
     ``utterances``: connected-digit utterances per speaker (FSDD input only). Speakers in
     ``test_speakers`` go to test only and ``dev_speakers`` to dev only; the rest to train (for FSDD input at
-    least one speaker must be left to train on; a Kaldi data dir may become a test-only set). Without test
+    least one speaker must be left to train on, unless every speaker is named in ``test_speakers``: a
+    test-only set, e.g. to evaluate a trained model on new speakers; a Kaldi data dir may become one too). Without test
     speakers the last speaker (sorted) is held out for test. Unreadable recordings are skipped and counted.
 
     ``synth``: an FSDD-layout folder of synthetic speakers (``mariana asr synth``) added to the training
@@ -319,9 +323,10 @@ def prepare(
                 "(expected an FSDD recordings folder or a Kaldi data dir)"
             )
         speakers = sorted(by_spk)
+        test_only = bool(test_speakers) and synth is None  # named test speakers only: a test set to eval on
         if not test_speakers:
             test_speakers = speakers[-1:]
-        split_of = _split_speakers(speakers, test_speakers, dev_speakers)
+        split_of = _split_speakers(speakers, test_speakers, dev_speakers, need_train=not test_only)
         synth_spk: dict[str, list[tuple[int, Path]]] = {}
         if synth is not None and synth_ratio > 0:
             synth_spk = _synth_speakers(Path(synth), speakers)

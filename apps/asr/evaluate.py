@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
+from mariana.platform.core import jsonfile
 from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import load_exported
@@ -269,7 +269,7 @@ def evaluate_run(
     }
     path = eval_result_path(run_dir, data)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(result, indent=2) + "\n")
+    atomic_write_text(path, jsonfile.dumps(result, indent=2) + "\n")
     result["path"] = str(path)
     result["note"] = opts.note
     return result

@@ -11,6 +11,8 @@ from fastapi import APIRouter, File, UploadFile
 from mariana.platform.core.errors import MarianaError
 from mariana.serving.context import error
 
+from .data import AUDIO_FORMATS
+
 log = logging.getLogger("mariana.serving")
 
 PATH = "/v1/asr/transcribe"
@@ -21,6 +23,12 @@ def is_wav(data: bytes) -> bool:
     return len(data) >= 12 and data[:4] in WAV_MAGIC and data[8:12] == b"WAVE"
 
 
+def is_audio(data: bytes) -> bool:
+    """The containers `data.read_wav` decodes (AUDIO_FORMATS), as `mariana asr transcribe` takes them:
+    WAV, FLAC (``fLaC``) and Ogg (``OggS``)."""
+    return is_wav(data) or data[:4] in (b"fLaC", b"OggS")
+
+
 def router(ctx) -> APIRouter:
     """The ASR routes for ``ctx`` (a `mariana.serving.context.AppContext`)."""
     r = APIRouter(tags=["asr"])
@@ -28,17 +36,17 @@ def router(ctx) -> APIRouter:
 
     @r.post(
         PATH,
-        summary="transcribe a WAV upload (multipart field 'file')",
-        responses={404: {"description": "no ASR model served"}, 415: {"description": "not a WAV file"}},
+        summary=f"transcribe a {AUDIO_FORMATS} upload (multipart field 'file')",
+        responses={404: {"description": "no ASR model served"}, 415: {"description": f"not {AUDIO_FORMATS}"}},
     )
-    async def asr_transcribe(file: UploadFile = File(..., description="WAV audio")) -> dict:
+    async def asr_transcribe(file: UploadFile = File(..., description=f"{AUDIO_FORMATS} audio")) -> dict:
         if not ctx.served:
             return ctx.not_served()
         data = await file.read()
         if not data:
             return error(422, "file: empty upload")
-        if not is_wav(data):
-            return error(415, "file: not a WAV file (expected a RIFF/WAVE header)")
+        if not is_audio(data):
+            return error(415, f"file: not a {AUDIO_FORMATS} file (expected a RIFF/WAVE, fLaC or OggS header)")
         loaded = ctx.slot.current
         try:
             text = await ctx.run(loaded.obj.transcribe_wav_bytes, data)
@@ -47,7 +55,9 @@ def router(ctx) -> APIRouter:
         except Exception as e:  # noqa: BLE001  -- undecodable audio must not become a 500
             # The detail goes to the server log; the client gets a plain message, not an internal one.
             log.warning("asr: upload rejected: %s: %s", type(e).__name__, e)
-            return error(422, "file: audio could not be decoded or transcribed (expected a WAV file)")
+            return error(
+                422, f"file: audio could not be decoded or transcribed (expected a {AUDIO_FORMATS} file)"
+            )
         return {"transcript": text, "model_version": loaded.version}
 
     return r

@@ -216,7 +216,8 @@ def train(cfg: AsrConfig) -> dict:
         train_dir, dev_dir = data / "train", data / "dev"
         if not (train_dir / "wav.scp").is_file():
             raise MarianaError(
-                f"--data {data}: no train/wav.scp (run `mariana asr prepare --out {data}` first)"
+                f"--data {data}: no train/wav.scp; expected the output of `mariana asr prepare` (e.g. "
+                f"`mariana asr prepare --data {data} --out {data.name}-prepared`, then --data {data.name}-prepared)"
             )
         s = feature_settings(cfg)
         speeds, warps, pitches = tuple(cfg.speed_perturb), tuple(cfg.vtln_perturb), tuple(cfg.pitch_perturb)

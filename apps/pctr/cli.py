@@ -7,8 +7,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+# pCTR's way to learn a new day from yesterday's model (README, "Fresh click models")
+INCREMENTAL = "to learn the new data from it: --init-from RUN --init-train-state --split 1,0,0 --epochs 1"
 
-def _headline(m: dict) -> str:
+
+def _headline(m: dict, cfg=None) -> str:
+    if cfg is not None:
+        from mariana.platform.core.warmstart import warm_start_note
+
+        return _headline(m) + warm_start_note(cfg, m, INCREMENTAL)
     auc = m.get("val_auc", float("nan"))
     if auc != auc and "steps" in m and not m.get("epochs"):  # NaN: no validation rows (--split 1,0,0)
         return f"trained {m['steps']} steps (no validation rows); exported the final model"
@@ -28,7 +35,7 @@ def _warn_skipped(data: str, final: dict) -> None:
     print(f"mariana: warning: skipped {n} malformed line{'s' * (n != 1)} in {data}{where}", file=sys.stderr)
 
 
-def _check_run_dir(cfg) -> None:
+def _check_run_dir(cfg, command: str = "pctr train") -> None:
     """The platform's --out/--resume checks, plus: a finished run written before one-process checkpoints
     existed (a model but no checkpoint) is not trained over either."""
     from pathlib import Path
@@ -36,7 +43,7 @@ def _check_run_dir(cfg) -> None:
     from mariana.platform.cli.common import check_fresh_run_dir
     from mariana.platform.core.errors import MarianaError
 
-    check_fresh_run_dir(cfg)
+    check_fresh_run_dir(cfg, command)
     out = Path(cfg.out)
     if not cfg.resume and any((out / n).exists() for n in ("model.safetensors", "metrics.json")):
         raise MarianaError(
@@ -73,7 +80,7 @@ def _train(args, argv) -> int:
 
         final = train_local(cfg, setup)
         _warn_skipped(cfg.data, final)
-        print(_headline(final))
+        print(_headline(final, cfg))
         return 0
     from mariana.platform.core.rundir import RunDir
     from mariana.platform.ps.master import run_job
@@ -92,7 +99,7 @@ def _train(args, argv) -> int:
     if rc == 0 and final.is_file():
         m = json.loads(final.read_text())
         _warn_skipped(cfg.data, m)
-        print(_headline(m))
+        print(_headline(m, cfg))
     elif rc == 0:
         print("mariana: error: the job ended without writing metrics.json", file=sys.stderr)
         return 1
@@ -109,7 +116,7 @@ def _eval(args, argv) -> int:
     resolve_sources(args.data)
     check_data_path(args.model, "--model")
     out = eval_result_path(args.model, result_name(args.data), args.split)
-    r = evaluate_run(args.model, args.data, args.format, args.split, args.split_fractions, args.device, out)
+    r = evaluate_run(args.model, args.data, args.format, args.split, args.device, out)
     _warn_skipped(args.data, {"skipped_lines": r["skipped"], "skipped_examples": r["skipped_examples"]})
     print(
         f"AUC {r['auc']:.4f} logloss {r['logloss']:.4f} on {args.data} ({args.split} split, {r['rows']} rows)"
@@ -119,6 +126,7 @@ def _eval(args, argv) -> int:
 
 def register(sub) -> None:
     from mariana.platform.cli.common import add_train_parser
+    from mariana.platform.cli.outputs import mark_output
 
     from .configs import PRESETS, PctrConfig
 
@@ -126,7 +134,7 @@ def register(sub) -> None:
         "pctr", help="click-through-rate prediction (LR/FM/DNN/DeepFM/DCN, parameter servers)"
     )
     g = grp.add_subparsers(dest="pctr_command", required=True, metavar="COMMAND")
-    add_train_parser(
+    t = add_train_parser(
         g,
         "train",
         PctrConfig,
@@ -134,6 +142,7 @@ def register(sub) -> None:
         _train,
         PRESETS,
     )
+    mark_output(t, "--image-cache", "continue", "pctr image cache")
     e = g.add_parser(
         "eval",
         help="AUC/logloss of a trained run on a data file; writes RUN/eval/<data>[-<split>].json",
@@ -153,9 +162,9 @@ def register(sub) -> None:
         "--split",
         choices=["all", "train", "val", "test"],
         default="all",
-        help="score only this row-order split of the file",
+        help="score only this row-order split of the file, cut with the fractions the run was trained with "
+        "(its config.toml's split); a split the run does not have is refused",
     )
-    e.add_argument("--split-fractions", default="0.8,0.1,0.1", help="train,val,test fractions for --split")
     e.add_argument("--device", default="cpu", help="cpu or cuda")
     e.set_defaults(func=_eval)
     _register_drift(g)
@@ -208,6 +217,9 @@ def _register_drift(g) -> None:
             f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default, help=helps[f.name]
         )
     d.set_defaults(func=_drift_logs)
+    from mariana.platform.cli.outputs import mark_output
+
+    mark_output(d, "--out", "never")
 
 
 def _stream(args, argv) -> int:
@@ -237,7 +249,7 @@ def _stream(args, argv) -> int:
         cfg.num_fields = int(
             load_toml(saved).get("num_fields", 0)
         )  # the stream inferred it from its first file
-    check_fresh_run_dir(cfg)
+    check_fresh_run_dir(cfg, "pctr stream")
     if not cfg.resume and any((Path(cfg.out) / n).exists() for n in ("model.safetensors", "metrics.json")):
         raise MarianaError(
             f"{cfg.out} already holds a run; pass --resume to continue it or choose another --out"
@@ -279,10 +291,11 @@ def _stream_ps(cfg, argv) -> int:
 def _register_stream(g) -> None:
     """``mariana pctr stream``: follow a folder of new log files (`stream.py`)."""
     from mariana.platform.cli.common import add_train_parser
+    from mariana.platform.cli.outputs import mark_output
 
     from .stream import STREAM_PRESETS, StreamConfig
 
-    add_train_parser(
+    s = add_train_parser(
         g,
         "stream",
         StreamConfig,
@@ -293,3 +306,4 @@ def _register_stream(g) -> None:
         _stream,
         STREAM_PRESETS,
     )
+    mark_output(s, "--image-cache", "continue", "pctr image cache")

@@ -32,6 +32,7 @@ def _unused(help: str, default):
 
 @dataclass
 class PctrConfig(TrainConfig):
+    EVAL_METRICS: ClassVar[tuple[str, ...]] = ("auc", "logloss")
     # `--resume` refuses any other difference from the checkpoint's RUN/config.toml (the model's shape, the
     # data and its split, batch size, optimisers and their settings, the process layout).
     RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = TrainConfig.RESUME_MAY_CHANGE | {

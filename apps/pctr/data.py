@@ -31,7 +31,14 @@ from pathlib import Path
 import numpy as np
 import torch
 from mariana.platform.core.errors import DataError
-from mariana.platform.core.libfm import LibfmRows, block_lines, parse_block, parse_lines
+from mariana.platform.core.libfm import (
+    LibfmRows,
+    assign_fields,
+    block_lines,
+    parse_block,
+    parse_lines,
+    probe_fields,
+)
 from mariana.platform.core.textblocks import lines_array, ordered_map, read_blocks
 
 from .configs import parse_split  # noqa: F401  (defined beside the flags: checked before torch loads)
@@ -51,6 +58,10 @@ class Schema:
     rows_per_field: int
     num_dense: int
     ids: str = "hash"  # "dynamic": `Batch.ids` hold keys (`idmap.key_of`) that an `idmap.IdMap` maps to rows
+    # libFM whose ids name their field (`libfm.probe_fields`): the first id of each field, and whether
+    # training lines have every field; lines are then read by id, not by token order (`libfm.assign_fields`)
+    field_starts: tuple[int, ...] | None = None
+    exact_fields: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -63,6 +74,11 @@ class Schema:
             "rows_per_field": self.rows_per_field,
             "num_dense": self.num_dense,
             **({"ids": self.ids} if self.ids != "hash" else {}),
+            **(
+                {"field_starts": list(self.field_starts), "exact_fields": self.exact_fields}
+                if self.field_starts
+                else {}
+            ),
         }
 
     @classmethod
@@ -73,6 +89,8 @@ class Schema:
             int(d["rows_per_field"]),
             int(d["num_dense"]),
             d.get("ids", "hash"),
+            tuple(int(x) for x in d["field_starts"]) if d.get("field_starts") else None,
+            bool(d.get("exact_fields", False)),
         )
 
 
@@ -305,6 +323,8 @@ class Encoder:
 
     def _libfm(self, p: LibfmRows) -> tuple[Batch, list[int], dict[int, str]]:
         """Rows of the platform's one libFM parser (`mariana.platform.core.libfm`) -> `Batch`."""
+        if self.schema.field_starts:
+            p = assign_fields(p, self.schema.field_starts, self.schema.exact_fields)
         n = len(p)
         rows = self._finish(p.ids.astype(np.uint64), p.known)
         batch = Batch(rows, torch.from_numpy(p.vals), torch.zeros(n, 0), torch.from_numpy(p.labels))
@@ -342,19 +362,24 @@ def infer_schema(
         return Schema("criteo", CRITEO_INTS + CRITEO_CATS, rows_per_field, CRITEO_INTS)
     if fmt != "libfm":
         raise DataError(f"unknown --format {fmt!r}; expected criteo or libfm")
-    if num_fields <= 0:
-        widths = []
-        with open(check_file(resolve_sources(path).paths[0]), encoding="utf-8", errors="replace") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) > 1 and all(":" in p for p in parts[1:]):
-                    widths.append(len(parts) - 1)
-                if len(widths) >= probe:
-                    break
-        if not widths:
-            raise DataError(f"{path}: no valid libFM line ('label id:value ...') in the first lines")
-        num_fields = max(widths)
-    return Schema("libfm", num_fields, rows_per_field, 0)
+    if num_fields > 0:
+        return Schema("libfm", num_fields, rows_per_field, 0)
+    probed = []
+    with open(check_file(resolve_sources(path).paths[0]), encoding="utf-8", errors="replace") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) > 1 and all(":" in p for p in parts[1:]):
+                try:
+                    probed.append(sorted(int(p.split(":", 1)[0]) for p in parts[1:]))  # any token order
+                except ValueError:
+                    continue
+            if len(probed) >= probe:
+                break
+    if not probed:
+        raise DataError(f"{path}: no valid libFM line ('label id:value ...') in the first lines")
+    fields = probe_fields(probed)
+    starts, exact = fields if fields else (None, False)
+    return Schema("libfm", max(map(len, probed)), rows_per_field, 0, "hash", starts, exact)
 
 
 def iter_chunks(

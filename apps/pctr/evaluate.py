@@ -5,10 +5,10 @@ Writes ``out`` (the CLI passes ``RUN/eval/<data>[-<split>].json``): {auc, loglos
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
+from mariana.platform.core import jsonfile
 from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.metrics import auc_logloss
@@ -17,17 +17,45 @@ from .data import ReadStats, count_lines, iter_chunks, parse_split, split_bounds
 from .predict import load_predictor
 
 
+def run_split(run_dir: str | Path, split: str) -> str:
+    """The ``train,val,test`` fractions ``run_dir`` was trained with (its config.toml ``split``), or
+    MarianaError when the run has no such split: a stream (every row of a file is trained on), a zero
+    fraction for ``split`` (e.g. ``--split 1,0,0`` has no val or test rows) or no config.toml to read."""
+    from mariana.platform.core.config import load_toml
+
+    path = Path(run_dir) / "config.toml"
+    if not path.is_file():
+        raise MarianaError(
+            f"--split {split}: {path} is missing, so the run's split is unknown; use --split all"
+        )
+    cfg = load_toml(path)
+    if "export_every" in cfg:  # only a stream's config has it
+        raise MarianaError(
+            f"--split {split}: {run_dir} is a stream run, which trains on every row of its files and has "
+            "no train/val/test split; use --split all on held-out files"
+        )
+    fractions = str(cfg.get("split", "0.8,0.1,0.1"))
+    k = ("train", "val", "test").index(split)
+    if parse_split(fractions)[k] <= 0:
+        raise MarianaError(
+            f"--split {split}: the run was trained with --split {fractions}, which has no {split} rows; "
+            "use --split all on held-out data"
+        )
+    return fractions
+
+
 def evaluate_run(
     run_dir: str,
     data: str,
     fmt: str | None = None,
     split: str = "all",
-    fractions: str = "0.8,0.1,0.1",
     device: str = "cpu",
     out: str | Path | None = None,
 ) -> dict:
-    """Score ``data`` (the ``split`` of it, by row order) with the run's exported model. Returns the
-    result dict and writes it to ``out`` (default: ``eval_result_path(run_dir, data, split)``)."""
+    """Score ``data`` (the ``split`` of it, by row order, cut with the fractions the run was trained with:
+    its ``RUN/config.toml`` ``split``) with the run's exported model. Returns the result dict and writes it
+    to ``out`` (default: ``eval_result_path(run_dir, data, split)``). MarianaError for a split the run does
+    not have (a zero fraction, a stream run, a run without config.toml)."""
     from mariana.platform.core.rundir import eval_result_path
 
     pred = load_predictor(run_dir, device)
@@ -35,7 +63,14 @@ def evaluate_run(
         pred.image.use_cache(pred.meta["image"].get("cache") or None)
     if fmt and fmt != pred.format:
         raise MarianaError(f"--format {fmt} but the model in {run_dir} was trained on {pred.format} data")
-    a, b = split_bounds(count_lines(data), parse_split(fractions))[split] if split != "all" else (0, None)
+    a, b = (0, None)
+    if split != "all":
+        fractions = run_split(run_dir, split)
+        a, b = split_bounds(count_lines(data), parse_split(fractions))[split]
+        if b <= a:
+            raise MarianaError(
+                f"--split {split}: no rows of {data} fall in the run's {split} split (--split {fractions})"
+            )
     stats = ReadStats()
     labels, probs = [], []
     for chunk in iter_chunks(data, pred.encoder, a, b, stats=stats):
@@ -57,5 +92,5 @@ def evaluate_run(
     }
     out = Path(out) if out is not None else eval_result_path(run_dir, data, split)
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
+    atomic_write_text(out, jsonfile.dumps(result, indent=2) + "\n")
     return result

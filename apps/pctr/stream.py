@@ -437,6 +437,14 @@ class Streamer:
                 self.folder / f.name,
                 first_skipped,
             )
+        if not len(rows):  # every file, whatever the cause (wrong --format, binary, empty): said, not silent
+            log.warning(
+                "%s yielded no valid %s rows (%d line%s skipped); nothing was trained or scored on it",
+                self.folder / f.name,
+                self.cfg.format,
+                skipped,
+                "s" * (skipped != 1),
+            )
         self.ledger.append(entry)
         self.totals["files"] += 1
         self.totals["rows"] += len(rows)

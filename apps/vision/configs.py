@@ -11,6 +11,7 @@ from mariana.platform.core.errors import MarianaError
 
 @dataclass
 class VisionConfig(TrainConfig):
+    EVAL_METRICS: ClassVar[tuple[str, ...]] = ("top1", "top5")
     model: str = opt(
         "cifar-fast",
         "model: fastnet, cifar-fast, resnet9, mariana-cnn, mariana-cnn-32 or a torchvision name (resnet18, alexnet, ...)",

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
+from mariana.platform.core import jsonfile
 from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.metrics import topk_correct
@@ -71,5 +71,5 @@ def evaluate_run(
     }
     out = Path(out) if out is not None else eval_result_path(run_dir, data)
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
+    atomic_write_text(out, jsonfile.dumps(result, indent=2) + "\n")
     return result

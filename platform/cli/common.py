@@ -31,15 +31,18 @@ def add_train_parser(
     """A ``train`` leaf parser whose flags are ``cfg_cls``'s fields. ``presets`` (the app's PRESETS dict,
     optional): their names are listed in ``--preset``'s help (the value itself is checked by
     `resolve_config`, so a preset named in a TOML file is checked the same way)."""
+    from .outputs import mark_output
+
     p = group.add_parser(name, help=help, description=help, formatter_class=DefaultsHelpFormatter)
     add_config_args(p, cfg_cls)
+    mark_output(p, "--out", "run")
     if presets:
         for action in p._actions:
             if action.dest == "preset":
                 names = ", ".join(sorted(presets))
                 action.metavar = "{" + ",".join(sorted(presets)) + "}"
                 action.help = f"named preset of defaults: {names} (see the app's configs.py)"
-    p.set_defaults(func=func)
+    p.set_defaults(func=func, _config=(cfg_cls, presets))
     return p
 
 
@@ -67,26 +70,65 @@ def check_out_dir(out: str) -> Path:
     return p
 
 
-def check_fresh_run_dir(cfg: Any) -> None:
-    """Checks of ``cfg.out`` before training starts (call it in the launching process, not in workers):
-    it is a writable directory (created here); without --resume it holds no trained run; with --resume it
-    holds a checkpoint and the settings that may not change on resume (see ``RESUME_MAY_CHANGE``) are
-    those of its ``RUN/config.toml``."""
-    from ..core.rundir import check_resume_config
+# What a run directory's own files are: removed by --force over a finished run, and (all but config.toml
+# and logs) by a restart of an interrupted run that has no checkpoint to resume from.
+RUN_FILES = ("checkpoints", "model.safetensors", "model.json", "metrics.json", "metrics.jsonl", "eval")
 
+
+def check_fresh_run_dir(cfg: Any, command: str = "") -> None:
+    """Checks of ``cfg.out`` before training starts (call it in the launching process, not in workers):
+    it is a writable directory (created here) that holds nothing but this command's own run
+    (`outputs.guard_output`, ``command`` e.g. "pctr train"; ``--force`` overrides); without --resume it
+    holds no finished run (one interrupted before its first checkpoint is started again: its stale
+    model and metrics are removed); with --resume it holds a checkpoint and the settings that may not
+    change on resume (see ``RESUME_MAY_CHANGE``) are those of its ``RUN/config.toml``."""
+    from ..core.rundir import check_resume_config
+    from .outputs import guard_output
+
+    force = bool(getattr(cfg, "force", False))
+    if command:
+        guard_output(cfg.out, "--out", command, "run", force and not cfg.resume)
     out = check_out_dir(cfg.out)
     latest = out / "checkpoints" / "latest"
-    if latest.exists() and not cfg.resume:
+    finished = latest.exists() or (out / "metrics.json").exists()
+    if finished and not cfg.resume and not force:
         raise MarianaError(
-            f"{cfg.out} already holds a trained run; pass --resume to continue it or choose another --out"
+            f"{cfg.out} already holds a trained run; pass --resume to continue it, --force to train over "
+            "it, or choose another --out"
         )
+    if not cfg.resume:  # a new run: nothing of an earlier one (finished and --force, or interrupted) is kept
+        _remove_run_files(out)
     if cfg.resume:
         if not latest.is_file():
             raise MarianaError(
-                f"--resume: no checkpoint in {out / 'checkpoints'} (nothing to resume; drop --resume to "
-                "start a new run there)"
+                f"--resume: no checkpoint in {out / 'checkpoints'} (the run stopped before its first "
+                "checkpoint; run the same command without --resume to start it again in the same --out)"
             )
         check_resume_config(cfg, out)
+        done = checkpoint_step(latest)
+        if getattr(cfg, "max_steps", 0) and done is not None and cfg.max_steps <= done:
+            raise MarianaError(
+                f"--resume: the run has already done {done} steps and --max-steps is {cfg.max_steps}; "
+                "pass a larger --max-steps to train further"
+            )
+
+
+def _remove_run_files(out: Path) -> None:
+    import shutil
+
+    for name in RUN_FILES:
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+def checkpoint_step(latest: Path) -> int | None:
+    """The step of the checkpoint ``RUN/checkpoints/latest`` names (``step_00000040`` -> 40), or None."""
+    name = latest.read_text().strip()
+    digits = name.rpartition("_")[2]
+    return int(digits) if digits.isdigit() else None
 
 
 def run_training(
@@ -109,7 +151,11 @@ def run_training(
         if getattr(cfg, field):
             check_data_path(getattr(cfg, field), "--" + field.replace("_", "-"))
     if not in_worker():
-        check_fresh_run_dir(cfg)
+        from .outputs import command_of
+
+        check_fresh_run_dir(cfg, command_of(args)[0])
+    from ..core.warmstart import warm_start_note
+
     rc = launch_if_needed(cfg, argv)
     if rc is not None:
         if rc == 0:
@@ -117,9 +163,10 @@ def run_training(
             if final.is_file():
                 import json
 
-                print(headline(json.loads(final.read_text())))
+                m = json.loads(final.read_text())
+                print(headline(m) + warm_start_note(cfg, m))
         return rc
     final = train_fn(cfg)
     if final is not None and not in_worker():  # under torchrun the launcher prints it once
-        print(headline(final))
+        print(headline(final) + warm_start_note(cfg, final))
     return 0

@@ -14,6 +14,7 @@ import importlib
 import sys
 
 from ..core.errors import MarianaError
+from .outputs import guard_parsed, mark_made
 
 # The platform's commands, listed after the applications' groups.
 PLATFORM_COMMANDS = [
@@ -73,6 +74,21 @@ def _fix_help_formatters(parser: argparse.ArgumentParser) -> None:
                 _fix_help_formatters(sub)
 
 
+def check_command(argv: list[str]) -> None:
+    """Validate a ``mariana`` command line without running it (``mariana submit`` before queueing): its
+    flags as the command's own parser reads them (argparse's usage + error, exit 2) and, for a training
+    command, its resolved config (`MarianaError`, the same line the command would print) with --data
+    given. Paths are not checked: the job runs where the service runs."""
+    args = build_parser().parse_args(argv)
+    spec = getattr(args, "_config", None)
+    if spec is not None:
+        from ..core.config import resolve_config
+
+        cfg = resolve_config(spec[0], args, spec[1] or {})
+        if hasattr(cfg, "data") and not cfg.data:
+            raise MarianaError("--data is required")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit code. In a worker started by our launcher, output goes to the
     rank's log file and a failure is recorded for the launcher's one-line summary (`dp.workerio`)."""
@@ -80,9 +96,42 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     worker = WorkerIO.install()
-    args = build_parser().parse_args(argv)
     try:
-        rc = args.func(args, argv)
+        try:
+            rc = _main(argv, worker)
+        except (
+            SystemExit
+        ):  # --help, argparse errors: their output is flushed here, where a closed pipe is caught
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:  # the reader went away (`... | head -1`): stop quietly, as `cat` and `ls` do
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by a closed pipe
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise BrokenPipeError again."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout without a file descriptor (tests, embedding)
+        pass
+
+
+def _main(argv: list[str], worker) -> int:
+    args = build_parser().parse_args(argv)
+    outputs = []
+    try:
+        if worker is None:  # a worker re-runs its launcher's command: the launcher checked its outputs
+            outputs = guard_parsed(args)
+        try:
+            rc = args.func(args, argv)
+        finally:
+            mark_made(outputs)
     except MarianaError as e:
         if worker is None:
             print(f"mariana: error: {e}", file=sys.stderr)

@@ -65,7 +65,7 @@ class TrainConfig:
 
     RESUME_MAY_CHANGE: typing.ClassVar[frozenset[str]] = frozenset(
         {
-            "out", "config", "preset", "resume",  # where the run is and how the values were given
+            "out", "config", "preset", "resume", "force",  # where the run is and how the values were given
             "epochs", "max_steps",  # how long to train (the LR schedule follows the new length)
             "log_every", "eval_every", "ckpt_every", "progress",  # reporting
             "early_stop", "init_from",  # when to stop; the warm start only matters before the first step
@@ -73,6 +73,9 @@ class TrainConfig:
             "device", "amp", "grad_comm", "num_workers",  # where and how fast, not what
         }
     )  # fmt: skip
+    # The metrics the app's evaluation reports (without eval_/val_): --monitor is checked against them
+    # before any worker starts (empty: only the name's direction is checked)
+    EVAL_METRICS: typing.ClassVar[tuple[str, ...]] = ()
 
     data: str = opt("", "training data path (file or folder; see the app's docs for the layout)", path=True)
     out: str = opt(
@@ -128,6 +131,11 @@ class TrainConfig:
     ckpt_every: int = opt(0, "optimizer steps between checkpoints; 0 checkpoints only at the end")
     seed: int = opt(0, "random seed (model init, shuffling, augmentation)")
     resume: bool = opt(False, "continue from the last checkpoint in --out")
+    force: bool = opt(
+        False,
+        "train into an --out that holds data this command did not create, or over a finished run (its "
+        "checkpoints, model and metrics are removed first)",
+    )
     amp: str = opt(
         "auto", "mixed precision: auto = bf16 autocast on GPU, off on CPU", ["auto", "bf16", "off"]
     )
@@ -153,13 +161,23 @@ class TrainConfig:
         if not (math.isfinite(self.timeout) and self.timeout > 0):
             raise MarianaError(f"--timeout must be > 0 seconds, got {self.timeout}")
         if self.monitor:
-            from .evaluator import higher_is_better
+            from .evaluator import higher_is_better, metric_name
 
             higher_is_better(self.monitor)  # an unknown metric name is refused before any worker starts
+            reported = type(self).EVAL_METRICS
+            if reported and metric_name(self.monitor) not in reported:
+                raise MarianaError(
+                    f"--monitor {self.monitor}: the evaluation reports no such metric (this job's "
+                    f"evaluation reports: {', '.join(reported)})"
+                )
         if self.init_from and not os.path.exists(self.init_from):
             raise MarianaError(f"--init-from {self.init_from}: no such run directory or model file")
         if self.optimizer != "sgd" and self.momentum != 0.9:
             raise MarianaError(f"--momentum applies to --optimizer sgd only (this job uses {self.optimizer})")
+        if self.rdzv_endpoint:
+            from ..dp.endpoint import check_endpoint
+
+            check_endpoint(self.rdzv_endpoint)
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise MarianaError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
 
@@ -346,13 +364,18 @@ def apply_values(cfg: C, values: dict[str, Any], source: str) -> C:
 
 
 def resolve_config(cls: type[C], args: argparse.Namespace, presets: dict[str, C] | None = None) -> C:
-    """Build the config: defaults < --preset < --config TOML < flags the user typed. Validates it."""
+    """Build the config: defaults < --preset < --config TOML < flags the user typed. Validates it.
+    With ``--resume``, the run's own ``RUN/config.toml`` takes the place of the defaults and the preset,
+    so only what changes needs typing (`saved_run_values`)."""
     presets = presets or {}
     given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}  # type: ignore[arg-type]
     cfg = cls()
     toml_path = given.get("config") or ""
     toml_values = load_toml(toml_path) if toml_path else {}
     preset = given.get("preset") or toml_values.get("preset") or ""
+    saved = saved_run_values(cls, given, toml_values)
+    if saved:
+        cfg, preset = apply_values(cfg, saved, "the run's config.toml"), ""
     if preset:
         if preset not in presets:
             raise MarianaError(
@@ -367,6 +390,19 @@ def resolve_config(cls: type[C], args: argparse.Namespace, presets: dict[str, C]
     if hasattr(cfg, "validate"):
         cfg.validate()  # type: ignore[attr-defined]
     return cfg
+
+
+def saved_run_values(cls: type, given: dict[str, Any], toml_values: dict[str, Any]) -> dict[str, Any]:
+    """With --resume (typed or in the TOML file): the values of ``OUT/config.toml`` that ``cls`` has
+    (``{}`` without --resume or without that file), ``resume`` and ``force`` left out."""
+    if not (given.get("resume") or toml_values.get("resume")):
+        return {}
+    out = given.get("out") or toml_values.get("out") or cls().out
+    path = Path(out) / "config.toml"
+    if not path.is_file():
+        return {}
+    names = {f.name for f in fields(cls)} - {"resume", "force", "config"}
+    return {k: v for k, v in load_toml(path).items() if k in names}
 
 
 def _toml_value(v: Any) -> str:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file as st_save_file
 
+from . import jsonfile
 from .atomic import atomic_write_path, atomic_write_text
 from .errors import MarianaError
 
@@ -103,11 +104,11 @@ def export_model(
         "metrics": _scalar_metrics(metrics),
         "version": weights_digest(tensors),
     }
-    meta_text = json.dumps(meta, sort_keys=True, default=str)
+    meta_text = jsonfile.dumps(meta, sort_keys=True, default=str)
     path = atomic_write_path(
         run_dir / WEIGHTS, lambda tmp: st_save_file(tensors, tmp, metadata={"mariana": meta_text})
     )
-    atomic_write_text(run_dir / META, json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
+    atomic_write_text(run_dir / META, jsonfile.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
     return path
 
 
@@ -129,7 +130,7 @@ def load_exported(
     if path.is_dir():
         path = path / WEIGHTS
     if not path.is_file():
-        raise MarianaError(f"no exported model at {path} (train first, or point --model at a run directory)")
+        raise MarianaError(f"no exported model at {path} (train first, or give the run directory)")
     on_cpu = torch.device(device).type == "cpu"
     tensors = {}
     try:

@@ -210,3 +210,53 @@ def _parse_arrow(block: bytes, F: int | None, has_label: bool) -> LibfmRows | No
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return None
     return _all_valid(lab, ident, value, nfeat, F)
+
+
+def probe_fields(lines: list[list[int]]) -> tuple[tuple[int, ...], bool] | None:
+    """What a libFM file's first lines say about its fields, from each valid line's feature ids (sorted):
+    ``(starts, exact)`` when the k-th ids of all lines fall in disjoint ranges rising with k (ids
+    numbered per field, like Frappe's), so that an id names its field: field k holds the ids from
+    ``starts[k]`` (halfway between field k-1's largest and field k's smallest probed id) up to
+    ``starts[k+1]``; ``exact``: every probed line has every field. None when the ids do not say it (one
+    field, ids shared across positions): the k-th token is then field k."""
+    width = max(map(len, lines), default=0)
+    if width < 2:
+        return None
+    lo, hi = [None] * width, [None] * width
+    for ids in lines:
+        for k, i in enumerate(ids):
+            lo[k] = i if lo[k] is None else min(lo[k], i)
+            hi[k] = i if hi[k] is None else max(hi[k], i)
+    if any(v is None for v in lo) or any(hi[k] >= lo[k + 1] for k in range(width - 1)):
+        return None
+    starts = (0, *((hi[k - 1] + lo[k] + 1) // 2 for k in range(1, width)))
+    return starts, all(len(ids) == width for ids in lines)
+
+
+def assign_fields(p: LibfmRows, starts: tuple[int, ...], exact: bool) -> LibfmRows:
+    """``p`` with each id moved to the field its value names (`probe_fields`), whatever the order of the
+    tokens in its line; a line with two ids of one field, or (``exact``) without every field, is moved
+    to ``errors``. ``p``'s arrays must be ``len(starts)`` wide."""
+    F = len(starts)
+    if len(p) == 0 or p.ids.shape[1] != F:
+        return p
+    field = np.searchsorted(np.asarray(starts, dtype=np.int64), p.ids, side="right") - 1
+    in_place = (field == np.arange(F)[None, :]) | ~p.known
+    ok_rows = in_place.all(1) & (p.known.all(1) if exact else True)
+    if ok_rows.all():
+        return p
+    ids, vals, known = np.zeros_like(p.ids), np.zeros_like(p.vals), np.zeros_like(p.known)
+    keep, errors = [], dict(p.errors)
+    for r in range(len(p)):
+        ks = np.flatnonzero(p.known[r])
+        fs = field[r, ks]
+        if exact and len(ks) != F:
+            errors[p.good[r]] = f"{len(ks)} features, expected one of each of the {F} fields of training"
+        elif len(set(fs.tolist())) != len(fs):
+            dup = next(f for f in fs.tolist() if (fs == f).sum() > 1)
+            errors[p.good[r]] = f"two features of field {dup} (its ids start at {starts[dup]})"
+        else:
+            ids[r, fs], vals[r, fs], known[r, fs] = p.ids[r, ks], p.vals[r, ks], True
+            keep.append(r)
+    k = np.asarray(keep, dtype=np.int64)
+    return LibfmRows(p.labels[k], ids[k], vals[k], known[k], [p.good[r] for r in keep], errors)

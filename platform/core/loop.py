@@ -191,6 +191,11 @@ class Trainer:
         else:
             state = self.checkpointer.load(self.step_obj)
         self.step, self.epoch, self.pos = state["step"], state["data"]["epoch"], state["data"]["batch"]
+        if self.cfg.resume and not restarted and self.step >= self.total_steps:  # would train nothing
+            raise MarianaError(
+                f"--resume: the run has already done {self.step} steps and this --max-steps/--epochs allows "
+                f"{self.total_steps}; pass a larger --max-steps or --epochs to train further"
+            )
         t = state.get("trainer") or {}
         self.samples, self.history = int(t.get("samples", 0)), list(t.get("history", []))
         self.exported_step = int(t.get("exported_step", -1))

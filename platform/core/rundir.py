@@ -12,13 +12,13 @@ Layout::
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from . import jsonfile
 from .atomic import atomic_write_text
 from .config import save_config
 from .errors import MarianaError
@@ -46,7 +46,7 @@ class RunDir:
         """Append one JSON line (rank 0 only). Flushed at once so a live viewer / a crash keeps it."""
         record = {"time": round(time.time(), 3), **record}
         with open(self.metrics_jsonl, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(jsonfile.dumps(record) + "\n")
 
     def drop_metrics_after(self, step: int) -> int:
         """Remove the ``metrics.jsonl`` records of steps after ``step`` (a resume redoes those steps from the
@@ -69,7 +69,7 @@ class RunDir:
         return dropped
 
     def write_final(self, metrics: dict[str, Any], name: str = "metrics.json") -> None:
-        atomic_write_text(self.path / name, json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(self.path / name, jsonfile.dumps(metrics, indent=2, sort_keys=True) + "\n")
 
 
 def eval_result_path(run_dir: str | Path, data: str | Path, split: str = "") -> Path:

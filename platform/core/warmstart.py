@@ -43,3 +43,16 @@ def warm_start(module: torch.nn.Module, path: str | Path, app: str) -> dict[str,
             )
     module.load_state_dict(state)
     return meta
+
+
+def warm_start_note(cfg: Any, final: dict, hint: str = "") -> str:
+    """The words a headline adds when a warm start exported its source model unchanged: with
+    ``--init-from`` the first evaluation (step 0) scores the source, and when no later step beats it the
+    best model, the one exported, is the source. '' otherwise. ``hint``: the app's way to learn anyway."""
+    if not getattr(cfg, "init_from", "") or final.get("exported_step") != 0:
+        return ""
+    note = (
+        f"; no step beat the --init-from model on the validation rows, so the exported model is "
+        f"{cfg.init_from} unchanged"
+    )
+    return note + (f" ({hint})" if hint else "")

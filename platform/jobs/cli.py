@@ -97,6 +97,9 @@ def _submit(args, argv) -> int:
 
     if not args.job:
         raise MarianaError("nothing to submit: expected `mariana submit [options] APP COMMAND [ARGS...]`")
+    from mariana.platform.cli.main import check_command
+
+    check_command(args.job)  # what the command would refuse is refused now, not after queueing
     resources = {k: getattr(args, k) for k in ("nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task",
                                                "time", "partition")}  # fmt: skip
     job = _client(args).submit(args.job, args.priority, args.name, os.getcwd(), resources)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..core.config import TrainConfig, opt
 from ..core.errors import MarianaError
@@ -10,6 +11,7 @@ from ..core.errors import MarianaError
 
 @dataclass
 class MlpConfig(TrainConfig):
+    EVAL_METRICS: ClassVar[tuple[str, ...]] = ("auc", "logloss")
     buckets: int = opt(1 << 14, "hash buckets for feature ids (id mod buckets)")
     embed_dim: int = opt(16, "embedding width per feature id")
     hidden: int = opt(64, "hidden width of the MLP")

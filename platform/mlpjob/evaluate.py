@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 import torch
 
+from ..core import jsonfile
 from ..core.atomic import atomic_write_text
 from ..core.errors import MarianaError
 from ..core.export import load_exported
@@ -64,5 +64,5 @@ def evaluate_run(model_dir: str, data: str, split: str = "all") -> dict:
     }
     out = eval_result_path(model_dir, data, split)
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
+    atomic_write_text(out, jsonfile.dumps(result, indent=2) + "\n")
     return result

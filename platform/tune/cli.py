@@ -126,6 +126,7 @@ def _tune(args, argv) -> int:
 
 
 def register(sub) -> None:
+    from mariana.platform.cli.outputs import mark_output
     from mariana.platform.core.registry import tunable_apps
 
     from .apps import tunable
@@ -166,3 +167,4 @@ def register(sub) -> None:
         "--local", action="store_true", help="run trials as local processes even if a service runs"
     )
     p.set_defaults(func=_tune, train_flags=[])
+    mark_output(p, "--out", "continue")

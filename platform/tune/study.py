@@ -185,11 +185,22 @@ def open_study(o: TuneOptions):
         raise MarianaError(
             f"--direction: the study in {o.out} was created to {study.direction.name.lower()} its metric"
         )
+    shared = [*o.train_flags, *flag_args(o.space.fixed)]  # what every trial's train command is given
+    if meta is not None and meta.get("trial_flags") not in (None, shared):
+        raise MarianaError(
+            f"--out {o.out}: its trials ran with `{' '.join(meta['trial_flags'])}`, this run would give "
+            f"new trials `{' '.join(shared)}`; trials of other budgets or data would be ranked in one "
+            "table: continue with the same flags, or start a new --out"
+        )
+    if meta is not None and "trial_flags" not in meta:  # a study from before the check: recorded now
+        meta["trial_flags"] = shared
+        atomic_write_text(meta_path, json.dumps(meta, indent=1) + "\n")
     if meta is None:
         for k, v in {"tune_dir": str(o.out.resolve()), "app": o.app, "monitor": o.monitor,
                      "space": str(Path(o.space.path).resolve())}.items():  # fmt: skip
             study.set_user_attr(k, v)
-        meta = {"name": name, "storage": url, "app": o.app, "monitor": o.monitor, "direction": o.direction}
+        meta = {"name": name, "storage": url, "app": o.app, "monitor": o.monitor, "direction": o.direction,
+                "trial_flags": shared}  # fmt: skip
         atomic_write_text(meta_path, json.dumps(meta, indent=1) + "\n")
     elif meta.get("monitor") != o.monitor:
         raise MarianaError(f"--monitor {o.monitor}: the study in {o.out} tunes {meta.get('monitor')}")

@@ -1,0 +1,33 @@
+"""Issue 30.11 (submit): `mariana submit` refuses, before queueing and with the command's own message,
+a job whose arguments the command would refuse (the service is never contacted: --url points at a
+closed port, so a job that passes gets "no job service" instead)."""
+
+import pytest
+from cliwalk import run_main
+from helpers import free_port
+
+BAD = [
+    (["pctr", "train", "--data", "x", "--batch-size", "-4"], "--batch-size must be >= 1"),
+    (["pctr", "train", "--data", "x", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["mlp", "train", "--out", "r"], "--data is required"),
+    (["vision", "train", "--data", "x", "--monitor", "auc"], "--monitor auc: the evaluation reports no such"),
+    (["pctr", "eval", "--data", "x"], "the following arguments are required: --model"),
+]
+
+
+@pytest.fixture(scope="module")
+def url():
+    return f"http://127.0.0.1:{free_port()}"
+
+
+@pytest.mark.parametrize("job,fragment", BAD, ids=[" ".join(j[:2]) + " " + j[-1] for j, _ in BAD])
+def test_refused_before_queueing(job, fragment, url, capsys):
+    rc, out, err = run_main(["submit", "--url", url, *job], capsys)
+    assert rc == 2 and fragment in err and "no job service" not in err, err
+
+
+def test_valid_job_goes_on_to_the_service(url, capsys):
+    rc, out, err = run_main(
+        ["submit", "--url", url, "pctr", "train", "--data", "x", "--batch-size", "4"], capsys
+    )
+    assert rc == 2 and "no job service" in err, err
