@@ -12,6 +12,7 @@ Layout::
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
