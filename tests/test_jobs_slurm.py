@@ -6,6 +6,7 @@ Every test has a hard timeout (SIGALRM) and prints the daemons' logs when it fai
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import signal
@@ -165,6 +166,7 @@ def test_jobs_succeed_with_metrics_two_tasks_equal_one_process_and_ps_job(servic
           "--no-progress"]  # fmt: skip
     ps_job = submit(svc, "--tasks-per-node", "2", *ps, "--max-steps", "5")
     ps_dies = submit(svc, "--tasks-per-node", "2", *ps, "--max-steps", "400")
+    ps_restarts = submit(svc, "--tasks-per-node", "2", *ps, "--max-steps", "200", "--ckpt-every", "20")
     ref = subprocess.Popen(  # the one-process reference, meanwhile
         [sys.executable, "-m", "mariana.platform.cli", *map(str, mlp(*dp, "--batch-size", "64")),
          "--out", str(tmp_path / "one")], cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL,
@@ -181,7 +183,14 @@ def test_jobs_succeed_with_metrics_two_tasks_equal_one_process_and_ps_job(servic
         Path(f"/proc/{worker[0]}/stat").read_text().rsplit(")", 1)[1].split()[1]
     )  # its torchrun agent
     os.kill(agent, signal.SIGKILL)
-    for job_id in (quick, two, ps_job):
+    # In another PS job only the worker process dies: its agent restarts it, the other task's agent
+    # restarts its server for the new membership (its restart count stays 0), and the group re-forms.
+    sid2 = wait_for(lambda: svc.job(ps_restarts)["external_id"], 60, "the restarting PS job submitted")
+    wait_for(
+        lambda: svc.http.get(f"/api/jobs/{ps_restarts}/counters").json()["history"], 120, "its worker trains"
+    )
+    os.kill(wait_for(lambda: slurm_processes(sid2, b"RANK=1"), 30, "its worker process")[0], signal.SIGKILL)
+    for job_id in (quick, two, ps_job, ps_restarts):
         proc = run_cli(["jobs", "wait", job_id, "--timeout", "240"], env=svc.env())
         assert proc.returncode == 0 and f"job {job_id} succeeded" in proc.stdout, proc.stdout + proc.stderr
     assert ref.wait(120) == 0, ref.stderr.read()
@@ -217,6 +226,9 @@ def test_jobs_succeed_with_metrics_two_tasks_equal_one_process_and_ps_job(servic
     run = Path(job["run_dir"])
     assert (run / "logs" / "rank-0.log").is_file() and (run / "logs" / "rank-1.log").is_file()
     assert job["counters"]["workers"] and (run / "model.safetensors").is_file()
+    job = svc.job(ps_restarts)  # the restarted group finished the run
+    restarts = json.loads((Path(job["run_dir"]) / "counters.json").read_text())["restarts"]
+    assert job["last_step"] == 200 and restarts >= 1, (job["last_step"], restarts)
 
 
 @slurm_test(60)
@@ -232,7 +244,9 @@ def test_bad_submissions_end_with_a_clear_error(service):
         assert re.search(pattern, proc.stdout), proc.stdout
     assert scontrol_state(svc.job(too_many)["external_id"]) in ("CANCELLED", None)
     # Several tasks of a command that cannot rendezvous: refused at submit, one line, exit 2.
-    proc = run_cli(["submit", "--url", svc.url, "--nodes", "2", "mlp", "eval", "--run", "x"])
+    proc = run_cli(
+        ["submit", "--url", svc.url, "--nodes", "2", "mlp", "eval", "--model", "x", "--data", FRAPPE]
+    )
     assert proc.returncode == 2 and "takes no --nnodes" in proc.stderr, proc.stderr
 
 

@@ -18,8 +18,8 @@ is written (`guard_output`):
 
 A run directory written before the marker existed (no marker; a config.toml, metrics.json, checkpoints/
 or model) counts as a run of the
-command, so its own checks (``--resume``, finished run) apply. ``job.log`` and ``trial.log`` (the job service's and tune's logs of this very invocation, written before
-the command starts) do not count as existing data."""
+command, so its own checks (``--resume``, finished run) apply. ``job.log``, ``trial.log`` and ``slurm-job.sh`` (the job service's and tune's logs of this very invocation
+and the Slurm executor's batch script, written before the command starts) do not count as existing data."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from pathlib import Path
 from ..core.errors import MarianaError
 
 MARKER = ".mariana-output"
-IGNORED = frozenset({MARKER, "job.log", "trial.log"})
+IGNORED = frozenset({MARKER, "job.log", "trial.log", "slurm-job.sh"})
 REUSE = ("run", "continue", "never")
 # what a run directory from before the marker holds (any of them): it counts as a run of the command
 RUN_LAYOUT = ("config.toml", "metrics.json", "checkpoints", "model.safetensors")

@@ -242,7 +242,11 @@ def assign_fields(p: LibfmRows, starts: tuple[int, ...], exact: bool) -> LibfmRo
         return p
     field = np.searchsorted(np.asarray(starts, dtype=np.int64), p.ids, side="right") - 1
     in_place = (field == np.arange(F)[None, :]) | ~p.known
-    ok_rows = in_place.all(1) & (p.known.all(1) if exact else True)
+    # A full line whose ids rise token by token is in field order already: it keeps its positions even
+    # where an id lies past a boundary the probe estimated from the first lines (Frappe's user ids overlap
+    # the probe's guess of where item ids start).
+    ordered = p.known.all(1) & (np.diff(p.ids, axis=1) > 0).all(1)
+    ok_rows = (in_place.all(1) | ordered) & (p.known.all(1) if exact else True)
     if ok_rows.all():
         return p
     ids, vals, known = np.zeros_like(p.ids), np.zeros_like(p.vals), np.zeros_like(p.known)
@@ -250,7 +254,10 @@ def assign_fields(p: LibfmRows, starts: tuple[int, ...], exact: bool) -> LibfmRo
     for r in range(len(p)):
         ks = np.flatnonzero(p.known[r])
         fs = field[r, ks]
-        if exact and len(ks) != F:
+        if ordered[r]:
+            ids[r], vals[r], known[r] = p.ids[r], p.vals[r], p.known[r]
+            keep.append(r)
+        elif exact and len(ks) != F:
             errors[p.good[r]] = f"{len(ks)} features, expected one of each of the {F} fields of training"
         elif len(set(fs.tolist())) != len(fs):
             dup = next(f for f in fs.tolist() if (fs == f).sum() > 1)

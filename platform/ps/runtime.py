@@ -73,11 +73,39 @@ def rpc_init_method(role: Role, timeout_s: float = 300.0) -> str:
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     timeout = timedelta(seconds=timeout_s)
     agent = TCPStore(addr, port, is_master=False, timeout=timeout, wait_for_workers=False)
-    key = f"mariana/ps/rpc_port/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{role.attempt}"
+    gen = _generation(agent, role, timeout_s)
+    key = f"mariana/ps/rpc_port/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{gen}"
     if role.rank == 0:
         _STORE = TCPStore("0.0.0.0", 0, is_master=True, timeout=timeout, wait_for_workers=False)
         agent.set(key, str(_STORE.port))
     return f"tcp://{addr}:{int(agent.get(key))}"
+
+
+def _generation(agent, role: Role, timeout_s: float) -> int:
+    """The number of this formation of the group, the same on every rank.
+
+    Not ``TORCHELASTIC_RESTART_COUNT``: with several torchrun agents (one per node or Slurm task) only the
+    agent whose worker failed counts a restart; the others restart their workers for the membership change
+    with their count unchanged, so the ranks of one group would disagree. Instead rank 0 of each new group
+    bumps a counter in the agent store, and every other rank waits until the counter passes the generation
+    it (its rank) joined last time, then joins that one."""
+    import time
+
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    counter, seen = f"mariana/ps/generation/{run}", f"mariana/ps/joined/{run}/{role.rank}"
+    last = int(agent.get(seen)) if agent.check([seen]) else 0
+    if role.rank == 0:
+        gen = agent.add(counter, 1)
+    else:
+        deadline = time.monotonic() + timeout_s
+        while (gen := agent.add(counter, 0)) <= last:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"rank {role.rank}: no new parameter-server group formed in {timeout_s:.0f} s"
+                )
+            time.sleep(0.05)
+    agent.set(seen, str(gen))
+    return gen
 
 
 @contextmanager
