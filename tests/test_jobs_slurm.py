@@ -255,7 +255,7 @@ def test_kill9_restart_readopts_running_job_and_finishes_forgotten_one(cluster, 
     home = tmp_path / "home"
     svc = Service(home, "--executor", "slurm", slots=8)
     try:
-        long = submit(svc, *mlp("--epochs", "50", "--log-every", "1"))
+        long = submit(svc, *mlp("--epochs", "5000", "--log-every", "1"))  # runs until cancelled
         short = submit(svc, *mlp("--max-steps", "5", "--log-every", "1"))
         wait_for(lambda: svc.http.get(f"/api/jobs/{long}/metrics").json()["records"], 120, "long job trains")
         wait_for(lambda: svc.job(short)["external_id"], 60, "short job submitted")
