@@ -157,25 +157,48 @@ def cached_batches(images: torch.Tensor, labels: torch.Tensor, batch: int, steps
         yield images[idx], labels[idx]
 
 
-def cached_case(name, size, tar, batch, steps, device, amp, channels_last, compile_, epochs: int) -> dict:
-    """The decode-once path: every JPEG of ``tar`` decoded once onto ``device`` (batched nvJPEG on a GPU),
-    then training steps indexed from that set. ``jpeg_to_device_img_s`` = the training rate of ``epochs``
-    epochs fed from the JPEGs with the one decode included: ``E*N / (decode_s + E*N / cached_img_s)``;
-    ``ratio`` compares it with the synthetic rate (the same steps on one batch already on the device)."""
+def timed_decode(tar: Path, size: int, device, workers: int):
+    """``decode_all`` of the whole tar onto ``device`` (index + read + decode + copy); returns (data, s)."""
     from mariana.apps.vision.data import decode_all, open_source
 
-    res = {"model": name, "image_size": size, "batch": batch, "steps": steps, "path": "decode-once"}
-    fwd, opt = build(name, size, device, channels_last, compile_)
-    n, s = train_steps(fwd, opt, synthetic_batches(size, batch, steps, device), device, amp, channels_last, 0)
-    res["synthetic_img_s"] = n / s
-    src = open_source(tar)
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    data = decode_all(src, size, device)
+    data = decode_all(open_source(tar), size, device, workers=workers)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    res["decode_s"] = time.perf_counter() - t0
+    return data, time.perf_counter() - t0
+
+
+def index_times(tar: Path) -> dict:
+    """Seconds to index the tar: the header walk `TarSource` uses vs ``tarfile`` (the previous index)."""
+    from mariana.apps.vision.tarindex import scan_tar
+
+    t0 = time.perf_counter()
+    scan_tar(tar)
+    t1 = time.perf_counter()
+    with tarfile.open(tar, "r:") as tf:
+        [m.offset_data for m in tf if m.isfile()]
+    return {"index_s": t1 - t0, "index_tarfile_s": time.perf_counter() - t1}
+
+
+def cached_case(
+    name, size, tar, batch, steps, device, amp, channels_last, compile_, epochs: int, workers: list[int]
+) -> dict:
+    """The decode-once path: every JPEG of ``tar`` decoded once onto ``device`` (``workers[0]`` > 0: on the
+    CPU in that many worker processes, chunks copied to the device as they come; 0: batched nvJPEG on a
+    GPU), then training steps indexed from that set. ``workers[1:]``: other worker counts, decode time
+    only (``decode_s_by_workers``), measured before the headline one. ``jpeg_to_device_img_s`` = the training rate of ``epochs``
+    epochs fed from the JPEGs with the one decode included: ``E*N / (decode_s + E*N / cached_img_s)``;
+    ``ratio`` compares it with the synthetic rate (the same steps on one batch already on the device)."""
+    res = {"model": name, "image_size": size, "batch": batch, "steps": steps, "path": "decode-once"}
+    res["decode_workers"] = workers[0]
+    res.update(index_times(tar))
+    fwd, opt = build(name, size, device, channels_last, compile_)
+    n, s = train_steps(fwd, opt, synthetic_batches(size, batch, steps, device), device, amp, channels_last, 0)
+    res["synthetic_img_s"] = n / s
+    res["decode_s_by_workers"] = {w: timed_decode(tar, size, device, w)[1] for w in workers[1:]}
+    data, res["decode_s"] = timed_decode(tar, size, device, workers[0])
     res["images"] = len(data)
     res["decode_img_s"] = len(data) / res["decode_s"]
     images, labels = data.images.to(device), data.labels.to(device)
@@ -363,6 +386,12 @@ def main() -> None:
         help="measure the decode-once path instead (whole tar decoded onto the device, then steps from it), "
         "its rate over N epochs with the decode included",
     )
+    ap.add_argument(
+        "--decode-workers",
+        default=str(min(8, os.cpu_count() or 1)),
+        help="--cached-epochs: CPU processes decoding the JPEGs (0: in this process, nvJPEG on a GPU); a "
+        "comma list: the first is the headline, the others are timed too (decode only)",
+    )
     ap.add_argument("--batch", type=int, default=0, help="images per step (0: the defaults below)")
     ap.add_argument(
         "--out", default="", help="JSON path (default bench/results/vision_throughput-DEVICE.json)"
@@ -407,7 +436,17 @@ def main() -> None:
                 tar = Path(args.data)
             if args.cached_epochs:
                 case = cached_case(
-                    name, size, tar, batch, steps, dev, gpu, True, args.compile, args.cached_epochs
+                    name,
+                    size,
+                    tar,
+                    batch,
+                    steps,
+                    dev,
+                    gpu,
+                    True,
+                    args.compile,
+                    args.cached_epochs,
+                    [int(w) for w in args.decode_workers.split(",")],
                 )
             else:
                 case = run_case(name, size, tar, batch, steps, dev, args.workers, gpu, True, args.compile)
@@ -425,7 +464,14 @@ def main() -> None:
         f"{c['model']}@{c['image_size']}: jpeg {c.get('jpeg_img_s', c.get('jpeg_to_device_img_s')):.0f} img/s "
         f"= {100 * c['ratio']:.0f}% of synthetic {c['synthetic_img_s']:.0f}"
         + (
-            f" (decode-once, {c['epochs']} epochs, decode {c['decode_img_s']:.0f} img/s)"
+            f" (decode-once, {c['epochs']} epochs, decode {c['decode_img_s']:.0f} img/s with "
+            f"{c['decode_workers'] or 'no'} workers"
+            + "".join(
+                f"; {w or 'no'} workers {c['images'] / s:.0f} img/s"
+                for w, s in c["decode_s_by_workers"].items()
+            )
+            + f"; index {c['index_s']:.2f} s, tarfile {c['index_tarfile_s']:.2f} s"
+            + ")"
             if "epochs" in c
             else ""
         )

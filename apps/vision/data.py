@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from mariana.apps.vision.tarindex import scan_tar
 from mariana.platform.core.errors import DataError
 from mariana.platform.core.prefetch import Prefetcher  # noqa: F401  (re-exported)
 
@@ -94,15 +95,18 @@ class TarSource(ImageSource):
     def __init__(self, path: str | Path, classes: Sequence[str] | None = None):
         self.path = Path(path)
         self._offsets: list[tuple[int, int]] = []
+        members = scan_tar(self.path)  # plain headers walked directly; anything else: tarfile
+        if members is None:
+            try:
+                with tarfile.open(self.path, "r:") as tf:  # "r:" = no compression: offsets are file offsets
+                    members = [(m.name, m.offset_data, m.size) for m in tf if m.isfile()]
+            except tarfile.ReadError as e:
+                raise DataError(f"{self.path}: not an uncompressed tar file ({e})") from None
         names, offsets = [], []
-        try:
-            with tarfile.open(self.path, "r:") as tf:  # "r:" = no compression, so offsets are file offsets
-                for m in tf:
-                    if m.isfile() and m.name.endswith(IMAGE_EXTS) and "/" in m.name.strip("/"):
-                        names.append(m.name.lstrip("./"))
-                        offsets.append((m.offset_data, m.size))
-        except tarfile.ReadError as e:
-            raise DataError(f"{self.path}: not an uncompressed tar file ({e})") from None
+        for name, off, size in members:
+            if name.endswith(IMAGE_EXTS) and "/" in name.strip("/"):
+                names.append(name.lstrip("./"))
+                offsets.append((off, size))
         pos = {n: o for n, o in zip(names, offsets)}
         self._set_index(names, str(self.path), classes)
         self._offsets = [pos[n] for n in self.names]
@@ -241,26 +245,61 @@ def decode_all(
     limit: int = 0,
     chunk: int = 2048,
     progress: bool = False,
+    workers: int = 0,
 ) -> DecodedImages:
     """Read and decode every image of ``src`` (the first ``limit`` of a class-balanced order when
-    ``limit`` > 0) into a `DecodedImages`. Corrupt images are skipped and counted with their path."""
+    ``limit`` > 0) into a `DecodedImages`. Corrupt images are skipped and counted with their path.
+
+    ``workers`` > 0: chunks are read and decoded on the CPU in that many DataLoader worker processes
+    (libjpeg-turbo, the same pixels as ``device='cpu'`` with no workers) and copied to ``device`` as they
+    arrive; 0: decoded in this process, batched on ``device`` (nvJPEG on CUDA)."""
     idx = subset_indices(len(src), limit)
-    parts, labels, bad = [], [], []
-    it = range(0, len(idx), chunk)
+    subs = [idx[s : s + chunk] for s in range(0, len(idx), chunk)]
+    if workers > 0:  # several chunks per worker so the last ones finish together
+        per = max(64, min(chunk, -(-len(idx) // (4 * workers))))
+        subs = [idx[s : s + per] for s in range(0, len(idx), per)]
+    decoded = _decode_chunks(src, subs, size, torch.device(device), workers)
     if progress:
         from tqdm import tqdm
 
-        it = tqdm(it, desc=f"decode {src.path.name}", unit="chunk", leave=False)
-    for start in it:
-        sub = idx[start : start + chunk]
-        imgs, fails = decode_many([src.read(i) for i in sub], size, device)
+        decoded = tqdm(decoded, total=len(subs), desc=f"decode {src.path.name}", unit="chunk", leave=False)
+    parts, labels, bad = [], [], []
+    for sub, (imgs, fails) in zip(subs, decoded):
         failed = set(fails)
         bad += [(f"{src.path}:{src.names[sub[j]]}", "not a decodable image") for j in fails]
-        parts.append(imgs)
+        parts.append(imgs.to(device, non_blocking=True))
         labels.append(src.labels[[i for j, i in enumerate(sub) if j not in failed]])
     if not parts or sum(p.shape[0] for p in parts) == 0:
         raise DataError(f"{src.path}: none of the {len(idx)} images could be decoded")
     return DecodedImages(torch.cat(parts), torch.cat(labels), list(src.classes), bad)
+
+
+class _ChunkDecoder(torch.utils.data.Dataset):
+    """Item ``k`` -> ``decode_many`` of the images ``subs[k]`` of ``src`` on the CPU: (uint8 ``[n_ok,3,S,S]``,
+    failed positions within the chunk)."""
+
+    def __init__(self, src: ImageSource, subs: list[list[int]], size: int):
+        self.src, self.subs, self.size = src, subs, size
+
+    def __len__(self) -> int:
+        return len(self.subs)
+
+    def __getitem__(self, k: int):
+        return decode_many([self.src.read(i) for i in self.subs[k]], self.size, "cpu")
+
+
+def _decode_chunks(src: ImageSource, subs: list[list[int]], size: int, device: torch.device, workers: int):
+    """Decoded chunks in order: ``(images, failed positions)`` per entry of ``subs``."""
+    if workers <= 0:
+        return (decode_many([src.read(i) for i in sub], size, device) for sub in subs)
+    loader = torch.utils.data.DataLoader(
+        _ChunkDecoder(src, subs, size),
+        batch_size=None,  # an item is already a chunk
+        num_workers=min(workers, len(subs)),
+        pin_memory=device.type == "cuda",  # so the copy to the device can be asynchronous
+        prefetch_factor=4,
+    )
+    return iter(loader)
 
 
 # ------------------------------------------------------------------------------------ streaming dataset

@@ -115,11 +115,24 @@ def decode_device(cfg: VisionConfig, device: torch.device) -> torch.device:
     return torch.device("cpu")
 
 
+def decode_workers(cfg: VisionConfig, device: torch.device) -> int:
+    """Worker processes for the decode-once cache: ``--num-workers`` when decoding on the CPU (chunks decoded
+    in parallel, the same pixels as one process), 0 with nvJPEG (decoded batched in this process)."""
+    return cfg.num_workers if decode_device(cfg, device).type == "cpu" else 0
+
+
 def load_images(
     path: str, cfg: VisionConfig, device: torch.device, limit: int, classes=None, progress: bool = False
 ) -> DecodedImages:
     src = open_source(path, classes)
-    data = decode_all(src, cfg.image_size, decode_device(cfg, device), limit=limit, progress=progress)
+    data = decode_all(
+        src,
+        cfg.image_size,
+        decode_device(cfg, device),
+        limit,
+        progress=progress,
+        workers=decode_workers(cfg, device),
+    )
     report_skipped(data.bad, str(path))
     data.images = data.images.to(device)
     data.labels = data.labels.to(device)
@@ -236,7 +249,14 @@ def _train(cfg: VisionConfig, ctx) -> dict[str, Any]:
         model = model.to(memory_format=torch.channels_last)
     skipped: list[tuple[str, str]] = []
     if use_cache:
-        data = decode_all(src, cfg.image_size, decode_device(cfg, device), limit=cfg.limit, progress=progress)
+        data = decode_all(
+            src,
+            cfg.image_size,
+            decode_device(cfg, device),
+            cfg.limit,
+            progress=progress,
+            workers=decode_workers(cfg, device),
+        )
         report_skipped(data.bad, cfg.data)
         skipped = data.bad
         data.images, data.labels = data.images.to(device), data.labels.to(device)

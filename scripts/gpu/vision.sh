@@ -29,8 +29,10 @@ timeout -k 5 175 $PY bench/vision_airbench.py --device "$DEVICE" --seeds "$SEEDS
   > "$OUT/vision_airbench.out" 2>&1
 say "<<< vision_airbench rc=$?"; grep -v " INFO " "$OUT/vision_airbench.out" | tail -n 12 | tee -a "$L"
 say ">>> vision_throughput decode-once (fastnet@32, 10 epochs)"
-timeout -k 5 50 $PY bench/vision_throughput.py --device "$DEVICE" --models fastnet@32 --cached-epochs 10 \
-  --steps 30 --batch 1024 --data "$DATA/train.tar" --out "$OUT/vision_throughput-jpeg.json" ${TP_ARGS:-} \
+# headline: decode in 8 CPU worker processes; also timed: nvJPEG in-process (0) and 16 workers (decode only)
+timeout -k 5 55 $PY bench/vision_throughput.py --device "$DEVICE" --models fastnet@32 --cached-epochs 10 \
+  --steps 30 --batch 1024 --data "$DATA/train.tar" --out "$OUT/vision_throughput-jpeg.json" \
+  --decode-workers "${DECODE_WORKERS:-8,0,16}" ${TP_ARGS:-} \
   > "$OUT/vision_throughput.out" 2>&1
 say "<<< vision_throughput rc=$?"; tail -n 2 "$OUT/vision_throughput.out" | tee -a "$L"
 say "done"
