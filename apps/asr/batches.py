@@ -118,14 +118,15 @@ class ResidentBatches:
         rows = np.where(ar < lens[:, None], self.starts[idx][:, None] + ar, self.pad_row)
         b, n = len(idx), rows.size
         host = torch.from_numpy(
-            np.concatenate([rows.ravel(), lens, *(self.targets[i] for i in idx), self.target_lengths[idx]])
+            np.concatenate([rows.ravel(), lens, *[self.targets[i] for i in idx], self.target_lengths[idx]])
         )
         dev = self._to_device(host)
         n_tg = len(host) - n - 2 * b
         if self.store.device.type == self.device.type:
-            feats = self.store[dev[:n].view(b, t)].float()  # gather and fp16 -> fp32 where the store is
+            # gather and fp16 -> fp32 where the store is (index_select: the leanest gather kernel)
+            feats = self.store.index_select(0, dev[:n]).view(b, t, -1).float()
         else:
-            feats = self._to_device(self.store[host[:n].view(b, t)].float())
+            feats = self._to_device(self.store.index_select(0, host[:n]).view(b, t, -1).float())
         lengths, tl = host[n : n + b], host[n + b + n_tg :]
         return {
             "feats": feats,
