@@ -37,17 +37,23 @@ _WINDOWS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
 def _window_index(t: int, context: int, device: torch.device) -> torch.Tensor:
     """[T, 2*context+1] int64 on ``device``: the frame each window position reads, clamp(t + j - context, 0,
-    T - 1); built once per bucket length (frames come in a few bucket lengths) and kept. Under
+    T - 1); built once per bucket length (frames come in a few bucket lengths) and kept (64 at most). Under
     ``torch.compile`` it is built in the graph instead (the compiler folds it; a cache would be a guard)."""
     if torch.compiler.is_compiling():
-        ar = torch.arange(t, device=device).unsqueeze(1) + torch.arange(2 * context + 1, device=device)
-        return (ar - context).clamp(0, t - 1)
+        return _build_window(t, context, device)
     key = (t, context, device)
     win = _WINDOWS.get(key)
     if win is None:
-        ar = torch.arange(t).unsqueeze(1) + torch.arange(2 * context + 1) - context
-        win = _WINDOWS[key] = ar.clamp(0, t - 1).to(device)
+        if len(_WINDOWS) >= 64:  # unbucketed lengths (decoding, serving) must not grow it without bound
+            _WINDOWS.clear()
+        win = _WINDOWS[key] = _build_window(t, context, device)
     return win
+
+
+def _build_window(t: int, context: int, device: torch.device) -> torch.Tensor:
+    # Made on the device (no host-to-device copy, which would synchronise inside a step).
+    ar = torch.arange(t, device=device).unsqueeze(1) + torch.arange(2 * context + 1, device=device)
+    return (ar - context).clamp(0, t - 1)
 
 
 def pad_edges(feats: torch.Tensor, context: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
