@@ -6,7 +6,8 @@ op is a kernel launch and every microsecond of Python shows. This proxy measures
 - ``ops_per_step``: leaf aten ops per training step (forward, backward, optimizer, batch assembly), counted
   with `torch.profiler` over a few steps (`asr_throughput.count_ops`; on CUDA each is about one kernel
   launch), and Python function calls per step (``py_calls``, counted with `sys.setprofile`);
-- ``host_us_per_step``: CPU microseconds per step of a tiny network (``--hidden 8``, ``--context 1``), where
+- ``host_us_per_step``: CPU microseconds per step of a tiny network and batch (``--hidden 8``, ``--context 1``,
+  one utterance per step), where
   the arithmetic is negligible and what is left is dispatch and Python (ours vs plain, interleaved rounds,
   medians; noisy on a loaded machine, the counts are not). The counts are of the preset's own network.
 
@@ -30,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from asr_throughput import Ours, Plain, bench_config, ops_per_step, prepared  # noqa: E402
+from common import write_result  # noqa: E402
 from mariana.apps.asr.configs import PRESETS  # noqa: E402
 from mariana.apps.asr.features import cached_features  # noqa: E402
 from mariana.apps.asr.train import BLANK, UtteranceSet, feature_settings  # noqa: E402
@@ -58,6 +60,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--hidden", type=int, default=8, help="network width for the host-time proxy")
     p.add_argument("--context", type=int, default=1, help="splice context for the host-time proxy")
+    p.add_argument("--name", default="asr_step_overhead", help="result file name under bench/results")
     a = p.parse_args()
     a.batch_size = a.frames_per_step = a.num_workers = 0
     a.cache_gb, a.compile = 4.0, False
@@ -68,20 +71,25 @@ def main() -> None:
         ds = UtteranceSet(cache, vocab)
         cfg = bench_config(a, device, ds.lengths)
         ops = measure(cfg, ds, device, len(vocab), a.steps)
-        tiny = dataclasses.replace(cfg, hidden=a.hidden, context=a.context)
+        tiny = dataclasses.replace(cfg, hidden=a.hidden, context=a.context, batch_size=1)
         ours, plain = pair(tiny, ds, device, len(vocab), a.steps)
+        torch.set_num_threads(1)  # host overhead is single-threaded; idle intra-op threads only add noise
         rounds = []
         for _ in range(a.rounds):
-            t0 = time.process_time()  # CPU seconds (all threads): less hit by other processes than wall
+            t0 = time.process_time()  # CPU seconds: less hit by other processes than wall time
             ours.run(a.steps)
             t1 = time.process_time()
             plain.run()
             rounds.append((t1 - t0, time.process_time() - t1))
-    o_us = statistics.median(o for o, _ in rounds) / a.steps * 1e6
-    p_us = statistics.median(p for _, p in rounds) / a.steps * 1e6
-    out = {"ops_per_step": ops, "host_us_per_step": {"ours": o_us, "plain": p_us}}
-    out |= {"proxy": {"hidden": a.hidden, "context": a.context}, "device": str(device)}
+    us = {
+        "ours": statistics.median(o for o, _ in rounds) / a.steps * 1e6,
+        "plain": statistics.median(p for _, p in rounds) / a.steps * 1e6,
+        "ratio_ours_over_plain": statistics.median(o / p for o, p in rounds),
+    }
+    out = {"ops_per_step": ops, "host_us_per_step": us}
+    out |= {"proxy": {"hidden": a.hidden, "context": a.context, "batch": 1}, "device": str(device)}
     print(json.dumps(out, indent=1))
+    print(f"wrote {write_result(a.name, out)}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ device -> the same CTC loss -> the same clipping -> fused AdamW. It does strictl
 Each round times ``--steps`` steps of ours and of plain over the same batches (which goes first alternates); the ratio is the median of
 the per-round ratios (ours frames/s / plain frames/s), so machine load hits both sides alike.
 ``--preset mariana`` is the 50.7M-parameter DNN (bf16 on a GPU) at about ``--frames-per-step`` frames.
-``--compile-start`` also times two fresh processes' start-up with ``--compile`` (the second loads the
+``ops_per_step`` in the JSON: aten ops and Python calls per step of both loops (`count_ops`; on CUDA each leaf
+aten op is about one kernel launch, and the small recipe is launch-bound there). ``--compile-start`` also times two fresh processes' start-up with ``--compile`` (the second loads the
 artifacts the first saved, `platform/core/compilecache.py`). Usage::
 
     .venv/bin/python bench/asr_throughput.py [--preset small|mariana] [--steps N] [--rounds 5] [--compile-start]
