@@ -13,7 +13,8 @@ device -> the same CTC loss -> the same clipping -> fused AdamW. It does strictl
 Each round times ``--steps`` steps of ours and of plain over the same batches (which goes first alternates); the ratio is the median of
 the per-round ratios (ours frames/s / plain frames/s), so machine load hits both sides alike.
 ``--preset mariana`` is the 50.7M-parameter DNN (bf16 on a GPU) at about ``--frames-per-step`` frames.
-``--compile-start`` also times two fresh processes' start-up with ``--compile`` (the second loads the
+``ops_per_step`` in the JSON: aten ops and Python calls per step of both loops (`count_ops`; on CUDA each leaf
+aten op is about one kernel launch, and the small recipe is launch-bound there). ``--compile-start`` also times two fresh processes' start-up with ``--compile`` (the second loads the
 artifacts the first saved, `platform/core/compilecache.py`). Usage::
 
     .venv/bin/python bench/asr_throughput.py [--preset small|mariana] [--steps N] [--rounds 5] [--compile-start]
@@ -33,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import table, write_result  # noqa: E402
@@ -139,6 +141,35 @@ class Plain:
             loss_sum += loss.detach()
         float(loss_sum)
         return time.perf_counter() - t0, self.frames
+
+
+def count_ops(run, steps: int) -> dict:
+    """``run()`` (``steps`` training steps) profiled on the host side -> per step: "leaf" aten ops (ops that
+    call no other aten op: about one kernel launch each on CUDA), "all" aten ops, and "py_calls" (Python
+    and builtin function calls, a deterministic measure of the step's Python overhead)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    leaf = total = 0
+    for e in prof.events():
+        if e.name.startswith("aten::"):
+            total += 1
+            leaf += not any(c.name.startswith("aten::") for c in e.cpu_children)
+    calls = [0]
+
+    def tick(frame, event, arg):
+        calls[0] += event in ("call", "c_call")
+
+    sys.setprofile(tick)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return {"leaf": leaf / steps, "all": total / steps, "py_calls": calls[0] / steps}
+
+
+def ops_per_step(ours: Ours, plain: Plain, steps: int) -> dict:
+    """`count_ops` of both loops (both already warm), ours over the same ``steps`` batches as plain."""
+    return {"ours": count_ops(lambda: ours.run(steps), steps), "plain": count_ops(plain.run, steps)}
 
 
 class _TorchCtcUnchecked(torch.autograd.Function):
@@ -314,6 +345,8 @@ def main() -> None:
             assert frames == p_frames
             rounds.append({"ours_s": o_s, "plain_s": p_s, "ratio": p_s / o_s, "frames": frames})
             print(f"round {r + 1}: ours {o_s:.3f}s plain {p_s:.3f}s ratio {p_s / o_s:.3f}", flush=True)
+        ops = ops_per_step(ours, plain, steps)
+        print(f"aten ops per step: {ops}", flush=True)
         synced = sync_check(ours) if device.type == "cuda" else "not run (CPU)"
         print(f"sync check: {synced}", flush=True)
     starts = compile_starts(args) if args.compile_start else None
@@ -344,6 +377,7 @@ def main() -> None:
         "plain_frames_per_s": mid["frames"] / mid["plain_s"],
         "ratio_vs_plain_fused": ratio,
         "compile_start_s": starts,
+        "ops_per_step": ops,
         "sync_debug_error_mode": synced,
     }
     path = write_result(args.name, result)

@@ -15,7 +15,7 @@ from helpers import last_line, run_cli
 from mariana.apps.asr.data import read_kaldi_dir, read_wav
 from mariana.apps.asr.decode import beam_decode, edit_distance, error_rates, greedy_decode
 from mariana.apps.asr.features import FeatureCache, FeatureSettings, cached_features, fbank, perturbations
-from mariana.apps.asr.model import AcousticDNN, build_model, splice
+from mariana.apps.asr.model import AcousticDNN, build_model, pad_edges, splice
 from mariana.platform.core.errors import MarianaError
 
 
@@ -63,6 +63,18 @@ def test_splice_equals_naive_stacking():
     # The model splices the same way: its first layer sees (2c+1)*F inputs.
     m = AcousticDNN(num_bins=f, context=c, hidden=8, layers=1, output_units=5)
     assert m(feats, lengths).shape == (b, t, 5)
+
+
+def test_splice_gather_equals_padded_window_everywhere():
+    # splice is one gather through a cached window index; it must give exactly what padding the edges
+    # (`pad_edges`) and sliding a window gives, padding positions and empty utterances included.
+    torch.manual_seed(0)
+    for t, c in [(1, 3), (7, 1), (20, 5), (33, 30)]:
+        feats = torch.randn(4, t, 3)
+        for lengths in (torch.tensor([t, max(1, t // 2), 1, 0]), None):
+            win = pad_edges(feats, c, lengths).unfold(1, 2 * c + 1, 1)
+            ref = win.transpose(2, 3).reshape(4, t, (2 * c + 1) * 3)
+            assert torch.equal(splice(feats, c, lengths), ref), (t, c, lengths)
 
 
 def _posteriors(path: list[int], v: int = 4, p: float = 0.9) -> torch.Tensor:

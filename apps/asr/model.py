@@ -17,12 +17,43 @@ def splice(feats: torch.Tensor, context: int, lengths: torch.Tensor | None = Non
 
     feats [B, T, F] (padded batch), lengths [B] valid frames per utterance (None: all T valid) ->
     [B, T, (2*context+1)*F], ordered frame t-context .. t+context. Neighbours outside an utterance repeat
-    its first/last frame (as Kaldi's splice-feats does)."""
+    its first/last frame (as Kaldi's splice-feats does): the same values as `pad_edges` then a sliding
+    window, made by one gather with an index table cached per (T, context, device) (`_window_index`), so a
+    step pays 3 small kernels and the gather instead of building the padded copy and the window."""
     if context == 0:
         return feats
     b, t, f = feats.shape
-    win = pad_edges(feats, context, lengths).unfold(1, 2 * context + 1, 1)  # [B, T, F, W]
-    return win.transpose(2, 3).reshape(b, t, (2 * context + 1) * f)
+    w = 2 * context + 1
+    win = _window_index(t, context, feats.device)  # [T, W]: clamp(t + j - context, 0, T - 1)
+    if lengths is None:
+        return feats[:, win].reshape(b, t, w * f)
+    last = lengths.to(feats.device).view(b, 1, 1) - 1
+    idx = torch.minimum(win, last).clamp_min_(0)  # [B, T, W]: never past the utterance's last frame
+    return feats.gather(1, idx.view(b, t * w, 1).expand(b, t * w, f)).view(b, t, w * f)
+
+
+_WINDOWS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _window_index(t: int, context: int, device: torch.device) -> torch.Tensor:
+    """[T, 2*context+1] int64 on ``device``: the frame each window position reads, clamp(t + j - context, 0,
+    T - 1); built once per bucket length (frames come in a few bucket lengths) and kept (64 at most). Under
+    ``torch.compile`` it is built in the graph instead (the compiler folds it; a cache would be a guard)."""
+    if torch.compiler.is_compiling():
+        return _build_window(t, context, device)
+    key = (t, context, device)
+    win = _WINDOWS.get(key)
+    if win is None:
+        if len(_WINDOWS) >= 64:  # unbucketed lengths (decoding, serving) must not grow it without bound
+            _WINDOWS.clear()
+        win = _WINDOWS[key] = _build_window(t, context, device)
+    return win
+
+
+def _build_window(t: int, context: int, device: torch.device) -> torch.Tensor:
+    # Made on the device (no host-to-device copy, which would synchronise inside a step).
+    ar = torch.arange(t, device=device).unsqueeze(1) + torch.arange(2 * context + 1, device=device)
+    return (ar - context).clamp(0, t - 1)
 
 
 def pad_edges(feats: torch.Tensor, context: int, lengths: torch.Tensor | None = None) -> torch.Tensor:

@@ -54,7 +54,7 @@ class TrainStep(Protocol):
 def move_to(batch: Any, device: torch.device) -> Any:
     """Recursively move tensors in tuples/lists/dicts to ``device`` (non-blocking from pinned memory)."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
         return {k: move_to(v, device) for k, v in batch.items()}
     if isinstance(batch, list | tuple):
@@ -99,7 +99,9 @@ class ModuleStep:
     def train_step(self, micro_batches: list[Any]) -> tuple[torch.Tensor, int]:
         cfg, ctx, model = self.cfg, self.ctx, self.model
         k = len(micro_batches)
-        loss_sum = torch.zeros((), device=ctx.device)
+        # One micro-batch (the usual case) adds no kernels: no accumulator and no division by 1, which would
+        # be 3-4 launches per step on a GPU where a small model's step is launch-bound (same values: x / 1 = x).
+        loss_sum = torch.zeros((), device=ctx.device) if k > 1 else None
         samples = 0
         for i, batch in enumerate(micro_batches):
             batch = move_to(batch, ctx.device)
@@ -108,8 +110,11 @@ class ModuleStep:
             with contextlib.nullcontext() if sync else model.no_sync():
                 with autocast_for(cfg, ctx.device):
                     loss, n = self.loss_fn(model, batch)
-                (loss / k).backward()
-            loss_sum += loss.detach().float() / k
+                (loss / k if k > 1 else loss).backward()
+            if k > 1:
+                loss_sum += loss.detach().float() / k
+            else:
+                loss_sum = loss.detach().float()
             samples += n
         ctx.set_phase("optim")
         if cfg.clip_grad > 0:
