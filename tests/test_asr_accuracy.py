@@ -138,7 +138,7 @@ def test_small_preset_heldout_speaker_wer(data_dir, tmp_path):
         assert resp.status_code == 200, resp.text
         assert resp.json() == {"transcript": words, "model_version": tr.version}
         for junk, status, text in [
-            (b"not audio" * 50, 415, "not a WAV file"),  # rejected on its header
+            (b"not audio" * 50, 415, "not a WAV/FLAC/OGG file"),  # rejected on its header
             (b"RIFF\x24\x00\x00\x00WAVE" + b"junk" * 50, None, "uploaded audio"),  # fails in the decoder
         ]:
             bad = srv.client.post("/v1/asr/transcribe", files={"file": ("a.wav", junk, "audio/wav")})

@@ -323,7 +323,8 @@ def prepare(
                 "(expected an FSDD recordings folder or a Kaldi data dir)"
             )
         speakers = sorted(by_spk)
-        test_only = bool(test_speakers) and synth is None  # named test speakers only: a test set to eval on
+        # named test speakers only (no dev, no synth): a test set to eval on
+        test_only = bool(test_speakers) and not dev_speakers and synth is None
         if not test_speakers:
             test_speakers = speakers[-1:]
         split_of = _split_speakers(speakers, test_speakers, dev_speakers, need_train=not test_only)
