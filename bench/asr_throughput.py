@@ -55,7 +55,7 @@ from mariana.apps.asr.train import (  # noqa: E402
 from mariana.platform.core import compilecache  # noqa: E402
 from mariana.platform.core.optim import build_optimizer  # noqa: E402
 from mariana.platform.core.steps import ModuleStep, autocast_for  # noqa: E402
-from mariana.platform.dp.dist import DistContext  # noqa: E402
+from mariana.platform.runtime.dist import DistContext  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

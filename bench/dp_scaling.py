@@ -68,7 +68,7 @@ def worker_main(args) -> None:
     """Inside torchrun: Mariana's data-parallel framework around the same MLP."""
     torch.set_num_threads(1)
     from mariana.platform.dp.ddp import apply_data_parallel
-    from mariana.platform.dp.dist import init_distributed, teardown
+    from mariana.platform.runtime.dist import init_distributed, teardown
 
     ctx = init_distributed("cpu", timeout_s=600, watchdog=False)
     try:

@@ -3,7 +3,7 @@
     .venv/bin/python bench/serving_latency.py [--pctr RUN] [--duration 4] [--rates 100,250,500,750,1000,1500]
 
 Both servers run the same exported model in their own processes; the load comes from
-`mariana.serving.loadgen` in a third process (open loop at fixed rates, bounded in time):
+`bench/loadgen.py` in a third process (open loop at fixed rates, bounded in time):
 
 - single-instance requests at each rate: p50/p99 latency (from the request's due time, so a slow server
   cannot hide queueing) and error count; a rate ladder stops early once a server is clearly overloaded;
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import httpx
-from mariana.serving.loadgen import run_process
+from loadgen import run_process  # bench/ is on sys.path when a script here runs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))

@@ -305,8 +305,8 @@ def schedule_worker(out: Path) -> None:
     warm-up); rank 0 writes the per-schedule step times to ``out``."""
     import torch.distributed as dist
     from mariana.apps.vision.model import mariana_cnn_32
-    from mariana.platform.dp.dist import ParallelDims, init_distributed, teardown
     from mariana.platform.pipeline import parallelize_pipeline
+    from mariana.platform.runtime.dist import ParallelDims, init_distributed, teardown
 
     torch.set_num_threads(1)
     ctx = init_distributed("cpu", 120.0, watchdog=False)

@@ -3,7 +3,7 @@
 Modules: `app` (the FastAPI app: one router per app from its spec, the generic routes, error mapping, body
 limits), `context` (`AppContext`: what an app's routes get from the server), `batcher` (micro-batching onto
 one inference thread), `models` (loading through the apps' serving loaders, atomic hot reload,
-``--watch``), `metrics` (Prometheus text format), `loadgen` (load generator of the latency tests and
-benchmark), `cli` (the ``serve`` subcommand). No app is named here: the apps come from the registry
+``--watch``), `metrics` (Prometheus text format), `cli` (the ``serve`` subcommand); the load generator of
+the latency tests is `bench/loadgen.py`. No app is named here: the apps come from the registry
 (`mariana.platform.core.registry`).
 """

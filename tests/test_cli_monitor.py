@@ -11,7 +11,7 @@ from mariana.platform.core.evaluator import HIGHER_IS_BETTER
 
 TRAIN = [p for p, parser in leaf_parsers() if option(parser, "--monitor") and p[-1] == "train"]
 CONFIGS = {
-    ("mlp", "train"): "mariana.platform.mlpjob.configs:MlpConfig",
+    ("mlp", "train"): "mariana.apps.mlp.configs:MlpConfig",
     ("asr", "train"): "mariana.apps.asr.configs:AsrConfig",
     ("vision", "train"): "mariana.apps.vision.configs:VisionConfig",
     ("pctr", "train"): "mariana.apps.pctr.configs:PctrConfig",

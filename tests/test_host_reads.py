@@ -67,8 +67,8 @@ def test_training_steps_read_nothing_back_outside_log_eval_ckpt_steps(app, tmp_p
 def test_audit_catches_a_planted_item(tmp_path, monkeypatch):
     # The mlp job in this process, its loss function reading the loss back every step: every step that
     # is no log step is a violation, and the record names the read and where it happened.
-    from mariana.platform.mlpjob import train as mlp_train
-    from mariana.platform.mlpjob.configs import PRESETS
+    from mariana.apps.mlp import train as mlp_train
+    from mariana.apps.mlp.configs import PRESETS
 
     real = mlp_train.step_fn
 

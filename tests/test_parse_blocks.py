@@ -1,4 +1,4 @@
-"""The block reader (`mariana.platform.core.textblocks`), and the Arrow parsers beside the per-line
+"""The block reader (`mariana.platform.data.textblocks`), and the Arrow parsers beside the per-line
 ones: same tensors, same skips and messages."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import pytest
 import torch
 from mariana.apps.pctr.data import Batch, Encoder, ReadStats, Schema, infer_schema, iter_chunks
-from mariana.platform.core.libfm import _parse_arrow, parse_block, parse_lines
-from mariana.platform.core.textblocks import ordered_map, read_blocks
+from mariana.platform.data.libfm import _parse_arrow, parse_block, parse_lines
+from mariana.platform.data.textblocks import ordered_map, read_blocks
 
 
 @pytest.fixture

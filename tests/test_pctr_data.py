@@ -140,9 +140,9 @@ def test_unseen_id_at_prediction_maps_to_the_oov_row(tmp_path):
 
 
 def test_mlp_job_and_pctr_share_one_libfm_parser(tmp_path):
-    """`mlp` (platform) and pCTR read libFM through `mariana.platform.core.libfm`: the same rows, ids and
+    """`mlp` (platform) and pCTR read libFM through `mariana.platform.data.libfm`: the same rows, ids and
     malformed lines (the mlp job also skips rows without a feature and ignores blank lines)."""
-    from mariana.platform.mlpjob.data import read_libfm
+    from mariana.apps.mlp.data import read_libfm
 
     path = tmp_path / "mixed.libfm"
     path.write_text("1 5:1 70:1\n-1 5:1 71:0.5 3:1\n2 5:1\n0 5:1 abc\n0 7:x\n1\n0 1234:1\n")

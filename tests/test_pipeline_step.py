@@ -51,8 +51,8 @@ def worker(out: Path) -> None:
     import torch.distributed as dist
     from mariana.platform.core.errors import MarianaError
     from mariana.platform.core.rundir import RunDir
-    from mariana.platform.dp.dist import ParallelDims, init_distributed, teardown
     from mariana.platform.pipeline import PipelineStep, parallelize_pipeline
+    from mariana.platform.runtime.dist import ParallelDims, init_distributed, teardown
 
     torch.set_num_threads(1)
     ctx = init_distributed("cpu", 60.0, watchdog=False)

@@ -17,8 +17,8 @@ from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import export_model, load_exported
 from mariana.platform.core.optim import lr_factor
 from mariana.platform.core.rundir import check_resume_config, resume_differences
-from mariana.platform.dp.dist import ParallelDims
 from mariana.platform.dp.sampler import ShardedBatchSampler
+from mariana.platform.runtime.dist import ParallelDims
 
 
 def parse(argv, presets=None):

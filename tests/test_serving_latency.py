@@ -1,14 +1,18 @@
 """Latency regression guard for `mariana serve --pctr` (bounds ~10x the targets, so only a gross
 regression fails on a busy shared machine; the real numbers come from bench/serving_latency.py).
 
-Load comes from `mariana.serving.loadgen` in its own process (open loop, fixed rate)."""
+Load comes from `bench/loadgen.py` in its own process (open loop, fixed rate)."""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 from helpers import cli_env
-from mariana.serving.loadgen import run_process
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from loadgen import run_process  # noqa: E402  (bench/ is scripts, not a package)
 from test_serving_helpers import FRAPPE, head_lines, libfm_run, parse_prometheus, serve, strip_label
 
 P99_BOUND_MS = 100.0  # target 10 ms at 500 req/s; here 100 req/s on a shared 2-core machine

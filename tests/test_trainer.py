@@ -15,7 +15,7 @@ from mariana.platform.core.evaluator import EPOCH, Evaluator, higher_is_better
 from mariana.platform.core.loop import Trainer
 from mariana.platform.core.rundir import RunDir
 from mariana.platform.core.steps import ModuleStep
-from mariana.platform.dp.dist import DistContext
+from mariana.platform.runtime.dist import DistContext
 
 FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
 

@@ -24,7 +24,7 @@ from mariana.platform.core.rundir import start_run
 from mariana.platform.core.steps import ModuleStep, unwrap
 from mariana.platform.core.warmstart import warm_start
 from mariana.platform.dp.ddp import apply_data_parallel
-from mariana.platform.dp.dist import init_distributed, teardown
+from mariana.platform.runtime.dist import init_distributed, teardown
 
 from .batches import bucket_frames, make_loader
 from .cmvn import FilePrior

@@ -57,7 +57,7 @@ def _train(args, argv) -> int:
     from pathlib import Path
 
     from mariana.platform.core.config import resolve_config
-    from mariana.platform.dp.launch import in_worker
+    from mariana.platform.runtime.launch import in_worker
 
     from .configs import PRESETS, PctrConfig
     from .sources import absolute_list, resolve_sources
@@ -234,7 +234,7 @@ def _stream(args, argv) -> int:
 
     cfg = resolve_config(StreamConfig, args, STREAM_PRESETS)
     if cfg.servers > 0:
-        from mariana.platform.dp.launch import in_worker
+        from mariana.platform.runtime.launch import in_worker
 
         if in_worker():  # one process of a parameter-server stream (stream_ps.py)
             from .stream_ps import run_ps_stream_process

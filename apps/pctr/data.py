@@ -7,7 +7,7 @@ Formats
   Fields: 13 bucketised integers + 26 categoricals = 39.
 - ``libfm``: ``label id:value id:value ...`` (label 1 = click, 0 or -1 = no click). The k-th pair is
   field k (Frappe: 10 one-hot fields); missing trailing fields get the missing row with value 0. Parsed by
-  the platform's libFM parser (`mariana.platform.core.libfm`), shared with the platform's click MLP.
+  the platform's libFM parser (`mariana.platform.data.libfm`), shared with the platform's click MLP.
 
 Hashing: field f owns rows ``[f * R, (f + 1) * R)`` of one table (``R = rows_per_field``). Row ``f * R``
 is the field's missing / out-of-vocabulary row; a value maps to ``f * R + 1 + h(value) % (R - 1)``.
@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from mariana.platform.core.errors import DataError
-from mariana.platform.core.libfm import (
+from mariana.platform.data.libfm import (
     LibfmRows,
     assign_fields,
     block_lines,
@@ -39,7 +39,7 @@ from mariana.platform.core.libfm import (
     parse_lines,
     probe_fields,
 )
-from mariana.platform.core.textblocks import lines_array, ordered_map, read_blocks
+from mariana.platform.data.textblocks import lines_array, ordered_map, read_blocks
 
 from .configs import parse_split  # noqa: F401  (defined beside the flags: checked before torch loads)
 from .sources import count_file_lines, resolve_sources
@@ -185,7 +185,7 @@ class Encoder:
         return out
 
     def encode_block(self, block: bytes, has_label: bool = True) -> tuple[Batch, list[int], dict[int, str]]:
-        """`encode` of a block of whole lines (`mariana.platform.core.textblocks`): Arrow's kernels when
+        """`encode` of a block of whole lines (`mariana.platform.data.textblocks`): Arrow's kernels when
         every line is ASCII and its numbers plain, else the per-line parser; the results are the same."""
         out = self._encode_block(block, has_label)
         if self.image is not None:
@@ -322,7 +322,7 @@ class Encoder:
         return Batch(ids, torch.ones(n, ids.shape[1]), torch.from_numpy(dense), torch.from_numpy(labels))
 
     def _libfm(self, p: LibfmRows) -> tuple[Batch, list[int], dict[int, str]]:
-        """Rows of the platform's one libFM parser (`mariana.platform.core.libfm`) -> `Batch`."""
+        """Rows of the platform's one libFM parser (`mariana.platform.data.libfm`) -> `Batch`."""
         if self.schema.field_starts:
             p = assign_fields(p, self.schema.field_starts, self.schema.exact_fields)
         n = len(p)

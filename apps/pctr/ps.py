@@ -125,9 +125,9 @@ def _serve(cfg, role, run, rpc_session) -> int:
 
 
 def _work(cfg, role, run, rpc_session) -> int:
-    from mariana.platform.dp.dist import DistContext
     from mariana.platform.ps.dense import unflatten_into
     from mariana.platform.ps.worker import PSClient
+    from mariana.platform.runtime.dist import DistContext
 
     st = Setup(cfg)
     a, b = st.bounds["train"]

@@ -267,8 +267,8 @@ class Streamer:
     def __init__(self, cfg: StreamConfig, stop: threading.Event | None = None):
         import torch
         from mariana.platform.core.rundir import RunDir, setup_logging
-        from mariana.platform.dp.dist import DistContext, resolve_device
         from mariana.platform.ps.memory import keep_freed_memory
+        from mariana.platform.runtime.dist import DistContext, resolve_device
 
         from .step import LocalStep
 

@@ -385,9 +385,9 @@ def _serve(cfg, role, run, setup, rpc_session) -> int:
 
 def _work(cfg, role, run, setup, rpc_session) -> int:
     import torch
-    from mariana.platform.dp.dist import DistContext
     from mariana.platform.ps.server import server_name
     from mariana.platform.ps.worker import PSClient
+    from mariana.platform.runtime.dist import DistContext
     from torch.distributed import rpc
 
     from .step import PSWorkerStep

@@ -366,7 +366,7 @@ def train_local(cfg: PctrConfig, setup: Setup | None = None) -> dict:
 
     Checkpoints (every ``--ckpt-every`` steps and at the end) hold everything the next step depends on,
     so ``--resume`` continues exactly as if the run had not stopped."""
-    from mariana.platform.dp.dist import DistContext, resolve_device
+    from mariana.platform.runtime.dist import DistContext, resolve_device
 
     st = setup or Setup(cfg)
     st.check_batch_size()

@@ -57,7 +57,7 @@ def _classify(args, argv):
     if args.k is not None and args.k < 1:
         raise MarianaError(f"-k must be >= 1 label, got {args.k}")
     check_data_path(args.model, "--model")
-    from mariana.platform.dp.dist import resolve_device
+    from mariana.platform.runtime.dist import resolve_device
 
     from .predict import load_classifier
 

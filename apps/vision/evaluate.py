@@ -11,7 +11,7 @@ from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.metrics import topk_correct
 from mariana.platform.core.rundir import eval_result_path
-from mariana.platform.dp.dist import resolve_device
+from mariana.platform.runtime.dist import resolve_device
 
 from .data import StreamingImages, collate_stream, open_source
 from .predict import load_classifier

@@ -210,7 +210,7 @@ def evaluate_cached(
 
 # ------------------------------------------------------------------------------------------------ train
 def train(cfg: VisionConfig) -> dict[str, Any]:
-    from mariana.platform.dp.dist import init_distributed, teardown
+    from mariana.platform.runtime.dist import init_distributed, teardown
 
     ctx = init_distributed(cfg.device, cfg.timeout)
     try:
@@ -391,9 +391,9 @@ def _train_pipeline(cfg, ctx, run, model, loss_fn, data, eval_data, export):
     from mariana.platform.core.loop import Trainer
     from mariana.platform.core.steps import autocast_for
     from mariana.platform.core.warmstart import warm_start
-    from mariana.platform.dp.dist import ParallelDims
     from mariana.platform.pipeline import parallelize_pipeline
     from mariana.platform.pipeline.step import PipelineStep
+    from mariana.platform.runtime.dist import ParallelDims
 
     k = cfg.model_parallel
     if not ctx.distributed:

@@ -143,7 +143,7 @@ def run_training(
     """The thin train entry point: resolve config, check its data paths, launch workers if needed, train,
     print the headline. ``cfg.data`` must exist; each field named in ``optional_paths`` (e.g. ``eval_data``)
     must exist when set. Checked before any worker starts, so a typo fails in one clear line."""
-    from ..dp.launch import in_worker, launch_if_needed
+    from ..runtime.launch import in_worker, launch_if_needed
 
     cfg = resolve_config(cfg_cls, args, presets)
     check_data_path(cfg.data)

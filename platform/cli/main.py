@@ -91,8 +91,8 @@ def check_command(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit code. In a worker started by our launcher, output goes to the
-    rank's log file and a failure is recorded for the launcher's one-line summary (`dp.workerio`)."""
-    from ..dp.workerio import WorkerIO
+    rank's log file and a failure is recorded for the launcher's one-line summary (`runtime.workerio`)."""
+    from ..runtime.workerio import WorkerIO
 
     argv = list(sys.argv[1:] if argv is None else argv)
     worker = WorkerIO.install()

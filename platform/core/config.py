@@ -175,7 +175,7 @@ class TrainConfig:
         if self.optimizer != "sgd" and self.momentum != 0.9:
             raise MarianaError(f"--momentum applies to --optimizer sgd only (this job uses {self.optimizer})")
         if self.rdzv_endpoint:
-            from ..dp.endpoint import check_endpoint
+            from ..runtime.endpoint import check_endpoint
 
             check_endpoint(self.rdzv_endpoint)
         if self.nnodes > 1 and not self.rdzv_endpoint:

@@ -1,6 +1,6 @@
 """The application registry: every application declares itself once, in an `AppSpec`.
 
-An app (``apps/<app>/spec.py``, the smoke-test job in ``platform/mlpjob/spec.py``) exposes ``SPEC =
+An app (``apps/<app>/spec.py``, the smoke-test job in ``apps/mlp/spec.py``) exposes ``SPEC =
 AppSpec(...)`` and names it in ``pyproject.toml`` under the ``mariana.apps`` entry-point group::
 
     [project.entry-points."mariana.apps"]

@@ -1,1 +1,2 @@
-"""Data-parallel framework: process groups, DDP with gradient compression, sharded sampling, torchrun launch, watchdog."""
+"""Data-parallel framework: DDP with gradient compression (`ddp`) and sharded sampling (`sampler`); the
+process groups, torchrun launch and watchdog it runs on are the shared `mariana.platform.runtime`."""

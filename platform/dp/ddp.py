@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..core.errors import MarianaError
 from ..core.loop import unwrap  # noqa: F401  (re-exported: the plain module inside DDP/compile)
-from .dist import DistContext
+from ..runtime.dist import DistContext
 
 _HOOKS = {
     "fp32": default_hooks.allreduce_hook,

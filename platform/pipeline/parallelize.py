@@ -1,6 +1,6 @@
 """`parallelize_pipeline`: model parallel (pipeline stages) x data parallel over a 2-D DeviceMesh.
 
-Mesh ``(dp=G, mp=K)`` named ``("dp", "mp")`` (`mariana.platform.dp.dist.ParallelDims.build_mesh`): global
+Mesh ``(dp=G, mp=K)`` named ``("dp", "mp")`` (`mariana.platform.runtime.dist.ParallelDims.build_mesh`): global
 rank ``r = g*K + s`` holds stage ``s`` of group ``g``. Activations and their gradients cross stage
 boundaries along ``mp`` (point-to-point: torch.distributed.pipelining's GPipe or 1F1B schedule,
 `schedule.TorchSchedule`, or the hand-written `schedule.GPipeSchedule`); after the backward pass each rank

@@ -1,5 +1,5 @@
 """The master of a parameter-server job: starts the S servers + W workers through the platform's one
-launcher (`mariana.platform.dp.launch.launch`, torchrun's agent), supervises them, and collects the
+launcher (`mariana.platform.runtime.launch.launch`, torchrun's agent), supervises them, and collects the
 processes' counters.
 
 - Failure of any process (a worker or a server, e.g. SIGKILL) makes torchrun stop the group and start it
@@ -71,7 +71,7 @@ def run_job(
     rank whose progress bar and console log lines reach the terminal (e.g. the first worker, rank S); the
     others write only to their logs. ``num_servers``: S, to name failed processes by role."""
     from ..core.atomic import atomic_write_text
-    from ..dp.launch import launch
+    from ..runtime.launch import launch
 
     t0 = time.time()
     what = f"{nprocs} process(es) x {nnodes} node(s)"

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..core.config import TrainConfig, opt
-from ..core.errors import MarianaError
+from mariana.platform.core.config import TrainConfig, opt
+from mariana.platform.core.errors import MarianaError
 
 
 @dataclass

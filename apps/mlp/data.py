@@ -1,6 +1,6 @@
 """libFM data of the smoke-test job: ``label id:value id:value ...`` (label 1, 0 or -1).
 
-Read with the platform's one libFM parser (`mariana.platform.core.libfm`, shared with pCTR); rows become
+Read with the platform's one libFM parser (`mariana.platform.data.libfm`, shared with pCTR); rows become
 (label in {0,1}, padded id matrix; the values are not used: every feature is one-hot). Malformed lines and
 lines without a feature are skipped and counted with their line numbers (blank lines are ignored); a file
 with no valid row is an error naming the file.
@@ -13,9 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from ..core.errors import DataError
-from ..core.libfm import parse_lines
+from mariana.platform.core.errors import DataError
+from mariana.platform.data.libfm import parse_lines
 
 log = logging.getLogger("mariana")
 

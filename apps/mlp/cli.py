@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..core.errors import MarianaError
+from mariana.platform.core.errors import MarianaError
 
 
 def _train(args, argv):
-    from ..cli.common import run_training
+    from mariana.platform.cli.common import run_training
+
     from .configs import PRESETS, MlpConfig
 
     def train(cfg):
@@ -30,7 +31,7 @@ def _train(args, argv):
 
 
 def _eval(args, argv):
-    from ..cli.common import check_data_path
+    from mariana.platform.cli.common import check_data_path
 
     check_data_path(args.data)
     check_data_path(args.model, "--model")
@@ -68,7 +69,8 @@ def _check_model_json(model: Path) -> None:
 
 
 def register(sub) -> None:
-    from ..cli.common import add_train_parser
+    from mariana.platform.cli.common import add_train_parser
+
     from .configs import PRESETS, MlpConfig
 
     grp = sub.add_parser("mlp", help="smoke-test job: a small click MLP on libFM data (data-parallel demo)")

@@ -1,6 +1,6 @@
 """The platform's one libSVM/libFM parser: ``label id:value id:value ...`` per line.
 
-Used by the platform's click MLP (`mariana.platform.mlpjob.data.read_libfm`) and by pCTR's streaming
+Used by the platform's click MLP (`mariana.apps.mlp.data.read_libfm`) and by pCTR's streaming
 encoder (`mariana.apps.pctr.data.Encoder`). `parse_lines` turns a chunk of lines into arrays, vectorised
 with numpy when every line of the chunk is valid (one C-level conversion per chunk) and line by line
 otherwise, so that every malformed line is reported with its reason:
@@ -153,7 +153,7 @@ def _parse_checked(lines: list[str], F: int | None, has_label: bool) -> LibfmRow
 
 
 def block_lines(block: bytes) -> list[str]:
-    """A block of whole lines (`mariana.platform.core.textblocks`) as text lines, for the per-line
+    """A block of whole lines (`mariana.platform.data.textblocks`) as text lines, for the per-line
     parsers; bytes that are not UTF-8 become U+FFFD, as when the file is read as text."""
     return block.decode("utf-8", errors="replace").split("\n")[
         : block.count(b"\n") + (not block.endswith(b"\n"))

@@ -5,16 +5,16 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from mariana.platform.core.evaluator import evaluator_from
+from mariana.platform.core.export import export_model
+from mariana.platform.core.loop import Trainer
+from mariana.platform.core.rundir import start_run
+from mariana.platform.core.steps import ModuleStep, unwrap
+from mariana.platform.core.warmstart import warm_start
+from mariana.platform.dp.ddp import apply_data_parallel
+from mariana.platform.dp.sampler import IndexBatchLoader, ShardedBatchSampler
+from mariana.platform.runtime.dist import init_distributed, teardown
 
-from ..core.evaluator import evaluator_from
-from ..core.export import export_model
-from ..core.loop import Trainer
-from ..core.rundir import start_run
-from ..core.steps import ModuleStep, unwrap
-from ..core.warmstart import warm_start
-from ..dp.ddp import apply_data_parallel
-from ..dp.dist import init_distributed, teardown
-from ..dp.sampler import IndexBatchLoader, ShardedBatchSampler
 from .configs import MlpConfig
 from .data import read_libfm, split
 from .evaluate import metrics

@@ -6,13 +6,13 @@ import os
 
 import numpy as np
 import torch
+from mariana.platform.core import jsonfile
+from mariana.platform.core.atomic import atomic_write_text
+from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.export import load_exported
+from mariana.platform.core.metrics import auc_logloss
+from mariana.platform.core.rundir import eval_result_path
 
-from ..core import jsonfile
-from ..core.atomic import atomic_write_text
-from ..core.errors import MarianaError
-from ..core.export import load_exported
-from ..core.metrics import auc_logloss
-from ..core.rundir import eval_result_path
 from .data import ClickRows, read_libfm, split_bounds
 from .model import ClickMLP
 

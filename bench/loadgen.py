@@ -1,7 +1,7 @@
 """A small open-loop HTTP load generator (raw asyncio sockets, HTTP/1.1 keep-alive), for the serving
 benchmark and the latency regression test. Run it in its own process so it does not share the server's GIL.
 
-``python -m mariana.serving.loadgen --url http://127.0.0.1:8000/v1/pctr/predict --body-file B.json
+``python -m bench.loadgen --url http://127.0.0.1:8000/v1/pctr/predict --body-file B.json
 --rate 500 --duration 5`` prints one JSON line: sent, ok, errors by status, p50/p90/p99/max latency (ms).
 
 Open loop: request i is due at ``start + i / rate`` whatever happened to earlier ones (new connections are
@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 import time
 from collections import deque
+from pathlib import Path
 from urllib.parse import urlsplit
 
 
@@ -211,12 +213,9 @@ def run_process(url: str, body_file, *args: str, env: dict | None = None, timeou
     cores' event loop) against ``url`` with the request body in ``body_file``; extra ``args`` are its
     flags (``--rate``, ``--concurrency``, ``--duration``). Returns its JSON summary; raises RuntimeError
     with its stderr when it fails."""
-    import subprocess
-
     cmd = [
         sys.executable,
-        "-m",
-        "mariana.serving.loadgen",
+        str(Path(__file__).resolve()),
         "--url",
         url,
         "--body-file",

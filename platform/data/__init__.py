@@ -1,0 +1,1 @@
+"""Data readers the apps share (libFM text, line blocks)."""
