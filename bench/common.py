@@ -6,6 +6,9 @@ import datetime
 import json
 import os
 import platform as _platform  # noqa: I001  (the standard library module, not mariana.platform)
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -33,11 +36,32 @@ def machine() -> dict:
     return info
 
 
+def commit() -> str | None:
+    """The checkout's short commit (``+dirty`` when tracked files differ from it), or ``MARIANA_COMMIT``
+    where the tree is a copy without ``.git`` (the GPU machine); None when neither is known."""
+    root = RESULTS.parents[1]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        )
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                   capture_output=True, text=True).stdout.strip()  # fmt: skip
+            return head.stdout.strip() + ("+dirty" if dirty else "")
+    except OSError:  # no git on this machine
+        pass
+    return os.environ.get("MARIANA_COMMIT") or None
+
+
 def write_result(name: str, payload: dict) -> Path:
+    """Write ``bench/results/NAME-{cpu,gpu}.json``: the machine record, the commit and the command line
+    (for the README's tables, `bench/report.py`), then ``payload``."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     tag = "gpu" if torch.cuda.is_available() else "cpu"
     path = RESULTS / f"{name}-{tag}.json"
-    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
+    record = {"machine": machine(), "commit": commit(), "command": shlex.join(["python", *sys.argv])}
+    record.update(payload)  # a bench that records its own command or commit keeps it
+    path.write_text(json.dumps(record, indent=2) + "\n")
     return path
 
 
