@@ -6,11 +6,29 @@ import datetime
 import json
 import os
 import platform as _platform  # noqa: I001  (the standard library module, not mariana.platform)
+import subprocess
 from pathlib import Path
 
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def commit() -> str:
+    """The code's commit: ``$MARIANA_COMMIT`` (a copy of the tree without .git, e.g. on a GPU machine), else
+    git's short HEAD (with ``+dirty`` when tracked files differ), else "unknown"."""
+    if os.environ.get("MARIANA_COMMIT"):
+        return os.environ["MARIANA_COMMIT"]
+    root = Path(__file__).resolve().parents[1]
+    try:
+        git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10)  # noqa: E731
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode:
+            return "unknown"
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
 
 
 def machine() -> dict:
@@ -21,6 +39,7 @@ def machine() -> dict:
         "python": _platform.python_version(),
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": commit(),
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
