@@ -37,9 +37,6 @@ CASES = {
     ),
 }
 MARKS = {
-    # torch.distributed.pipelining's stage infers its shapes in the first step (objects sent between the
-    # stages and read on the host), once per run: static shapes given to the stage would remove it
-    "vision-pipeline": [pytest.mark.xfail(reason="pipeline stage shape inference in step 1", strict=False)],
     "pctr": [pytest.mark.xfail(reason="pCTR step made sync-free in issue 32", strict=False)],
 }
 
