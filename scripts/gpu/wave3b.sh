@@ -36,10 +36,10 @@ step asr_small 100 $PY "${A[@]}" --steps "$STEPS" --name /tmp/asr_small --json "
 step asr_mariana 100 $PY "${A[@]}" --preset mariana --steps "$MSTEPS" --frames-per-step "$FRAMES" \
   --name /tmp/asr_mariana --json "$OUT/asr_mariana.json"
 VB=(); [ "$VBATCH" != 0 ] && VB=(--batch "$VBATCH")
-step vision_steady 80 $PY bench/vision_throughput.py --device "$DEV" --models none --steady "$VPRESET" \
+step vision_steady 120 $PY bench/vision_throughput.py --device "$DEV" --models none --steady "$VPRESET" \
   --steps "$VSTEPS" --steady-limit "$VLIMIT" "${VB[@]}" --out "$OUT/vision_steady.json"
 if [ "$DEV" = cuda ]; then
-  step pytest_gpu 90 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_host_reads.py
+  step pytest_gpu 120 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_host_reads.py
 fi
 left=$(( ${BUDGET:-370} - ($(date +%s) - T0) ))
 if [ "$left" -gt 45 ]; then
