@@ -398,6 +398,7 @@ def main() -> None:
         r |= {"frames/step": round(mid["frames"] / steps), "params M": f"{ours.params / 1e6:.1f}"}
     print(table(rows, ["loop", "frames/s", "frames/step", "params M"]))
     result = {
+        "command": "bench/asr_throughput.py " + " ".join(sys.argv[1:]),
         "preset": args.preset,
         "device": str(device),
         "bf16": device.type == "cuda" and cfg.amp in ("auto", "bf16"),

@@ -2,14 +2,18 @@
 # Issue 33's closing GPU checks in one device call (about 6 minutes on one H200), from the repository root
 # of a copy carrying .gpu/ (bash ../shared/gpu/pack.sh):
 #   MARIANA_COMMIT=<hash> bash scripts/gpu/wave3b.sh        (it sources .gpu/setup.sh itself)
-# Each step has its own time cap; results (JSON + logs) land in $OUT, the step log in $OUT/wave3b.log:
+# The device tool copies the session's own checkout, not a helper's worktree: issue 33's run put
+# `git archive --format=tar.gz -o CHECKOUT/.gpu/w4gpu/src.tar.gz COMMIT` (and pytest's wheels) into the
+# checkout's ignored .gpu/, unpacked it on the machine into /tmp/w4/repo with .gpu/ beside the code, and ran
+# this script there. Each step has its own time cap; results land in $OUT (the JSONs below, every step's output in steps.out, the
+# step log in wave3b.log):
 #   asr_small.json          the default recipe's network (`small`), ours as training runs it on a GPU
 #                           (compiled by default) vs the plain eager loop, and our path uncompiled as a
 #                           third side of the same interleaved rounds (target >= 0.9x); + the sync check
 #   asr_mariana.json        the 50.7M `mariana` DNN, bf16, ~8,192 frames/step, same three sides (>= 0.9x)
 #   vision_steady.json      the gpu94 preset's path (CachedLoader + ModuleStep, compiled) vs the plain loop,
 #                           same batch/precision/optimizer, steady-state images/s, interleaved rounds
-#   pytest_gpu.out          the gpu-marked tests (torch.cuda.set_sync_debug_mode("error") on the ASR step)
+#   (steps.out: pytest_gpu) the gpu-marked tests (torch.cuda.set_sync_debug_mode("error") on the ASR step)
 #   asr_small_both_compiled.json   like for like with the plain loop compiled too (last: if time is left)
 # CPU trial with tiny sizes: DEV=cpu STEPS=2 ROUNDS=2 MSTEPS=1 FRAMES=512 VSTEPS=1 VLIMIT=64 VBATCH=16 \
 #   VPRESET=small OUT=/tmp/w3b bash scripts/gpu/wave3b.sh
@@ -22,8 +26,10 @@ PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 MARIANA_COMMIT=${MARIANA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 if [ -f .gpu/setup.sh ] && ! $PY -c "import soundfile, mariana" 2>/dev/null; then source .gpu/setup.sh; fi
 say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$L"; }
-step() { local n=$1 t=$2; shift 2; say ">>> $n (cap ${t}s): $*"; timeout -k 5 "$t" "$@" > "$OUT/$n.out" 2>&1
-  local rc=$?; say "<<< $n rc=$rc"; grep -v "^W1\|^I1\|Warning" "$OUT/$n.out" | tail -n 8 | tee -a "$L"; return $rc; }
+# every step's output goes to one file, $OUT/steps.out: the device tool brings back only a few files
+step() { local n=$1 t=$2; shift 2; say ">>> $n (cap ${t}s): $*"; timeout -k 5 "$t" "$@" > /tmp/w3b-step.out 2>&1
+  local rc=$?; say "<<< $n rc=$rc"; { echo "=== $n"; cat /tmp/w3b-step.out; } >> "$OUT/steps.out"
+  grep -v "^W1\|^I1\|Warning" /tmp/w3b-step.out | tail -n 8 | tee -a "$L"; return $rc; }
 say "commit $MARIANA_COMMIT, $($PY -c 'import torch; print(torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")')"
 D=${SPEED_DATA:-/tmp/speed-asr-data}
 [ -f "$D/train/wav.scp" ] || step prepare 60 $PY -m mariana.platform.cli asr prepare \
