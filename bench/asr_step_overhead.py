@@ -63,7 +63,7 @@ def main() -> None:
     p.add_argument("--name", default="asr_step_overhead", help="result file name under bench/results")
     a = p.parse_args()
     a.batch_size = a.frames_per_step = a.num_workers = 0
-    a.cache_gb, a.compile = 4.0, False
+    a.cache_gb, a.compile, a.plain_compile = 4.0, "off", False
     device = torch.device(a.device)
     with tempfile.TemporaryDirectory() as tmp:
         cache = cached_features(prepared(a, tmp) / "train", feature_settings(PRESETS[a.preset]), 2)

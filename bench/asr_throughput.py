@@ -1,14 +1,17 @@
 """ASR training throughput: the platform's path as `mariana asr train` runs it vs a plain PyTorch loop, same
 run, interleaved rounds.
 
-Ours: the feature cache in the tier training picks (`apps/asr/batches.make_loader`: on the device when it
+Ours: the model compiled where training compiles it (`train.compiles`: on a GPU unless ``--compile off``),
+the feature cache in the tier training picks (`apps/asr/batches.make_loader`: on the device when it
 fits, batches gathered there; else RAM; else disk through one persistent DataLoader with training's
 ``--num-workers``), built once for the whole bench -> `ModuleStep` (autocast bf16 on a GPU, gradient
 clipping, fused AdamW, LR schedule) over the step function training uses (splice on the device, CTC with
 host-side lengths), the loss summed on the device and read once per round, as the Trainer does between log
 steps. Augmentation is off on both sides (the plain loop has none).
 Plain: the same network (a fresh one of the same preset) fed the same batches already spliced and on the
-device -> the same CTC loss -> the same clipping -> fused AdamW. It does strictly less work.
+device -> the same CTC loss -> the same clipping -> fused AdamW, eager as a plain loop is written
+(``--plain-compile``: compiled too). It does strictly less work. ``--also-eager``: our path uncompiled as a
+third side of the same rounds.
 
 Each round times ``--steps`` steps of ours and of plain over the same batches (which goes first alternates); the ratio is the median of
 the per-round ratios (ours frames/s / plain frames/s), so machine load hits both sides alike.
@@ -48,6 +51,7 @@ from mariana.apps.asr.train import (  # noqa: E402
     BucketBatchSampler,
     UtteranceSet,
     compile_model,
+    compiles,
     feature_settings,
     flush_denormals_on_cpu,
     make_step_fn,
@@ -85,6 +89,7 @@ class Ours:
         sampler = BucketBatchSampler(dataset.lengths, cfg.batch_size, seed=cfg.seed)
         self.loader, self.tier = make_loader(cfg, dataset, sampler, device)
         model = compile_model(build_model(dataclasses.asdict(cfg), n_units).to(device), cfg)
+        self.compiled = compiles(cfg, device)  # training's rule: --compile/--no-compile, else on a GPU
         self.step = ModuleStep(cfg, model, make_step_fn(cfg), DistContext(device=device))
         self.step.setup(10**6)
         self.params = sum(p.numel() for p in model.parameters())
@@ -93,24 +98,27 @@ class Ours:
         """-> (seconds, valid frames, kept batches) of ``steps`` steps; the loss is read once at the end."""
         sync(self.device)
         t0 = time.perf_counter()
-        loss_sum, frames, kept = torch.zeros((), device=self.device), 0, []
+        loss_sum, lengths, kept = torch.zeros((), device=self.device), [], []
         for batch in batches_from(self.loader, steps):
             loss, _ = self.step.train_step([batch])
             loss_sum += loss
-            frames += int(batch["sizes"].lengths.sum())
+            lengths.append(batch["sizes"].lengths)  # host tensors, summed once the clock has stopped
             if keep:
                 kept.append(batch)
         float(loss_sum)  # the log step's read (syncs the device)
-        return time.perf_counter() - t0, frames, kept
+        seconds = time.perf_counter() - t0
+        return seconds, sum(int(n.sum()) for n in lengths), kept
 
 
 class Plain:
     """The plain loop: same network, inputs spliced already and on the device, CTC, clipping, fused AdamW."""
 
-    def __init__(self, cfg, batches, device, n_units):
+    def __init__(self, cfg, batches, device, n_units, compiled: bool = False):
         self.cfg, self.device = cfg, device
         self.model = build_model(dataclasses.asdict(cfg), n_units).to(device)
-        self.fwd = compile_model(torch.nn.Sequential(self.model.body, self.model.out), cfg)
+        self.fwd = torch.nn.Sequential(self.model.body, self.model.out)
+        if compiled:  # --plain-compile: the like-for-like compiled row (a plain loop is eager by default)
+            self.fwd = torch.compile(self.fwd, backend=cfg.compile_backend)
         self.opt = build_optimizer(cfg, self.model.parameters())  # fused AdamW, as the platform's
         self.batches = [
             (
@@ -141,6 +149,30 @@ class Plain:
             loss_sum += loss.detach()
         float(loss_sum)
         return time.perf_counter() - t0, self.frames
+
+
+def timed_rounds(ours: Ours, plain: Plain, eager: Ours | None, steps: int, n: int) -> list[dict]:
+    """``n`` interleaved rounds (the order of the sides reverses every other round, so none always follows
+    another) -> per round: seconds of each side over the same ``steps`` batches, frames, plain_s / ours_s
+    (``ratio``) and, with ``eager`` (our path uncompiled), plain_s / eager_s (``eager_ratio``)."""
+    sides = {"ours": lambda: ours.run(steps)[:2], "plain": plain.run}
+    if eager is not None:
+        sides["eager"] = lambda: eager.run(steps)[:2]
+    rounds = []
+    for r in range(n):
+        t, frames = {}, set()
+        for name in list(sides)[:: -1 if r % 2 else 1]:
+            t[f"{name}_s"], f = sides[name]()
+            frames.add(f)
+        assert len(frames) == 1, frames  # every side trained on the same frames
+        t |= {"ratio": t["plain_s"] / t["ours_s"], "frames": frames.pop()}
+        if eager is not None:
+            t["eager_ratio"] = t["plain_s"] / t["eager_s"]
+        rounds.append(t)
+        print(
+            f"round {r + 1}: " + " ".join(f"{k} {v:.3f}" for k, v in t.items() if k != "frames"), flush=True
+        )
+    return rounds
 
 
 def count_ops(run, steps: int) -> dict:
@@ -203,12 +235,13 @@ _TORCH_CTC = torch.nn.functional.ctc_loss
 
 
 def sync_check(ours: Ours, steps: int = 3) -> str:
-    """Run ``steps`` of ours under ``torch.cuda.set_sync_debug_mode("error")`` (torch's own CTC kernels
+    """Run ``steps`` of ours (after a pass over the same batches) under ``torch.cuda.set_sync_debug_mode("error")`` (torch's own CTC kernels
     exempted, `_TorchCtcUnchecked`): "passed", or the error (the op that synchronised and where)."""
     import traceback
 
     batches = list(batches_from(ours.loader, steps + 1))
-    ours.step.train_step([batches[0]])  # lazy state first
+    for b in batches:  # lazy state and, when compiled, every graph first (compiling is not the step)
+        ours.step.train_step([b])
     torch.cuda.synchronize()
 
     def ctc(logp, targets, lengths, target_lengths, **kw):
@@ -239,7 +272,8 @@ def prepared(args, tmp: str) -> Path:
 def bench_config(args, device, lengths):
     cfg = PRESETS[args.preset]
     # no augmentation on either side; training's loader settings (tier rule, workers) otherwise
-    over = dict(spec_augment=False, time_stretch=[1.0, 1.0], compile=args.compile, device=device.type)
+    compile_ = {"auto": None, "on": True, "off": False}[args.compile]
+    over = dict(spec_augment=False, time_stretch=[1.0, 1.0], compile=compile_, device=device.type)
     over |= dict(num_workers=args.num_workers, cache_gb=args.cache_gb)
     if args.batch_size:
         over["batch_size"] = args.batch_size
@@ -256,7 +290,7 @@ def start_probe(args) -> None:
         cache = cached_features(prepared(args, tmp) / "train", feature_settings(PRESETS[args.preset]), 2)
         vocab = [BLANK] + sorted({w for u in cache.utts for w in u["words"]})
         ds = UtteranceSet(cache, vocab)
-        args.compile = True
+        args.compile = "on"
         cfg = bench_config(args, device, ds.lengths)
         path = compilecache.cache_path(f"asr-bench|{args.preset}|{cfg.batch_size}", device)
         loaded = compilecache.load(path)
@@ -310,7 +344,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (ratio: median over rounds)")
     p.add_argument("--num-workers", type=int, default=0, help="loader workers (training's default: 0)")
     p.add_argument("--cache-gb", type=float, default=4.0, help="training's --cache-gb (tier rule)")
-    p.add_argument("--compile", action="store_true", help="torch.compile both models")
+    p.add_argument(
+        "--compile",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="torch.compile our model (auto: as training does, on a GPU only)",
+    )
+    p.add_argument("--plain-compile", action="store_true", help="torch.compile the plain loop's model too")
+    p.add_argument("--also-eager", action="store_true", help="when ours compiles, also time it uncompiled")
     p.add_argument("--compile-start", action="store_true", help="also time two fresh compiled starts")
     p.add_argument("--start-probe", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--name", default="asr_throughput", help="result file name under bench/results")
@@ -332,19 +373,13 @@ def main() -> None:
         t0 = time.perf_counter()
         _, _, kept = ours.run(steps, keep=True)  # warm-up: compiles, allocates, keeps the batches
         warm_s = time.perf_counter() - t0
-        plain = Plain(cfg, kept, device, len(vocab))
+        plain = Plain(cfg, kept, device, len(vocab), args.plain_compile)
         plain.run()  # its warm-up
-        rounds = []
-        for r in range(args.rounds):
-            if r % 2:  # alternate which side goes first, so neither always follows the other
-                p_s, p_frames = plain.run()
-                o_s, frames, _ = ours.run(steps)
-            else:
-                o_s, frames, _ = ours.run(steps)
-                p_s, p_frames = plain.run()
-            assert frames == p_frames
-            rounds.append({"ours_s": o_s, "plain_s": p_s, "ratio": p_s / o_s, "frames": frames})
-            print(f"round {r + 1}: ours {o_s:.3f}s plain {p_s:.3f}s ratio {p_s / o_s:.3f}", flush=True)
+        eager = None
+        if args.also_eager and ours.compiled:  # the same path with --no-compile, in the same rounds
+            eager = Ours(dataclasses.replace(cfg, compile=False), ds, device, len(vocab))
+            eager.run(steps)
+        rounds = timed_rounds(ours, plain, eager, steps, args.rounds)
         ops = ops_per_step(ours, plain, steps)
         print(f"aten ops per step: {ops}", flush=True)
         synced = sync_check(ours) if device.type == "cuda" else "not run (CPU)"
@@ -356,14 +391,19 @@ def main() -> None:
         {"loop": f"ours ({ours.tier} tier)", "frames/s": f"{mid['frames'] / mid['ours_s']:.0f}"},
         {"loop": "plain, fused AdamW", "frames/s": f"{mid['frames'] / mid['plain_s']:.0f}"},
     ]
+    if "eager_s" in mid:
+        rows.append({"loop": "ours, --no-compile", "frames/s": f"{mid['frames'] / mid['eager_s']:.0f}"})
+    rows[0]["loop"] += ", compiled" if ours.compiled else ""
     for r in rows:
         r |= {"frames/step": round(mid["frames"] / steps), "params M": f"{ours.params / 1e6:.1f}"}
     print(table(rows, ["loop", "frames/s", "frames/step", "params M"]))
     result = {
+        "command": "bench/asr_throughput.py " + " ".join(sys.argv[1:]),
         "preset": args.preset,
         "device": str(device),
         "bf16": device.type == "cuda" and cfg.amp in ("auto", "bf16"),
-        "compile": args.compile,
+        "compile": ours.compiled,
+        "plain_compile": args.plain_compile,
         "tier": ours.tier,
         "num_workers": cfg.num_workers,
         "batch_utterances": cfg.batch_size,
@@ -376,6 +416,7 @@ def main() -> None:
         "ours_frames_per_s": mid["frames"] / mid["ours_s"],
         "plain_frames_per_s": mid["frames"] / mid["plain_s"],
         "ratio_vs_plain_fused": ratio,
+        "eager_ratio_vs_plain_fused": statistics.median(r["eager_ratio"] for r in rounds) if eager else None,
         "compile_start_s": starts,
         "ops_per_step": ops,
         "sync_debug_error_mode": synced,

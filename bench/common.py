@@ -16,6 +16,23 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def commit() -> str:
+    """The code's commit: ``$MARIANA_COMMIT`` (a copy of the tree without .git, e.g. on a GPU machine), else
+    git's short HEAD (with ``+dirty`` when tracked files differ), else "unknown"."""
+    if os.environ.get("MARIANA_COMMIT"):
+        return os.environ["MARIANA_COMMIT"]
+    root = Path(__file__).resolve().parents[1]
+    try:
+        git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10)  # noqa: E731
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode:
+            return "unknown"
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
 def machine() -> dict:
     info = {
         "host": _platform.node(),
@@ -24,6 +41,7 @@ def machine() -> dict:
         "python": _platform.python_version(),
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": commit(),
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
@@ -34,23 +52,6 @@ def machine() -> dict:
     except ImportError:
         pass
     return info
-
-
-def commit() -> str | None:
-    """The checkout's short commit (``+dirty`` when tracked files differ from it), or ``MARIANA_COMMIT``
-    where the tree is a copy without ``.git`` (the GPU machine); None when neither is known."""
-    root = RESULTS.parents[1]
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
-        )
-        if head.returncode == 0:
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                   capture_output=True, text=True).stdout.strip()  # fmt: skip
-            return head.stdout.strip() + ("+dirty" if dirty else "")
-    except OSError:  # no git on this machine
-        pass
-    return os.environ.get("MARIANA_COMMIT") or None
 
 
 def write_result(name: str, payload: dict) -> Path:

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine  # noqa: E402
+from vision_steady import steady_case  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("MARIANA_DATA", ROOT.parent / "shared" / "data"))
@@ -396,6 +397,15 @@ def main() -> None:
     ap.add_argument(
         "--out", default="", help="JSON path (default bench/results/vision_throughput-DEVICE.json)"
     )
+    ap.add_argument(
+        "--steady",
+        default="",
+        help="also time the steady-state training rate of this preset's path against the plain loop "
+        "(bench/vision_steady.py; gpu94 on a GPU, small on the CPU); with --models none: that row only",
+    )
+    ap.add_argument("--steady-rounds", type=int, default=5, help="--steady: interleaved rounds")
+    ap.add_argument("--steady-warmup", type=int, default=3, help="--steady: untimed steps of each side")
+    ap.add_argument("--steady-limit", type=int, default=0, help="--steady: images decoded (0: all)")
     ap.add_argument("--schedule-worker", default="", help=argparse.SUPPRESS)  # internal: under torchrun
     args = ap.parse_args()
     if args.schedule_worker:
@@ -451,12 +461,25 @@ def main() -> None:
             else:
                 case = run_case(name, size, tar, batch, steps, dev, args.workers, gpu, True, args.compile)
             results["cases"].append(case)
+        if args.steady:
+            results["steady"] = steady_case(
+                args.data,
+                args.steady,
+                dev,
+                steps,
+                args.steady_rounds,
+                batch=args.batch,
+                limit=args.steady_limit,
+                warmup=args.steady_warmup,
+            )
         if args.pipeline:
             results["pipeline_schedules_cpu"] = schedule_bench(Path(tmp))
             results["pipeline_cpu"] = [pipeline_bench(Path(tmp), b) for b in ("params", "time")]
             results["unsplit_cpu"] = unsplit_bench(Path(tmp))
     # a GPU run keeps the CPU record; a pipeline-only run (--models none) keeps the full one
     name = f"vision_throughput-{dev.type}" + ("-pipeline" if cases == "none" else "")
+    if cases == "none" and not args.pipeline:  # the steady row alone
+        name = f"vision_steady-{'gpu' if gpu else 'cpu'}"
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
@@ -488,6 +511,12 @@ def main() -> None:
             f"{v['schedule']} {v['img_s']:.1f} img/s"
             for k, v in results["pipeline_schedules_cpu"].items()
             if k != "setup"
+        )
+    if "steady" in results:
+        c = results["steady"]
+        summary += (", " if summary else "") + (
+            f"steady {c['preset']} ({c['model']}, batch {c['batch']}): ours {c['ours_img_s']:.0f} img/s vs plain "
+            f"{c['plain_img_s']:.0f}: {c['ratio']:.3f}x (median of {len(c['rounds'])} interleaved rounds)"
         )
     print(summary)
 

@@ -3,14 +3,16 @@ bucketed frames compile once (no recompiles after the first epoch)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import torch
 from mariana.apps.asr import train as asr_train
 from mariana.apps.asr.batches import ResidentBatches, bucket_frames, collate_bucketed, make_loader
-from mariana.apps.asr.configs import PRESETS
+from mariana.apps.asr.configs import PRESETS, AsrConfig
 from mariana.apps.asr.features import UtteranceSet, cached_features, feature_settings
 from mariana.platform.core import loop
+from mariana.platform.core.config import add_config_args, resolve_config
 from mariana.platform.core.tiers import choose_tier
 from mariana.platform.dp import sampler as sampler_mod
 from test_app_registry import _asr_data
@@ -112,3 +114,19 @@ def test_compiled_default_recipe_recompiles_nothing_after_the_first_epoch(tmp_pa
     first_epoch = max(g for e, g in seen if e == 0)
     assert first_epoch >= 1 and seen[-1][1] == first_epoch, seen
     torch._dynamo.reset()
+
+
+def test_compile_is_on_by_default_on_a_gpu_only():
+    # The small recipe's eager step is launch-bound on a GPU (bench/asr_throughput.py), so training compiles
+    # there unless --no-compile; on the CPU it stays eager unless --compile.
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, AsrConfig)
+    default, off = (resolve_config(AsrConfig, parser.parse_args(a), PRESETS) for a in ([], ["--no-compile"]))
+    assert default.compile is None and off.compile is False
+    assert asr_train.compiles(default, "cuda") and not asr_train.compiles(default, "cpu")
+    assert not asr_train.compiles(off, "cuda")
+    assert asr_train.compiles(dataclasses.replace(default, compile=True), "cpu")
+    net = torch.nn.Linear(2, 2)
+    assert asr_train.compile_model(net, default) is net  # a CPU model: eager
+    on = dataclasses.replace(default, compile=True, compile_backend="aot_eager")
+    assert isinstance(asr_train.compile_model(net, on), torch._dynamo.eval_frame.OptimizedModule)

@@ -37,9 +37,6 @@ CASES = {
     ),
 }
 MARKS = {
-    # torch.distributed.pipelining's stage infers its shapes in the first step (objects sent between the
-    # stages and read on the host), once per run: static shapes given to the stage would remove it
-    "vision-pipeline": [pytest.mark.xfail(reason="pipeline stage shape inference in step 1", strict=False)],
     "pctr": [pytest.mark.xfail(reason="pCTR step made sync-free in issue 32", strict=False)],
 }
 
@@ -114,8 +111,10 @@ def test_audit_counts_data_dependent_sizes_only_on_tensors_of_the_step(tmp_path)
 
 
 @pytest.mark.gpu
-def test_asr_step_runs_under_cuda_sync_debug_error(tmp_path):
-    # A sync in the step (a device read, a blocking copy, a data-dependent size) raises under "error".
+@pytest.mark.parametrize("compile_", [False, None], ids=["eager", "default-compiled"])
+def test_asr_step_runs_under_cuda_sync_debug_error(tmp_path, compile_):
+    # A sync in the step (a device read, a blocking copy, a data-dependent size) raises under "error";
+    # eager and as training runs it by default on a GPU (compiled).
     sys.path.insert(0, str(ROOT / "bench"))
     from asr_throughput import Ours, sync_check
     from mariana.apps.asr.configs import PRESETS
@@ -123,7 +122,9 @@ def test_asr_step_runs_under_cuda_sync_debug_error(tmp_path):
     from mariana.apps.asr.train import BLANK
 
     data = _asr_data(tmp_path)
-    cfg = dataclasses.replace(PRESETS["small"], batch_size=4, time_stretch=[0.8, 1.2], device="cuda")
+    cfg = dataclasses.replace(
+        PRESETS["small"], batch_size=4, time_stretch=[0.8, 1.2], device="cuda", compile=compile_
+    )
     cache = cached_features(data / "train", feature_settings(cfg), 1, (1.0,))
     vocab = [BLANK] + sorted({w for u in cache.utts for w in u["words"]})
     ours = Ours(cfg, UtteranceSet(cache, vocab), torch.device("cuda"), len(vocab))

@@ -48,7 +48,11 @@ class AsrConfig(TrainConfig):
         "host RAM the training features may take: a cache that fits the GPU (a quarter of its free memory) "
         "goes there, else into RAM up to this many GB, else it is read from disk by loader workers",
     )
-    compile: bool = opt(False, "torch.compile the model (longer start-up, faster steps; frames are bucketed)")
+    compile: bool | None = opt(
+        None,
+        "torch.compile the model (longer start-up, paid once per model with the compile cache; faster steps: "
+        "frames are bucketed); default: on a GPU, where the small recipe's step is launch-bound, off on the CPU",
+    )
     compile_backend: str = opt(
         "inductor",
         "torch.compile backend (aot_eager compiles in seconds, for tests)",

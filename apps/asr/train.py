@@ -176,17 +176,26 @@ def make_step_fn(cfg: AsrConfig):
     return step_fn
 
 
+def compiles(cfg: AsrConfig, device: torch.device | str) -> bool:
+    """Whether training compiles the model on ``device``: ``--compile`` / ``--no-compile`` when given, else
+    on a GPU only. There the default small recipe's eager step is launch-bound (about 300 kernels of a few
+    microseconds each; `bench/asr_throughput.py`), and compiling fuses them; on the CPU the step is
+    compute-bound and compiling would only add start-up."""
+    return cfg.compile if cfg.compile is not None else torch.device(device).type == "cuda"
+
+
 def compile_model(model: torch.nn.Module, cfg: AsrConfig) -> torch.nn.Module:
-    """``--compile``: torch.compile with ``--compile-backend``; frames come in bucket lengths, so after the
-    first epoch no shape is new (tests/test_asr_speed.py checks it)."""
-    if not cfg.compile:
+    """The model (its parameters on the training device) torch.compiled with ``--compile-backend`` where
+    `compiles` says so, else itself; frames come in bucket lengths, so after the first epoch no shape is
+    new (tests/test_asr_speed.py checks it)."""
+    if not compiles(cfg, next(model.parameters()).device):
         return model
     return torch.compile(model, backend=cfg.compile_backend)
 
 
 def compile_cache_file(cfg: AsrConfig, n_units: int, device: torch.device) -> Path | None:
-    """``--compile``: where this model's compiled artifacts are kept between runs (`compilecache`)."""
-    if not cfg.compile:
+    """Where this model's compiled artifacts are kept between runs (`compilecache`); None if not compiled."""
+    if not compiles(cfg, device):
         return None
     fields = ("arch", "features", "num_mel_bins", "num_ceps", "context", "hidden", "layers", "output_units")
     fields += ("activation", "dropout", "norm", "batch_size", "amp", "compile_backend", "workers")

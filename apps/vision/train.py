@@ -451,7 +451,9 @@ def _train_pipeline(cfg, ctx, run, model, loss_fn, data, eval_data, export):
         c1, c5, n = counts.tolist()
         return {"top1": 100.0 * c1 / max(1, n), "top5": 100.0 * c5 / max(1, n), "images": n}
 
-    step = PipelineStep(cfg, pp, ctx, run, prepare)
+    # the torch schedule's shapes fixed at setup, not inferred in the first step (host reads)
+    example = (cfg.batch_size, data.images[: cfg.batch_size] if pp.is_first else None)
+    step = PipelineStep(cfg, pp, ctx, run, prepare, example)
 
     def export_merged(metrics: dict, _step: int) -> None:
         merged = step.full_state_dict()  # collective: every stage sends its part to rank 0

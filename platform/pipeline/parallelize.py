@@ -137,6 +137,13 @@ class PipelineParallel:
         self.last_schedule = "gpipe (hand-written p2p)"
         return self.schedule.train_step(inputs, targets, batch_size)
 
+    def infer_shapes(self, batch_size: int, inputs: torch.Tensor | None) -> None:
+        """Before training (every rank calls it): fix the torch schedule's shapes for batches of
+        ``batch_size`` (`TorchSchedule.infer_shapes`; ``inputs``: a prepared batch on the first stage, None
+        elsewhere), so no training step infers them."""
+        if self.torch_schedule is not None:
+            self.torch_schedule.infer_shapes(batch_size, inputs)
+
     def train_step(self, inputs, targets, batch_size: int) -> torch.Tensor | None:
         """`run_schedule`, then the gradient all-reduce over ``dp``. Returns the mean loss on the last
         stage, None elsewhere. The caller steps its optimizer afterwards."""

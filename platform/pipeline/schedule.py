@@ -281,6 +281,18 @@ class TorchSchedule(StagePosition):
             self._schedules[batch_size] = sched
         return sched
 
+    def infer_shapes(self, batch_size: int, inputs: torch.Tensor | None) -> None:
+        """Fix the micro-batch shapes of batches of ``batch_size`` now (a collective over the pipeline,
+        every stage calls it) instead of in the first training step: torch's shape inference sends each
+        stage's output shapes to the next stage as pickled objects, host reads the step must not make.
+        ``inputs``: on the first stage, a batch as the step gives it (values unused: only the shape, dtype
+        and device count); None on the others."""
+        if not self.supports(batch_size):
+            return
+        stage = self._schedule(batch_size)._stage
+        if stage.inputs_meta is None:
+            stage._shape_inference((inputs.tensor_split(self.m)[0],) if self.is_first else ())
+
     def train_step(
         self, inputs: torch.Tensor | None, targets: torch.Tensor | None, batch_size: int
     ) -> torch.Tensor | None:

@@ -49,7 +49,10 @@ class PipelineStep:
     """One rank's part of a pipeline job's optimizer steps, for `mariana.platform.core.loop.Trainer`.
 
     ``pp``: this rank's `PipelineParallel` (from `parallelize_pipeline`); ``prepare``: applied to the
-    stage-0 inputs on the device (e.g. augmentation and normalisation)."""
+    stage-0 inputs on the device (e.g. augmentation and normalisation). ``example``: (batch size, a batch of
+    inputs as the loader yields them on the first stage, None on the others): the pipeline's shapes for
+    that batch size are fixed in `setup`, so that no training step infers them (a collective: give it on
+    every rank or on none)."""
 
     def __init__(
         self,
@@ -58,8 +61,10 @@ class PipelineStep:
         ctx,
         run: RunDir,
         prepare: Callable[[Any], Any] | None = None,
+        example: tuple[int, Any] | None = None,
     ):
         self.cfg, self.pp, self.ctx, self.run = cfg, pp, ctx, run
+        self.example = example
         self.prepare = prepare or (lambda x: x)
         self.data_parallel = pp.dp_size
         self.optimizer: torch.optim.Optimizer | None = None
@@ -71,6 +76,14 @@ class PipelineStep:
         self.optimizer = build_optimizer(self.cfg, self.pp.parameters())
         self.scheduler = build_scheduler(self.cfg, self.optimizer, total_steps)
         self.pp.train()
+        if self.example is not None:
+            bsz, inputs = self.example
+            if inputs is not None:  # prepared as the step prepares them (the first stage's input dtype);
+                # the RNG state restored after, so the run draws what it drew without this
+                devices = [self.ctx.device] if self.ctx.device.type == "cuda" else []
+                with torch.random.fork_rng(devices=devices):
+                    inputs = self.prepare(inputs.to(self.ctx.device))
+            self.pp.infer_shapes(bsz, inputs)
 
     # --- the step --------------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[PipelineBatch]) -> tuple[torch.Tensor, int]:
