@@ -73,9 +73,10 @@ _TOKENS: dict[str, str] = {}  # service URL -> its token, for the clean-up's can
 
 
 @contextlib.contextmanager
-def _service(tmp_path: Path, *flags: str):
-    """A real ``mariana jobs serve`` on a free port with home ``tmp_path/home``; yields its URL. On exit
-    every job still queued or running is cancelled and the service is stopped."""
+def _service(tmp_path: Path, *flags: str, env: dict[str, str] | None = None):
+    """A real ``mariana jobs serve`` on a free port with home ``tmp_path/home`` (``env``: added to the
+    environment of the service and so of its jobs); yields its URL. On exit every job still queued or
+    running is cancelled and the service is stopped."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = ["jobs", "serve", "--home", str(tmp_path / "home"), "--port", str(port), *flags]
@@ -83,7 +84,7 @@ def _service(tmp_path: Path, *flags: str):
         service = subprocess.Popen(
             [sys.executable, "-m", "mariana.platform.cli", *argv],
             cwd=ROOT,
-            env=cli_env(),
+            env=cli_env(env),
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -348,3 +349,55 @@ def test_token_field_authorizes_cancel(tmp_path: Path):
             expect(row).to_have_attribute("data-state", "cancelled", timeout=60_000)
             page.screenshot(path=tmp_path / "jobs-token.png")
             browser.close()
+
+
+def _path_xs(page, selector: str) -> list[float]:
+    """The x pixel of every vertex of the SVG path ``selector`` (its ``d``: ``Mx,yLx,y...``)."""
+    d = page.get_attribute(selector, "d")
+    return [float(v.split(",")[0]) for v in re.split("[ML]", d) if v]
+
+
+@pytest.mark.slow
+def test_ps_job_page_after_a_worker_restart(tmp_path: Path):
+    """A parameter-server job (1 server, 2 workers) whose worker 0 is killed before step 16 (MARIANA_FAULT,
+    first attempt only) and restarted by torchrun from the step-10 checkpoint, seen in the browser once it
+    ended (one page load): each validation metric has one chart (the job's eval_auc, and worker 1's own
+    val_auc in it; not a second chart of the workers' val_auc, nor worker 0's val_auc repeating eval_auc),
+    drawn in step and in wall-time mode (counters records carry no time of their own); every curve has each
+    step once, left to right (no doubling back after the restart)."""
+    expect, sync_playwright = _require_browser()
+    with _service(tmp_path, "--slots", "3", env={"MARIANA_FAULT": "kill:worker=0:step=16"}) as url:
+        job = _submit(url, ["pctr", "train", "--data", FRAPPE, "--preset", "debug", "--servers", "1",
+                            "--workers", "2", "--max-steps", "30", "--eval-every", "10", "--log-every", "2",
+                            "--ckpt-every", "10"])  # fmt: skip
+        _wait_for(
+            lambda: _get_json(f"{url}/api/jobs/{job}")["state"] in ("succeeded", "failed"), 240, "the job"
+        )
+        assert _get_json(f"{url}/api/jobs/{job}")["state"] == "succeeded", (
+            tmp_path / "service.log"
+        ).read_text()
+        history = _get_json(f"{url}/api/jobs/{job}/counters")["history"]
+        assert any(h.get("attempt") == 1 for h in history)  # the worker was restarted
+        assert {k for h in history for k in h} >= {"val_auc", "val_logloss"}
+        errors: list[str] = []
+        with sync_playwright() as p:
+            browser = _browser(p)
+            page = _watched_page(browser, errors)
+            page.goto(f"{url}/jobs/{job}")
+            expect(page.locator("#state .state")).to_have_text("succeeded", timeout=15_000)
+            page.wait_for_function(
+                "Number(document.querySelector('#plot-eval_auc svg')?.getAttribute('data-points')) >= 3",
+                timeout=30_000,
+            )
+            charts = page.eval_on_selector_all("#plots-val .plot-box", "bs => bs.map(b => b.dataset.field)")
+            assert sorted(charts) == ["eval_auc", "eval_logloss"], charts
+            for mode in ("step", "time"):
+                page.check(f"input[name=xaxis][value={mode}]")
+                for chart, series, n in (("loss", 1, 15), ("eval_auc", 2, 3), ("eval_logloss", 2, 3)):
+                    svg = f"#plot-{chart} svg"
+                    assert _points(page, svg) == series * n, (mode, chart, _points(page, svg))
+                    for i in range(series):  # eval_*: the job's, then "val_* (worker-1)"
+                        xs = _path_xs(page, f"{svg} path.plot-line >> nth={i}")
+                        assert len(xs) == n and all(a < b for a, b in zip(xs, xs[1:])), (mode, chart, i, xs)
+            browser.close()
+        assert not errors, errors
