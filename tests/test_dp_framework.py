@@ -40,18 +40,26 @@ def params(run):
     return load_exported(run)[0]
 
 
-def test_two_workers_equal_one_process_with_double_batch(frappe, tmp_path):
+# two data-parallel workers, batch 32 each, 8 steps (fp32 gradient all-reduce, the default)
+TWO = ["--batch-size", "32", "--max-steps", "8", "--workers", "2"]
+
+
+@pytest.fixture(scope="module")
+def two_workers(frappe, tmp_path_factory):
+    """The TWO run (with a progress bar asked for and a checkpoint at step 4): (run dir, its process);
+    shared by the equivalence and the bf16 tests."""
+    out = tmp_path_factory.mktemp("dp") / "two"
+    return out, run_cli(mlp_args(frappe, out, *TWO, "--progress", "--ckpt-every", "4"), check=True)
+
+
+def test_two_workers_equal_one_process_with_double_batch(frappe, two_workers, tmp_path):
     run_cli(mlp_args(frappe, tmp_path / "one", "--batch-size", "64", "--max-steps", "8"), check=True)
-    p = run_cli(
-        mlp_args(frappe, tmp_path / "two", "--batch-size", "32", "--max-steps", "8", "--workers", "2",
-                 "--progress", "--ckpt-every", "4"),
-        check=True,
-    )  # fmt: skip
+    two, p = two_workers
     assert last_line(p.stdout).startswith("validation AUC")
     # piped output (issue 30): no progress-bar frames, no DEBUG lines (checkpoints go to RUN/logs only)
     assert "step/s" not in p.stderr and "DEBUG" not in p.stderr, p.stderr[-2000:]
-    assert "checkpoint at step 4 written" in (tmp_path / "two" / "logs" / "rank-0.log").read_text()
-    a, b = params(tmp_path / "one"), params(tmp_path / "two")
+    assert "checkpoint at step 4 written" in (two / "logs" / "rank-0.log").read_text()
+    a, b = params(tmp_path / "one"), params(two)
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
@@ -126,26 +134,14 @@ def test_stalled_rank_fails_job_within_timeout_and_is_named(frappe, tmp_path):
     assert "faults.py" in logs and logs.count("Thread 0x") + logs.count("Current thread") >= 2
 
 
-def test_bf16_gradient_comm_halves_bytes(frappe, tmp_path):
-    for comm in ("fp32", "bf16"):
-        run_cli(
-            mlp_args(
-                frappe,
-                tmp_path / comm,
-                "--workers",
-                "2",
-                "--max-steps",
-                "5",
-                "--log-every",
-                "5",
-                "--grad-comm",
-                comm,
-            ),
-            check=True,
-        )
+def test_bf16_gradient_comm_halves_bytes(frappe, two_workers, tmp_path):
+    """The TWO run with --grad-comm bf16 sends half the bytes per step of the same run in fp32."""
+    run_cli(mlp_args(frappe, tmp_path / "bf16", *TWO, "--grad-comm", "bf16"), check=True)
     rec = {
-        c: json.loads((tmp_path / c / "metrics.jsonl").read_text().splitlines()[0]) for c in ("fp32", "bf16")
+        c: json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+        for c, run in (("fp32", two_workers[0]), ("bf16", tmp_path / "bf16"))
     }
+    assert rec["bf16"]["step"] == rec["fp32"]["step"]  # the same logging window (comm_bytes is per step)
     assert rec["bf16"]["comm_bytes"] * 2 == rec["fp32"]["comm_bytes"] > 0
 
 

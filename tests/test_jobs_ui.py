@@ -73,9 +73,10 @@ _TOKENS: dict[str, str] = {}  # service URL -> its token, for the clean-up's can
 
 
 @contextlib.contextmanager
-def _service(tmp_path: Path, *flags: str):
-    """A real ``mariana jobs serve`` on a free port with home ``tmp_path/home``; yields its URL. On exit
-    every job still queued or running is cancelled and the service is stopped."""
+def _service(tmp_path: Path, *flags: str, env: dict[str, str] | None = None):
+    """A real ``mariana jobs serve`` on a free port with home ``tmp_path/home`` (``env``: added to the
+    environment of the service and so of its jobs); yields its URL. On exit every job still queued or
+    running is cancelled and the service is stopped."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = ["jobs", "serve", "--home", str(tmp_path / "home"), "--port", str(port), *flags]
@@ -83,7 +84,7 @@ def _service(tmp_path: Path, *flags: str):
         service = subprocess.Popen(
             [sys.executable, "-m", "mariana.platform.cli", *argv],
             cwd=ROOT,
-            env=cli_env(),
+            env=cli_env(env),
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -181,8 +182,9 @@ def test_jobs_pages_in_a_real_browser(tmp_path: Path):
     expect, sync_playwright = _require_browser()
     shots = tmp_path / "screenshots"
     shots.mkdir()
-    with _service(tmp_path, "--slots", "2") as url:
+    with _service(tmp_path, "--slots", "5", env=PS_FAULT) as url:
         common = ["--data", FRAPPE, "--preset", "debug", "--log-every", "5"]
+        ps_job = _submit(url, PS_JOB)  # 3 slots, runs beside the others; its page is checked at the end
         # A short run that finishes, and a long one watched while it trains (cancelled at the end).
         short = _submit(url, ["pctr", "train", *common, "--max-steps", "60", "--eval-every", "20"])
         slow = _submit(url, ["pctr", "train", *common, "--max-steps", "20000", "--eval-every", "20"])
@@ -305,6 +307,8 @@ def test_jobs_pages_in_a_real_browser(tmp_path: Path):
             expect(pruned.locator("button.retry")).to_be_hidden()
             page.screenshot(path=shots / "jobs-after-cancel.png", full_page=True)
 
+            _check_ps_job_page(page, expect, url, ps_job)
+
             # A job that does not exist: one clear message, no empty cards (its 404 is expected: own page)
             missing = browser.new_page(viewport={"width": 1300, "height": 1000})
             missing.goto(f"{url}/jobs/999")
@@ -348,3 +352,61 @@ def test_token_field_authorizes_cancel(tmp_path: Path):
             expect(row).to_have_attribute("data-state", "cancelled", timeout=60_000)
             page.screenshot(path=tmp_path / "jobs-token.png")
             browser.close()
+
+
+def _path_xs(page, selector: str) -> list[float]:
+    """The x pixel of every vertex of the SVG path ``selector`` (its ``d``: ``Mx,yLx,y...``)."""
+    d = page.get_attribute(selector, "d")
+    return [float(v.split(",")[0]) for v in re.split("[ML]", d) if v]
+
+
+# A parameter-server job (1 server, 2 workers) whose worker 0 is killed before step 16 (first attempt only)
+# and restarted by torchrun from the step-10 checkpoint. The fault names a PS worker: other jobs never match.
+PS_JOB = ["pctr", "train", "--data", FRAPPE, "--preset", "debug", "--servers", "1", "--workers", "2",
+          "--max-steps", "30", "--eval-every", "10", "--log-every", "2", "--ckpt-every", "10"]  # fmt: skip
+PS_FAULT = {"MARIANA_FAULT": "kill:worker=0:step=16"}
+
+
+def _check_ps_job_page(page, expect, url: str, job: int) -> None:
+    """The PS_JOB's page once it ended (one page load): each validation metric has one chart (the job's
+    eval_auc, and worker 1's own val_auc in it; not a second chart of the workers' val_auc, nor worker 0's
+    val_auc repeating eval_auc), drawn in step and in wall-time mode (counters records carry no time of
+    their own); every curve has each step once, left to right (no doubling back after the restart)."""
+    _wait_for(
+        lambda: _get_json(f"{url}/api/jobs/{job}")["state"] in ("succeeded", "failed"), 240, "the PS job"
+    )
+    assert _get_json(f"{url}/api/jobs/{job}")["state"] == "succeeded"
+    history = _get_json(f"{url}/api/jobs/{job}/counters")["history"]
+    assert any(h.get("attempt") == 1 for h in history)  # the workers were restarted
+    page.goto(f"{url}/jobs/{job}")
+    expect(page.locator("#state .state")).to_have_text("succeeded", timeout=15_000)
+    page.wait_for_function(
+        "Number(document.querySelector('#plot-eval_auc svg')?.getAttribute('data-points')) >= 3",
+        timeout=30_000,
+    )
+    charts = page.eval_on_selector_all("#plots-val .plot-box", "bs => bs.map(b => b.dataset.field)")
+    assert sorted(charts) == ["eval_auc", "eval_logloss"], charts
+    # what each curve must show: every step of its records once (the service keeps both attempts' records;
+    # which ones a killed process wrote before dying varies from run to run)
+    records = _get_json(f"{url}/api/jobs/{job}/metrics")["records"]
+
+    def steps(rows, field):
+        return len({r["step"] for r in rows if isinstance(r.get(field), float)})
+
+    w1 = [h for h in history if h["source"] == "worker-1"]
+    want = {
+        "loss": {"loss": steps(records, "loss")},
+        "eval_auc": {"eval_auc": steps(records, "eval_auc"), "val_auc (worker-1)": steps(w1, "val_auc")},
+    }
+    assert want["loss"]["loss"] >= 14 and want["eval_auc"]["eval_auc"] == 3, records
+    assert want["eval_auc"]["val_auc (worker-1)"] >= 2, w1  # the restarted attempt evaluates at 20, 30
+    for mode in ("step", "time"):
+        page.check(f"input[name=xaxis][value={mode}]")
+        for chart, series in want.items():
+            svg = f"#plot-{chart} svg"
+            names = page.eval_on_selector_all(f"{svg} path.plot-line", "ps => ps.map(p => p.dataset.series)")
+            # worker 0's val_auc repeats the job's eval_auc: not drawn twice
+            assert sorted(names) == sorted(series), (mode, chart, names)
+            for name, n in series.items():
+                xs = _path_xs(page, f'{svg} path[data-series="{name}"]')
+                assert len(xs) == n and all(a < b for a, b in zip(xs, xs[1:])), (mode, name, xs, n)

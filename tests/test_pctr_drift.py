@@ -73,3 +73,25 @@ def test_ads_are_born_and_retired_and_drift_zero_freezes_them(tmp_path):
     assert not np.allclose(moving.affin, before)
     ids = np.arange(1000)
     assert len(set(hex8(ids, 1).tolist())) == 1000 and hex8(ids, 1)[0] != hex8(ids, 2)[0]
+
+
+def test_force_rerun_replaces_the_days_it_owns_and_nothing_else(tmp_path):
+    """`drift-logs --force` over its own earlier output with fewer days: the older days past the new
+    count and unfinished temporary files are gone, `_generator.json` describes exactly the files left,
+    and a file the user put there stays."""
+    out = tmp_path / "days"
+    cmd = ["pctr", "drift-logs", "--rows-per-day", "300", "--ads", "50", "--out", out]
+    run_cli([*cmd, "--days", "3", "--seed", "1"], check=True)
+    (out / "notes.txt").write_text("mine")
+    (out / ".day-04.tsv.abc123.tmp").write_text("half a day from a killed run")
+    refused = run_cli([*cmd, "--days", "2", "--seed", "2"])
+    assert refused.returncode == 2 and "--force" in refused.stderr
+    assert "day-03.tsv" in _files(out)  # the refusal changed nothing
+    run_cli([*cmd, "--days", "2", "--seed", "2", "--force"], check=True)
+    assert _files(out) == [".mariana-output", "_generator.json", "day-01.tsv", "day-02.tsv", "notes.txt"]
+    meta = json.loads((out / "_generator.json").read_text())
+    assert meta["settings"]["seed"] == 2 and [d["day"] for d in meta["days"]] == [1, 2]
+    run_cli([*cmd, "--days", "2", "--seed", "2", "--out", tmp_path / "fresh"], check=True)
+    for day in ("day-01.tsv", "day-02.tsv"):  # the same bytes as a run into an empty folder
+        assert (out / day).read_bytes() == (tmp_path / "fresh" / day).read_bytes()
+    assert (out / "notes.txt").read_text() == "mine"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -14,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import run_cli
+from mariana.apps.pctr.predict import load_predictor
 from mariana.platform.core.export import load_exported
+from sklearn.metrics import roc_auc_score
 from test_pctr_stream import LINES, MODEL, chunk, drop, start, wait_for
 
 pytestmark = pytest.mark.slow
@@ -48,6 +51,10 @@ def test_two_workers_consume_each_dropped_file_once(tmp_path):
     proc = start(args, log)
     try:
         wait_for(lambda: consumed(run) == 1, 120, "the first file", proc, log)
+        snap = tmp_path / "after-f0"  # exported after f0 (before its checkpoint): the model that scores f1
+        snap.mkdir()
+        for name in ("model.safetensors", "model.json"):
+            shutil.copy(run / name, snap / name)
         with open(d / ".f9.tsv.part", "w") as g:
             g.write("this is not a criteo line\n")  # would be counted as skipped if ever read
             g.flush()
@@ -66,6 +73,7 @@ def test_two_workers_consume_each_dropped_file_once(tmp_path):
     assert before in (2, 3)
     drop(d, "f3.tsv", chunk(3))
     r = run_cli(["pctr", "stream", *args, "--resume", "--max-files", "4"], timeout=180, check=True)
+    t_end = time.time()
     assert "stream: 4 files, 1500 rows, 4 exports" in r.stdout, r.stdout
     led = ledger(run)
     names = ["f0.tsv", "f1.tsv", "f2.tsv", "f3.tsv"]
@@ -79,7 +87,17 @@ def test_two_workers_consume_each_dropped_file_once(tmp_path):
     assert totals["mode"] == "stream, parameter-server" and totals["workers"] == 2
     recs = [r for r in counters(run, 0) if "file" in r]
     assert [r["file"] for r in recs] == names  # no file recorded twice
-    assert all(0 <= r["progressive_auc"] <= 1 and r["train_lag_s"] >= 0 for r in recs)
+    for rec in recs:  # lag: from landing (the file's mtime or later) to trained, so at least its training
+        assert rec["train_s"] <= rec["train_lag_s"] <= t_end - (d / rec["file"]).stat().st_mtime, rec
+    # progressive AUC = the score of the whole model BEFORE the file (all workers' parts of the files
+    # before it applied), computed independently: scikit-learn's AUC of the model exported after f0,
+    # scored through the serving predictor; the final model (trained on f1 and more) gives another value
+    f1 = chunk(1)
+    labels = [int(x.split("\t", 1)[0]) for x in f1]
+    p_before, _ = load_predictor(snap).predict_lines([x.split("\t", 1)[1] for x in f1])
+    p_after, _ = load_predictor(run).predict_lines([x.split("\t", 1)[1] for x in f1])
+    assert abs(recs[1]["progressive_auc"] - roc_auc_score(labels, p_before)) < 1e-5, recs[1]
+    assert abs(roc_auc_score(labels, p_after) - recs[1]["progressive_auc"]) > 1e-3
     assert len({r["version"] for r in recs}) == 4  # --export-every 1: one version per file
     assert json.loads((run / "model.json").read_text())["version"] == recs[-1]["version"]
     # both workers trained on every file the resumed job consumed: 2 pushes per step

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
+
+from mariana.platform.cli.console import warn_skipped
 
 
 def _headline(m: dict) -> str:
@@ -28,10 +31,9 @@ def _prepare(args, argv):
         args.synth or None,
         args.synth_ratio,
     )
-    if r.skipped:
-        print(f"skipped {len(r.skipped)} unreadable recording(s):")
-        for path, reason in r.skipped:
-            print(f"  {path}: {reason}")
+    warn_skipped(args.data, len(r.skipped), r.skipped, "unreadable recording")
+    for path, reason in r.skipped[1:]:  # the first is named in the warning
+        print(f"  {path}: {reason}", file=sys.stderr)
     only = ""
     if not r.counts["train"] and not r.counts["dev"]:
         only = f" (a test-only set: `mariana asr eval --model RUN --data {args.out}/test`)"

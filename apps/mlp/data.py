@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from mariana.platform.cli.console import warn_skipped
 from mariana.platform.core.errors import DataError
 from mariana.platform.data.libfm import parse_lines
 
@@ -28,12 +29,14 @@ def read_libfm(path: str | Path, limit: int = 0, max_skipped_report: int = 5):
     if not path.is_file():
         raise DataError(f"{path}: not a file (expected a libFM file: 'label id:value ...' per line)")
     labels, ids, skipped = [], [], []
+    why: dict[int, str] = {}  # line number -> reason, for the console line
     n = 0
 
     def parse(buf: list[tuple[int, str]]) -> None:
         nonlocal n
         p = parse_lines([line for _, line in buf])
         bad = {buf[i][0] for i in p.errors}
+        why.update({buf[i][0]: e for i, e in p.errors.items()})
         has_feature = p.known.any(1) if p.known.shape[1] else np.zeros(len(p), dtype=bool)
         bad.update(buf[p.good[j]][0] for j in np.flatnonzero(~has_feature))
         keep = np.flatnonzero(has_feature)
@@ -59,13 +62,10 @@ def read_libfm(path: str | Path, limit: int = 0, max_skipped_report: int = 5):
                 buf = []
         if buf and not (limit and n >= limit):
             parse(buf)
-    if skipped:
-        log.warning(
-            "%s: skipped %d malformed line(s), e.g. line(s) %s",
-            path,
-            len(skipped),
-            skipped[:max_skipped_report],
-        )
+    first = {
+        k: why.get(k, "no feature (expected 'label id:value ...')") for k in skipped[:max_skipped_report]
+    }
+    warn_skipped(path, len(skipped), first, log=log)
     if not n:
         raise DataError(f"{path}: no valid libFM rows")
     width = max(int((a >= 0).sum(1).max()) for a in ids if len(a))  # the widest row kept

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mariana.platform.cli.console import warn_skipped
+
 # pCTR's way to learn a new day from yesterday's model (README, "Fresh click models")
 INCREMENTAL = "to learn the new data from it: --init-from RUN --init-train-state --split 1,0,0 --epochs 1"
 
@@ -20,19 +22,6 @@ def _headline(m: dict, cfg=None) -> str:
     if auc != auc and "steps" in m and not m.get("epochs"):  # NaN: no validation rows (--split 1,0,0)
         return f"trained {m['steps']} steps (no validation rows); exported the final model"
     return f"validation AUC {m.get('val_auc', float('nan')):.4f} logloss {m.get('val_logloss', float('nan')):.4f}"
-
-
-def _warn_skipped(data: str, final: dict) -> None:
-    """One console line when malformed lines were skipped (they are listed in metrics.json too)."""
-    n = int(final.get("skipped_lines") or 0)
-    if not n:
-        return
-    first = sorted((final.get("skipped_examples") or {}).items(), key=lambda kv: int(kv[0]))
-    where = ""
-    if first:  # with several files a message starts with its own "FILE line L: "
-        k, msg = first[0]
-        where = f" (first: {msg})" if " line " in msg.split(":")[0] else f" (first: line {k}: {msg})"
-    print(f"mariana: warning: skipped {n} malformed line{'s' * (n != 1)} in {data}{where}", file=sys.stderr)
 
 
 def _check_run_dir(cfg, command: str = "pctr train") -> None:
@@ -79,7 +68,7 @@ def _train(args, argv) -> int:
         from .train import train_local
 
         final = train_local(cfg, setup)
-        _warn_skipped(cfg.data, final)
+        warn_skipped(cfg.data, final.get("skipped_lines"), final.get("skipped_examples"))
         print(_headline(final, cfg))
         return 0
     from mariana.platform.core.rundir import RunDir
@@ -98,7 +87,7 @@ def _train(args, argv) -> int:
     final = Path(cfg.out) / "metrics.json"
     if rc == 0 and final.is_file():
         m = json.loads(final.read_text())
-        _warn_skipped(cfg.data, m)
+        warn_skipped(cfg.data, m.get("skipped_lines"), m.get("skipped_examples"))
         print(_headline(m, cfg))
     elif rc == 0:
         print("mariana: error: the job ended without writing metrics.json", file=sys.stderr)
@@ -117,7 +106,7 @@ def _eval(args, argv) -> int:
     check_data_path(args.model, "--model")
     out = eval_result_path(args.model, result_name(args.data), args.split)
     r = evaluate_run(args.model, args.data, args.format, args.split, args.device, out)
-    _warn_skipped(args.data, {"skipped_lines": r["skipped"], "skipped_examples": r["skipped_examples"]})
+    warn_skipped(args.data, r["skipped"], r["skipped_examples"])
     print(
         f"AUC {r['auc']:.4f} logloss {r['logloss']:.4f} on {args.data} ({args.split} split, {r['rows']} rows)"
     )

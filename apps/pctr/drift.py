@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,6 +52,11 @@ if TYPE_CHECKING:
 
 # Only the standard library at import time (`mariana --help` builds this command's flags from
 # `DriftSettings`); numpy and pyarrow are imported where the data is made.
+
+GENERATOR = "_generator.json"
+# the files a run writes: day-NN.tsv and, while one is being written, .day-NN.tsv.XXXX.tmp (the same
+# for _generator.json)
+OWNED = re.compile(r"day-\d{2,}\.tsv|\.(day-\d{2,}\.tsv|_generator\.json)\..*\.tmp")
 
 NOISE_VOCAB = (10, 30, 100, 300, 1000, 3000, 10_000, 30_000, 100_000, 50, 500, 5000, 20, 200, 2000)
 
@@ -190,6 +196,24 @@ class DriftWorld:
                 setattr(self, name, getattr(self, name)[alive])
             self._birth(k, day)
 
+    def _int_columns(self, hour, age, uid, pos) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+        """I1..I13 of one day (int64 [n] each; inputs int64 [n]) and their missing masks (bool [n] or None):
+        hour, ad age, a noisy activity count, position, then noise counts (draws in the generator's order)."""
+        import numpy as np
+
+        rng, n = self.rng, len(hour)
+        ints = [
+            hour,
+            age,
+            np.floor(rng.lognormal(1.0 + 0.2 * np.log1p(uid % 97), 1.0, n)).astype(np.int64),
+            pos,
+            np.floor(rng.pareto(1.2, n) * 10).astype(np.int64),
+        ]
+        for j in range(8):
+            ints.append(rng.poisson(2 + 3 * j, n) if j % 2 else np.floor(rng.pareto(1.5, n) * (j + 1)))
+        int_missing = [None] * 5 + [rng.random(n) < 0.1 for _ in range(8)]
+        return [np.asarray(v, dtype=np.int64) for v in ints], int_missing
+
     def day(self) -> tuple[dict[str, np.ndarray], dict]:
         """Draw the next day: (columns by name -> arrays of ``rows_per_day``, facts about the day)."""
         import numpy as np
@@ -228,17 +252,7 @@ class DriftWorld:
         )
         label = (rng.random(n) < 1.0 / (1.0 + np.exp(-logit))).astype(np.int64)
         age = d - self.ad_born[a]
-        ints: list[np.ndarray | None] = [
-            hour,
-            age,
-            np.floor(rng.lognormal(1.0 + 0.2 * np.log1p(uid % 97), 1.0, n)).astype(np.int64),
-            pos,
-            np.floor(rng.pareto(1.2, n) * 10).astype(np.int64),
-        ]
-        for j in range(8):
-            ints.append(rng.poisson(2 + 3 * j, n) if j % 2 else np.floor(rng.pareto(1.5, n) * (j + 1)))
-        int_cols = [np.asarray(v, dtype=np.int64) for v in ints]
-        int_missing = [None] * 5 + [rng.random(n) < 0.1 for _ in range(8)]
+        int_cols, int_missing = self._int_columns(hour, age, uid, pos)
         age_bucket = np.minimum(age, 4) - (age >= 3)  # 0, 1, 2-3, 4+
         cats = [
             self.ad_id[a],
@@ -319,13 +333,28 @@ def day_name(d: int) -> str:
     return f"day-{d:02d}.tsv"
 
 
+def clear_owned(out: Path) -> list[str]:
+    """Delete what an earlier drift-logs run left in ``out`` (``_generator.json``, ``day-NN.tsv`` and
+    unfinished ``.day-NN.tsv.*.tmp``; nothing else), so that a re-run with ``--force`` leaves exactly the
+    days it writes, described by its own ``_generator.json``. The description goes first: a run killed
+    half-way never leaves a ``_generator.json`` naming days that are gone. Returns the names deleted."""
+    gone = []
+    for p in sorted(out.iterdir(), key=lambda p: p.name != GENERATOR):
+        if p.is_file() and (p.name == GENERATOR or OWNED.fullmatch(p.name)):
+            p.unlink()
+            gone.append(p.name)
+    return gone
+
+
 def generate(out: str | Path, s: DriftSettings, progress=None) -> list[dict]:
-    """Write ``s.days`` day files into ``out`` (created) and ``out/_generator.json``; returns the
-    per-day facts. ``progress``: a callable taking one line per day (default: print to stderr)."""
+    """Write ``s.days`` day files into ``out`` (created) and ``out/_generator.json``, after deleting the
+    day files and description of an earlier run there (`clear_owned`; the CLI refuses an existing output
+    without ``--force``); returns the per-day facts. ``progress``: a callable taking one line per day (default: print to stderr)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise MarianaError(f"--out {out}: is an existing file, expected a folder")
     out.mkdir(parents=True, exist_ok=True)
+    clear_owned(out)
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     world = DriftWorld(s)
     facts = []
@@ -337,7 +366,5 @@ def generate(out: str | Path, s: DriftSettings, progress=None) -> list[dict]:
             f"day {d}/{s.days}: {f['rows']} rows, CTR {f['ctr']:.3f}, traffic on new ads "
             f"{f['new_ad_traffic']:.0%}, from new users {f['new_user_traffic']:.0%} -> {out / day_name(d)}"
         )
-        atomic_write_text(
-            out / "_generator.json", json.dumps({"settings": asdict(s), "days": facts}, indent=1)
-        )
+        atomic_write_text(out / GENERATOR, json.dumps({"settings": asdict(s), "days": facts}, indent=1))
     return facts

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from mariana.platform.cli.console import warn_skipped
+
 
 def _headline(m: dict) -> str:
     if "eval_top1" in m:
@@ -40,8 +42,9 @@ def _eval(args, argv):
 
     out = eval_result_path(args.model, args.data)
     r = evaluate_run(args.model, args.data, args.batch_size, args.device, args.num_workers, out, args.tta)
-    if r["skipped"]:
-        print(f"skipped {r['skipped']} corrupt image(s), e.g. {', '.join(r['skipped_paths'][:3])}")
+    warn_skipped(
+        args.data, r["skipped"], [(p, "not a decodable image") for p in r["skipped_paths"]], "corrupt image"
+    )
     print(f"images {r['images']}; result written to {out}")
     tta = f" ({args.tta} TTA)" if args.tta != "none" else ""
     print(f"top-1 {r['top1']:.2f}% top-5 {r['top5']:.2f}%{tta}")

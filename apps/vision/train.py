@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from mariana.platform.cli.console import warn_skipped
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import export_model
 from mariana.platform.core.metrics import topk_correct
@@ -140,14 +141,8 @@ def load_images(
 
 
 def report_skipped(bad: list[tuple[str, str]], where: str) -> None:
-    if bad:
-        log.warning(
-            "%s: skipped %d corrupt image(s): %s%s",
-            where,
-            len(bad),
-            ", ".join(p for p, _ in bad[:5]),
-            " ..." if len(bad) > 5 else "",
-        )
+    """The shared skipped-input warning for ``bad`` [(path, reason)] of ``where`` (the data set)."""
+    warn_skipped(where, len(bad), bad, "corrupt image", log=log)
 
 
 def check_input_size(model: torch.nn.Module, cfg: VisionConfig) -> None:
@@ -354,7 +349,7 @@ def _train_data_parallel(cfg, ctx, run, model, loss_fn, data, src, eval_data, sk
             if new:
                 seen_bad.update(new)
                 skipped.extend((p, "not a decodable image") for p in new)
-                log.warning("skipped %d corrupt image(s): %s", len(new), ", ".join(new[:3]))
+                report_skipped([(q, "not a decodable image") for q in new], cfg.data)
         else:
             x, y = batch
         logits = m(prepare(x))

@@ -67,13 +67,10 @@ function redrawPlots() {
     ...raw.map((s) => ({...s, name: `${s.name} (EMA ${EMA_ALPHA})`, points: ema(s.points)})),
   ]);
 
-  const fields = new Set();
-  for (const r of [...state.records, ...state.history]) {
-    for (const k of Object.keys(r)) if (isValidationField(k)) fields.add(k);
-  }
+  const charts = validationCharts();
   const box = document.getElementById("plots-val");
-  document.getElementById("no-val").hidden = fields.size > 0;
-  for (const f of [...fields].sort()) {
+  document.getElementById("no-val").hidden = charts.size > 0;
+  for (const [f, fields] of [...charts.entries()].sort((x, y) => x[0].localeCompare(y[0]))) {
     let plot = plots.val.get(f);
     if (!plot) {
       const div = el("div", {class: "plot-box", id: `plot-${f}`, "data-field": f});
@@ -82,8 +79,63 @@ function redrawPlots() {
       plots.val.set(f, plot);
     }
     plot.setXLabel(xLabel());
-    plot.setSeries(seriesFor(f, f, 2));
+    plot.setSeries(validationSeries(f, fields, 2));
   }
+}
+
+// One chart per validation metric: eval_X (the job's metrics records) and val_X (the per-worker counters of
+// parameter-server jobs, where worker 0's val_X repeats the job's eval_X) are the same metric X. Returns
+// chart name (the records' field when they have one) -> the fields drawn in it.
+function validationCharts() {
+  const byMetric = new Map();
+  const add = (rows, fromRecords) => {
+    for (const r of rows) {
+      for (const k of Object.keys(r)) {
+        if (!isValidationField(k) || typeof r[k] !== "number") continue;
+        const metric = k.replace(/^(eval|val)_/, "");
+        const c = byMetric.get(metric) || {name: k, fromRecords, fields: new Set()};
+        if (fromRecords && !c.fromRecords) Object.assign(c, {name: k, fromRecords});
+        c.fields.add(k);
+        byMetric.set(metric, c);
+      }
+    }
+  };
+  add(state.records, true);
+  add(state.history, false);
+  return new Map([...byMetric.values()].map((c) => [c.name, [...c.fields].sort()]));
+}
+
+// The chart's series: each field of the metrics records, then each counters source (worker) of each field,
+// leaving out a source whose points repeat a series already drawn (worker 0 of a parameter-server job).
+// Counters records carry no time of their own: in wall-time mode they take the time of the job's metrics
+// record of the same step.
+function validationSeries(chart, fields, colorIndex) {
+  const stepTime = new Map(state.records.filter((r) => typeof r.time === "number").map((r) => [r.step, r.time]));
+  const t = (r) => (typeof r.time === "number" ? r.time : stepTime.get(r.step));
+  const x = (r) => (state.xaxis === "step" ? r.step : xOf({time: t(r)}));
+  const out = [];
+  const drawn = new Set();
+  const push = (name, rows, field) => {
+    const points = lastAttempt(rows).map((r) => [x(r), r[field]]);
+    const key = JSON.stringify(lastAttempt(rows).map((r) => [r.step, r[field]]));
+    if (!points.length || drawn.has(key)) return;
+    drawn.add(key);
+    out.push({name, points, color: PLOT_COLORS[(colorIndex + out.length) % PLOT_COLORS.length]});
+  };
+  const has = (f) => (r) => typeof r[f] === "number" && typeof r.step === "number";
+  for (const f of fields) push(f, state.records.filter(has(f)), f);
+  for (const f of fields) {
+    const bySource = new Map();
+    for (const h of state.history.filter(has(f))) {
+      const src = h.source || "counters";
+      bySource.set(src, [...(bySource.get(src) || []), h]);
+    }
+    for (const [src, rows] of [...bySource.entries()].sort((a, b) => a[0].localeCompare(b[0]))) {
+      push(`${f} (${src})`, rows, f);
+    }
+  }
+  if (out.length === 1) out[0].name = chart;
+  return out;
 }
 
 // The job's command line; argv lists starting with the app are `mariana` subcommands.
