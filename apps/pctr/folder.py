@@ -9,6 +9,7 @@ from pathlib import Path
 
 from mariana.platform.core.errors import MarianaError
 
+from .data import Batch, Encoder, ReadStats, load_split
 from .sources import ignored
 
 
@@ -56,3 +57,23 @@ def scan(folder: Path) -> list[LogFile]:
             continue  # renamed or removed while scanning: seen on the next scan, or never
     out.sort(key=lambda f: (f.mtime_ns, f.name))
     return out
+
+
+def read_unit(f: LogFile, encoder: Encoder, folder: Path) -> tuple[Batch | None, int, str]:
+    """The unit's valid rows as one `Batch` (None if it disappeared), its skipped lines, and the first
+    skipped line as ``"[part: ]line N: error"`` ('' when none). MarianaError if it cannot be read."""
+    parts, skipped, first = [], 0, ""
+    try:
+        for p in f.paths:
+            stats = ReadStats()
+            parts.append(load_split(p, encoder, 0, None, stats=stats))
+            skipped += stats.skipped
+            if stats.errors and not first:
+                n = min(stats.errors)
+                where = f"{p.name}: " if len(f.paths) > 1 else ""
+                first = f"{where}line {n}: {stats.errors[n]}"
+    except FileNotFoundError:
+        return None, 0, ""
+    except OSError as e:
+        raise MarianaError(f"{folder / f.name}: cannot be read ({e.strerror or e})") from None
+    return Batch.cat(parts), skipped, first

@@ -40,7 +40,7 @@ AUC/logloss, lags, backlog), ``metrics.json`` (the stream's totals, rewritten af
 Parameter servers (``--servers S --workers W``): `stream_ps.py` (worker 0 runs this stream's folder,
 ledger and counter logic with the model on the servers).
 
-Only the standard library is imported at module level (``mariana --help`` stays fast).
+This is a handler module (torch at the top): the command line's parser must not import it.
 """
 
 from __future__ import annotations
@@ -71,8 +71,7 @@ from mariana.platform.ps.pull import predict_batches, write_counter
 from mariana.platform.runtime.dist import DistContext, resolve_device
 
 from .configs import PRESETS, PctrConfig
-from .data import Batch, ReadStats, load_split
-from .folder import LogFile, scan
+from .folder import LogFile, read_unit, scan
 from .step import make_local_step
 from .train import Setup, export, warm_start
 
@@ -285,23 +284,8 @@ class Streamer:
 
     # ---------------------------------------------------------------- one file
     def read(self, f: LogFile):
-        """The unit's valid rows as one `Batch` (None if it disappeared), its skipped lines, and the first
-        skipped line as ``"[part: ]line N: error"`` ('' when none)."""
-        parts, skipped, first = [], 0, ""
-        try:
-            for p in f.paths:
-                stats = ReadStats()
-                parts.append(load_split(p, self.setup.encoder, 0, None, stats=stats))
-                skipped += stats.skipped
-                if stats.errors and not first:
-                    n = min(stats.errors)
-                    where = f"{p.name}: " if len(f.paths) > 1 else ""
-                    first = f"{where}line {n}: {stats.errors[n]}"
-        except FileNotFoundError:
-            return None, 0, ""
-        except OSError as e:
-            raise MarianaError(f"{self.folder / f.name}: cannot be read ({e.strerror or e})") from None
-        return Batch.cat(parts), skipped, first
+        """`read_unit` of ``f`` with the stream's encoder: (rows or None, skipped lines, first skipped)."""
+        return read_unit(f, self.setup.encoder, self.folder)
 
     def score(self, rows) -> dict[str, float]:
         """Progressive validation: AUC/logloss of the current model on ``rows`` (before training on them)."""
