@@ -27,7 +27,7 @@ from .worker import LocalClient
 
 
 class LocalStep:
-    """`TrainStep` of one-process training: the model's ``table.weight`` is the local shard's table.
+    """`TrainStep` of one-process training: the model's table is the local shard's table (one tensor).
 
     ``evaluate(fn)`` calls ``fn(self)`` (``self.model``, ``self.client``, ``self.device`` score the
     validation rows); the dense learning rate follows ``--schedule``/``--warmup-steps`` and the table's
@@ -105,9 +105,8 @@ class LocalStep:
         if len(evicted):
             w = self.shard.weight[TABLE]
             idx = torch.from_numpy(evicted).to(w.device)
-            fresh = fresh_rows(
-                self.cfg.seed, self.cfg.init_std, len(evicted), w.shape[1], self.t
-            )  # as PSWorkerStep's (fresh_rows)
+            # the same redraw as PSWorkerStep's (fresh_rows)
+            fresh = fresh_rows(self.cfg.seed, self.cfg.init_std, len(evicted), w.shape[1], self.t)
             w.index_copy_(0, idx, fresh.to(w.device, w.dtype))
             for k, v in init_state(self.rows_opt.rule, fresh.to(w.device, w.dtype), self.rows_opt).items():
                 self.shard.state[TABLE][k].index_copy_(0, idx, v)
