@@ -13,6 +13,7 @@ evaluations (``--epochs`` is the cap), and the best model is exported.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,12 +21,20 @@ from pathlib import Path
 import numpy as np
 import torch
 from mariana.platform.core.errors import DataError, MarianaError
+from mariana.platform.core.evaluator import evaluator_from
 from mariana.platform.core.export import export_model
+from mariana.platform.core.loop import Trainer
 from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.prefetch import Prefetcher
 from mariana.platform.core.rundir import RunDir, setup_logging
+from mariana.platform.core.warmstart import load_init
+from mariana.platform.ps.loader import PullAheadLoader
+from mariana.platform.ps.local import LocalStep
 from mariana.platform.ps.memory import keep_freed_memory
+from mariana.platform.ps.protocol import TABLE
+from mariana.platform.ps.pull import predict_batches
 from mariana.platform.ps.shard import TableSpec, contiguous_part
+from mariana.platform.runtime.dist import DistContext, resolve_device
 
 from .configs import PctrConfig
 from .data import (
@@ -40,9 +49,10 @@ from .data import (
     parse_split,
     split_bounds,
 )
+from .images import setup_image_features
 from .model import CTRModel
 from .sources import resolve_sources
-from .step import TABLE, LocalStep, PullAheadLoader, predict_batches
+from .step import make_local_step
 
 log = logging.getLogger("mariana")
 
@@ -53,6 +63,33 @@ def shard_lines(start: int, stop: int, worker: int, num_workers: int) -> tuple[i
     the parts are disjoint, cover the range, and differ in length by at most one line."""
     lo, hi = contiguous_part(stop - start, worker, num_workers)
     return start + lo, start + hi
+
+
+class EncodedRows:
+    """The encoded batches of one worker's share, kept after epoch 1 so that later epochs do not parse
+    again (in memory, on ``device``). The one place the loaders keep encoded rows: ``append`` while
+    streaming, ``complete`` once the share was read to its end, ``[k]``/``len`` for later epochs."""
+
+    def __init__(self, device="cpu"):
+        self.device = torch.device(device)
+        self.batches: list[Batch] = []
+        self.complete = False
+
+    def clear(self) -> None:
+        self.batches.clear()
+        self.complete = False
+
+    def append(self, batch: Batch) -> Batch:
+        """Keep ``batch`` (moved to the cache's device); returns the kept batch."""
+        batch = batch.to(self.device)
+        self.batches.append(batch)
+        return batch
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, k: int) -> Batch:
+        return self.batches[k]
 
 
 class WorkerData:
@@ -80,9 +117,7 @@ class WorkerData:
     ):
         self.path, self.encoder = path, encoder
         self.bs, self.w, self.W, self.seed, self.shuffle = batch_size, worker, num_workers, seed, shuffle
-        self.cache: list[Batch] = []
-        self.cache_complete = False
-        self.cache_device = torch.device(cache_device)
+        self.cache = EncodedRows(cache_device)
         self.stats = ReadStats()
         self.steps_per_epoch = max(1, ((stop - start) // batch_size) // num_workers)
         self.lo, self.hi = shard_lines(start, stop, worker, num_workers)
@@ -90,10 +125,8 @@ class WorkerData:
     def _stream(self) -> Iterator[Batch]:
         chunks = iter_chunks(self.path, self.encoder, self.lo, self.hi, stats=self.stats)
         for b in iter_batches(chunks, self.bs, drop_last=True):
-            b = b.to(self.cache_device)
-            self.cache.append(b)
-            yield b
-        self.cache_complete = True
+            yield self.cache.append(b)
+        self.cache.complete = True
         if not self.cache:
             raise DataError(
                 f"{self.path}: no valid rows for worker {self.w} in lines {self.lo + 1}-{self.hi}"
@@ -101,7 +134,7 @@ class WorkerData:
 
     def batches(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
         n = self.steps_per_epoch
-        if epoch == 0 and not self.cache_complete:
+        if epoch == 0 and not self.cache.complete:
             self.cache.clear()
             k = 0
             for b in self._stream():
@@ -116,7 +149,7 @@ class WorkerData:
                     yield self.cache[k % len(self.cache)]
                 k += 1
             return
-        if not self.cache_complete:
+        if not self.cache.complete:
             for _ in self._stream():
                 pass
         m = len(self.cache)
@@ -136,7 +169,7 @@ class PctrLoader:
 
     def iterate(self, epoch: int, start: int = 0) -> Iterator[Batch]:
         gen = self.data.batches(epoch, start)
-        if epoch == 0 and self.prefetch > 0 and not self.data.cache_complete:
+        if epoch == 0 and self.prefetch > 0 and not self.data.cache.complete:
             return Prefetcher(gen, self.prefetch)
         return gen
 
@@ -157,8 +190,6 @@ class Setup:
         # --image-cross), so before the table's spec
         self.image = None
         if getattr(cfg, "image_features", ""):
-            from .images import setup_image_features
-
             self.image = setup_image_features(cfg, self.schema, self.encoder, self.bounds["train"])
         self.spec = TableSpec(
             TABLE, self.schema.num_rows, 1 + (0 if cfg.model == "lr" else cfg.dim), cfg.init_std
@@ -190,8 +221,6 @@ class Setup:
         return self.cfg.max_steps if self.cfg.max_steps > 0 else self.cfg.epochs * steps_per_epoch
 
     def meta(self, extra: dict | None = None) -> dict:
-        import dataclasses
-
         cfg = dataclasses.asdict(self.cfg)
         return {
             "app": "pctr",
@@ -234,8 +263,6 @@ def warm_start(step, setup: Setup, cfg: PctrConfig) -> None:
     """``--init-from``: table rows, ``seen`` flags and dense weights of an earlier pctr model; with
     ``--init-row-state`` also the table's row-optimiser state (Adagrad accumulators, FTRL z/n) from the
     source run's latest one-process checkpoint."""
-    from mariana.platform.core.warmstart import load_init
-
     state, meta = load_init(cfg.init_from, "pctr")
     table, seen = state.pop("table.weight", None), state.pop("seen", None)
     row_key = state.pop("idmap.row_key", None)
@@ -335,14 +362,9 @@ def continue_training_state(step, cfg: PctrConfig) -> int:
 
 def make_trainer(cfg, step, data: WorkerData, ctx, run, validate, exporter, total: int, checkpointer=None):
     """The platform `Trainer` over this process's batches; ``validate`` is None without validation rows."""
-    from mariana.platform.core.evaluator import evaluator_from
-    from mariana.platform.core.loop import Trainer
-
     if validate is None and cfg.early_stop:
         # No validation rows (e.g. --split 1,0,0, a day of logs trained on in full): nothing to stop early
         # on, so the run makes its --epochs passes and exports the final model.
-        import dataclasses
-
         log.info("no validation rows: no early stopping; the final model is exported")
         cfg = dataclasses.replace(cfg, early_stop=0)
     loader = PctrLoader(data, cfg.prefetch)
@@ -366,8 +388,6 @@ def train_local(cfg: PctrConfig, setup: Setup | None = None) -> dict:
 
     Checkpoints (every ``--ckpt-every`` steps and at the end) hold everything the next step depends on,
     so ``--resume`` continues exactly as if the run had not stopped."""
-    from mariana.platform.runtime.dist import DistContext, resolve_device
-
     st = setup or Setup(cfg)
     st.check_batch_size()
     run = RunDir(cfg.out)
@@ -376,7 +396,7 @@ def train_local(cfg: PctrConfig, setup: Setup | None = None) -> dict:
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
     keep_freed_memory()
-    step = LocalStep(cfg, st, device)
+    step = make_local_step(cfg, st, device)
     if cfg.init_from and not (cfg.resume and run.has_checkpoint()):
         warm_start(step, st, cfg)
     a, b = st.bounds["train"]

@@ -1,0 +1,120 @@
+"""`StreamRecords`: what a `pctr stream` keeps about itself besides the model: when to export (and the
+export, `train.export`), its checkpoints with the consumed-file ledger, its counters and ``metrics.json``
+record. A base class of `stream.Streamer`; it reads the stream's state (``ledger``, ``totals``, ``version``,
+``dirty``, ``since_export``, ``last_export``, ``export_kind``/``export_n``, ``step``, ``run``, ``setup``)
+and calls its ``_model()`` and ``_write_metrics()``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from mariana.platform.core.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
+from mariana.platform.core.errors import MarianaError
+from mariana.platform.ps.pull import write_counter
+
+from .train import export
+
+log = logging.getLogger("mariana")
+
+
+class StreamRecords:
+    """Exports, checkpoints, counters of a stream (module docstring)."""
+
+    def export_due(self) -> bool:
+        if not self.dirty:
+            return False
+        if self.export_kind == "files":
+            return len(self.since_export) >= self.export_n
+        return time.monotonic() - self.last_export >= self.export_n
+
+    def maybe_export(self, force: bool = False) -> bool:
+        if not (self.export_due() or (force and self.dirty)):
+            return False
+        self.export()
+        return True
+
+    def export(self) -> None:
+        """The normal pCTR export (`train.export`, atomic files, a new version digest) of the current model."""
+        model, table, seen = self._model()
+        last = self.ledger[-1] if self.ledger else {}
+        metrics = {
+            "files": self.totals["files"],
+            "rows": self.totals["rows"],
+            "step": self.totals["steps"],
+            "last_file": last.get("name", ""),
+            "progressive_auc": last.get("auc", float("nan")),
+            "progressive_logloss": last.get("logloss", float("nan")),
+        }
+        export(self.run, self.setup, model, table, seen, {"metrics": metrics})
+        now = time.time()
+        self.version = json.loads((self.run.path / "model.json").read_text())["version"]
+        for e in self.since_export:
+            e["export_lag_s"] = round(now - e["landed"], 3)
+            e["version"] = self.version
+        self.totals["exports"] += 1
+        self.since_export, self.dirty, self.last_export = [], False, time.monotonic()
+
+    def checkpoint(self) -> None:
+        """Atomic checkpoint numbered by files consumed: the step's state (model, dense optimiser, row
+        optimiser state and ``seen``), the ledger, the totals, the RNG states (`save_checkpoint`)."""
+        n = self.totals["files"]
+        folder = self.run.ckpt_dir / f"step_{n:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {
+            **self.step.checkpoint_state(folder),
+            "stream": {
+                "ledger": self.ledger,
+                "totals": self.totals,
+                "version": self.version,
+                "dirty": self.dirty,
+                "since_export": [e["name"] for e in self.since_export],
+            },
+        }
+        save_checkpoint(self.run, n, state, 0, lambda: None)
+        self._write_metrics()
+
+    def _restore(self) -> None:
+        state, rng = load_checkpoint(self.run)
+        folder = self.run.ckpt_dir / (self.run.ckpt_dir / "latest").read_text().strip()
+        if "stream" not in state:
+            raise MarianaError(
+                f"checkpoint {folder} is not a `pctr stream` checkpoint (no consumed-file ledger)"
+            )
+        self.step.restore(state, folder)
+        if rng is not None:
+            set_rng_state(rng)
+        s = state["stream"]
+        self.ledger = [dict(e) for e in s["ledger"]]
+        self.totals.update(s["totals"])
+        self.version, self.dirty = str(s["version"]), bool(s["dirty"])
+        names = set(s["since_export"])
+        self.since_export = [e for e in self.ledger if e["name"] in names]
+        log.info(
+            "resumed from %s: %d files consumed (%d rows), model version %s",
+            folder.name,
+            self.totals["files"],
+            self.totals["rows"],
+            self.version or "not exported yet",
+        )
+
+    def _counters(self, rec: dict[str, Any]) -> None:
+        write_counter(self.run, 0, {"time": round(time.time(), 3), **rec})
+        self.run.log_metrics(rec)
+
+    def _final_record(self, mode: str, **extra) -> dict[str, Any]:
+        """metrics.json of a stream: the totals, the layout (``extra``) and the last file's scores."""
+        last = self.ledger[-1] if self.ledger else {}
+        return {
+            **self.totals,
+            "mode": mode,
+            **extra,
+            "version": self.version,
+            "last_file": last.get("name", ""),
+            "progressive_auc": last.get("auc", float("nan")),
+            "progressive_logloss": last.get("logloss", float("nan")),
+            "train_lag_s": last.get("train_lag_s", float("nan")),
+            "changed_after_consume": len(self.changed),
+        }
