@@ -132,8 +132,9 @@ def _work(cfg, role, run, rpc_session) -> int:
     st = Setup(cfg)
     a, b = st.bounds["train"]
     data = WorkerData(
-        st.sources, st.encoder, a, b, cfg.batch_size, role.index, role.num_workers, cfg.seed, cfg.shuffle
-    )
+        st.sources, st.encoder, a, b, cfg.batch_size, role.index, role.num_workers, cfg.seed, cfg.shuffle,
+        cache_gb=cfg.cache_gb, cache_dir=run.path / "row-cache" / f"worker-{role.index}",
+    )  # fmt: skip
     total = st.total_steps(data.steps_per_epoch)
     cpu = torch.device("cpu")
     val, val_labels = st.val_batches(cpu)
@@ -185,6 +186,7 @@ def _work(cfg, role, run, rpc_session) -> int:
         if role.index != 0:
             trainer.exporter = None  # worker 0 keeps the model
         final = trainer.fit()
+        data.close()  # its row shards (kept by a failed attempt for the restarted one)
         client.done()
         if role.index == 0:
             client.wait_all_done()
