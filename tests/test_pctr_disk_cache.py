@@ -198,20 +198,26 @@ _MEASURE = (
 )
 
 
-def _peak_rss_mb(data, out, cache_gb: str) -> float:
+def _train_measured(data, out, cache_gb: str) -> subprocess.Popen:
+    """Start ``mariana pctr train`` on ``data`` in a child that prints its own peak RSS at the end."""
     args = [
         "pctr", "train", "--data", data, "--out", out, "--format", "criteo", "--model", "lr",
         "--rows-per-field", "500", "--split", "1,0,0", "--epochs", "2", "--batch-size", "4000",
         "--no-progress", "--cache-gb", cache_gb,
     ]  # fmt: skip
-    p = subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-c", _MEASURE, *map(str, args)],
-        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def _peak_rss_mb(child: subprocess.Popen, out, cache_gb: str) -> float:
+    """The peak RSS in MiB that ``child`` (`_train_measured`) reported; asserts it ran in the tier expected."""
+    stdout, stderr = child.communicate(timeout=300)
+    assert child.returncode == 0, stderr[-3000:]
     final = json.loads((out / "metrics.json").read_text())
     assert final["row_cache"] == ("disk" if float(cache_gb) < 1 else "device")
-    return int(p.stdout.split("PEAK_RSS_KB")[1].split()[0]) / 1024
+    return int(stdout.split("PEAK_RSS_KB")[1].split()[0]) / 1024
 
 
 ROWS = 160_000  # 84 MB encoded (524 bytes a row), >= 10x the run-to-run noise of peak RSS (a few MB)
@@ -220,13 +226,16 @@ ROWS = 160_000  # 84 MB encoded (524 bytes a row), >= 10x the run-to-run noise o
 @pytest.mark.slow
 def test_peak_rss_does_not_grow_with_the_file(tmp_path):
     """The same 2 epochs over a file and over its first quarter, rows on disk (budget 1 MB, 84x less than
-    the file's rows): peak RSS must not grow by more than a fifth of the extra rows' bytes. The rows kept in
+    the file's rows): peak RSS must not grow by more than a quarter of the extra rows' bytes. The rows kept in
     memory (the code before the disk tier; ``RSS_TEST_CACHE_GB=100`` runs that path) grow it by the whole."""
     text = criteo_text(ROWS, seed=2)
     (tmp_path / "full.tsv").write_text(text)
     (tmp_path / "quarter.tsv").write_text(text[: len(text) // 4].rsplit("\n", 1)[0] + "\n")
     budget = os.environ.get("RSS_TEST_CACHE_GB", "0.001")  # 100: the rows in memory, as before (it fails)
-    full = _peak_rss_mb(tmp_path / "full.tsv", tmp_path / "f", budget)
-    quarter = _peak_rss_mb(tmp_path / "quarter.tsv", tmp_path / "q", budget)
+    runs = {n: _train_measured(tmp_path / f"{n}.tsv", tmp_path / n, budget) for n in ("full", "quarter")}
+    full, quarter = (_peak_rss_mb(runs[n], tmp_path / n, budget) for n in ("full", "quarter"))
     extra_rows_mb = 0.75 * ROWS * 524 / 2**20
-    assert full - quarter < extra_rows_mb / 5, (full, quarter, extra_rows_mb)
+    print(
+        f"peak RSS: full file {full:.1f} MB, its quarter {quarter:.1f} MB (extra rows {extra_rows_mb:.0f} MB)"
+    )
+    assert full - quarter < extra_rows_mb / 4, (full, quarter, extra_rows_mb)
