@@ -15,8 +15,8 @@ import pytest
 import torch
 from helpers import ROOT, cli_env
 from mariana.apps.pctr.configs import with_defaults
-from mariana.apps.pctr.data import Batch
-from mariana.apps.pctr.train import train_local
+from mariana.apps.pctr.data import Batch, Encoder, infer_schema
+from mariana.apps.pctr.train import WorkerData, train_local
 from mariana.platform.data.shards import BatchStore
 from safetensors.torch import load_file
 
@@ -127,6 +127,28 @@ def test_ram_tier_and_budget(tmp_path):
         st.append(b)
     st.finish()
     assert st.tier == "device" and len(st) == 3 and not (tmp_path / "cache").exists()
+
+
+def test_worker_shares_on_disk_equal_those_in_memory_and_restore_their_read_stats(tmp_path):
+    """Parameter-server worker 1 of 2's share, a malformed line in it: the disk tier yields the batches the
+    RAM tier does in epochs 1 and 2; a later `WorkerData` on the same folder (a restarted worker) reads the
+    shards without parsing and reports the same skipped line."""
+    path = tmp_path / "rows.tsv"
+    lines = criteo_text(1200, seed=4).splitlines()
+    lines[700] = "not\ta criteo line"
+    path.write_text("\n".join(lines) + "\n")
+    enc = Encoder(infer_schema(path, "criteo", 100))
+    ram = WorkerData(path, enc, 0, 1200, 50, 1, 2, seed=3)
+    disk = WorkerData(path, enc, 0, 1200, 50, 1, 2, seed=3, cache_gb=1e-6, cache_dir=tmp_path / "c")
+    for epoch in (0, 1):
+        a, b = list(ram.batches(epoch)), list(disk.batches(epoch))
+        assert len(a) == len(b) == ram.steps_per_epoch and all(_equal(x, y) for x, y in zip(a, b))
+    assert disk.cache.tier == "disk" and ram.cache.tier == "device"
+    again = WorkerData(path, enc, 0, 1200, 50, 1, 2, seed=3, cache_gb=1e-6, cache_dir=tmp_path / "c")
+    assert again.cache_complete and again.stats.skipped == disk.stats.skipped == 1
+    assert list(again.stats.errors) == [701] and all(_equal(x, y) for x, y in zip(again.batches(1), a))
+    again.close()
+    assert not (tmp_path / "c").exists()
 
 
 # --------------------------------------------------------------------------- pCTR training over shards
