@@ -74,8 +74,9 @@ class _InMemoryRows:
 def worker_compute(args, batches) -> dict:
     """Seconds per step of a worker's compute (one thread) and the mean unique rows per batch."""
     from mariana.apps.pctr.data import infer_schema
-    from mariana.apps.pctr.step import build_dense_only, train_step
+    from mariana.apps.pctr.step import build_dense_only
     from mariana.platform.ps.dense import flatten
+    from mariana.platform.ps.pull import train_step
 
     cfg = _config(args)
     schema = infer_schema(args.data, "criteo", args.rows_per_field)

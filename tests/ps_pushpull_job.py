@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from mariana.platform.ps.rowopt import RowOptConfig
 from mariana.platform.ps.runtime import role_from_env, rpc_session
-from mariana.platform.ps.server import ParamServer, _dump, install, server_name
+from mariana.platform.ps.server import ParamServer, install
 from mariana.platform.ps.shard import EmbeddingShard, TableSpec
 from mariana.platform.ps.worker import PSClient
 
@@ -30,8 +30,6 @@ def main(out: str) -> int:
         with rpc_session(role, 60):
             server.serve(0.05)
         return 0
-    from torch.distributed import rpc
-
     with rpc_session(role, 60):
         client = PSClient(2, 0)
         rows = torch.arange(SPEC.num_rows)
@@ -42,7 +40,7 @@ def main(out: str) -> int:
         client.wait()
         perm = torch.tensor([9, 2, 7, 0, 5, 1, 8, 3, 6, 4])  # rows may be requested in any order
         after, _ = client.pull({"t": perm})
-        dumps = [rpc.rpc_sync(server_name(s), _dump) for s in range(2)]
+        dumps = [h.rpc_sync().dump() for h in client.servers]  # each server's raw shard, through its RRef
         client.finish_servers()
     torch.save(
         {

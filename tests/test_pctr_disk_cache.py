@@ -145,7 +145,7 @@ def test_worker_shares_on_disk_equal_those_in_memory_and_restore_their_read_stat
         assert len(a) == len(b) == ram.steps_per_epoch and all(_equal(x, y) for x, y in zip(a, b))
     assert disk.cache.tier == "disk" and ram.cache.tier == "device"
     again = WorkerData(path, enc, 0, 1200, 50, 1, 2, seed=3, cache_gb=1e-6, cache_dir=tmp_path / "c")
-    assert again.cache_complete and again.stats.skipped == disk.stats.skipped == 1
+    assert again.cache.complete and again.stats.skipped == disk.stats.skipped == 1
     assert list(again.stats.errors) == [701] and all(_equal(x, y) for x, y in zip(again.batches(1), a))
     again.close()
     assert not (tmp_path / "c").exists()

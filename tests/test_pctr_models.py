@@ -1,5 +1,6 @@
 """pCTR models and sparse optimisers: shapes, the row-gather path equals the table lookup, sparse
-gradients touch only the batch's rows, and SparseAdagrad/FTRL follow the parameter servers' row rules."""
+gradients touch only the batch's rows, and the training step's row optimisers (Adagrad, FTRL) follow the
+parameter servers' row rules."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from mariana.apps.pctr.model import MODELS, CTRModel
-from mariana.apps.pctr.optim import FTRL, SparseAdagrad
 from mariana.platform.ps.rowopt import RowOptConfig, apply_rows, init_state
 
 
@@ -44,36 +44,63 @@ def test_fm_term_is_the_sum_of_pairwise_products():
         torch.testing.assert_close(m(ids, vals, torch.zeros(6, 0)), lin + pair)
 
 
-@pytest.mark.parametrize("opt_cls,rule", [(SparseAdagrad, "adagrad"), (FTRL, "ftrl")])
-def test_sparse_optimisers_match_row_rules_and_touch_only_batch_rows(opt_cls, rule):
+def _trained_rows(rule: str, model: CTRModel, steps: int = 3, **row_kw) -> torch.Tensor:
+    """``model``'s table after ``steps`` batches of the one-process training step (`local_step`, the
+    framework's `FixedShapeStep` with the row optimiser ``rule``), dense parameters left alone."""
+    from mariana.apps.pctr.data import Batch
+    from mariana.platform.ps.pull import TABLE, local_step
+    from mariana.platform.ps.shard import EmbeddingShard, TableSpec
+
+    spec = TableSpec(TABLE, 40, model.table.weight.shape[1], 0.01)
+    cfg = RowOptConfig(rule=rule, lr=0.1, **row_kw)
+    shard = EmbeddingShard([spec], 0, 1, cfg, weights={TABLE: model.table.weight.data})
+    for s in range(steps):
+        ids, vals, _ = batch(nd=0, seed=s)
+        local_step(model, shard, Batch(ids, vals, torch.zeros(6, 0), torch.ones(6)), None)
+    return model.table.weight.detach()
+
+
+@pytest.mark.parametrize("rule", ["adagrad", "ftrl"])
+def test_training_row_optimiser_matches_row_rules_and_touches_only_batch_rows(rule):
+    """The row optimiser training runs (the one-process step) equals the parameter servers' row rule
+    (`apply_rows`) on the batch's summed row gradients (autograd through nn.Embedding), and moves only
+    the batch's rows."""
     torch.manual_seed(0)
-    m = CTRModel("fm", 40, 4, 0, dim=3)
-    ref_w = m.table.weight.detach().clone()
-    opt = opt_cls([m.table.weight], lr=0.1)
+    ref = CTRModel("fm", 40, 4, 0, dim=3)
+    ours = CTRModel("fm", 40, 4, 0, dim=3)
+    ours.load_state_dict(ref.state_dict())
+    start = ref.table.weight.detach().clone()
+    ref_w = start.clone()
     cfg = RowOptConfig(rule=rule, lr=0.1)
     state = init_state(rule, ref_w, cfg)
     for s in range(3):
         ids, vals, _ = batch(nd=0, seed=s)
-        opt.zero_grad()
-        F.binary_cross_entropy_with_logits(m(ids, vals, torch.zeros(6, 0)), torch.ones(6)).backward()
-        g = m.table.weight.grad.coalesce()
-        rows, gv = g.indices()[0], g.values()
-        opt.step()
-        apply_rows(ref_w, state, rows, gv, cfg)
-    torch.testing.assert_close(m.table.weight.detach(), ref_w)
+        ref.zero_grad()
+        F.binary_cross_entropy_with_logits(ref(ids, vals, torch.zeros(6, 0)), torch.ones(6)).backward()
+        g = ref.table.weight.grad.coalesce()
+        apply_rows(ref_w, state, g.indices()[0], g.values(), cfg)
+        with torch.no_grad():
+            ref.table.weight.copy_(ref_w)
+    got = _trained_rows(rule, ours)
+    torch.testing.assert_close(got, ref_w)
     untouched = torch.ones(40, dtype=torch.bool)
     for s in range(3):
         untouched[batch(nd=0, seed=s)[0].flatten()] = False
-    assert untouched.any()
+    assert untouched.any() and torch.equal(got[untouched], start[untouched])
+    assert not torch.equal(got[~untouched], start[~untouched])
 
 
 def test_ftrl_l1_gives_exact_zeros():
+    """FTRL with a strong L1 in the training step: the batch's rows become exactly zero, the others keep
+    their values."""
     torch.manual_seed(0)
-    w = torch.nn.Parameter(torch.randn(5, 2))
-    opt = FTRL([w], lr=0.1, l1=10.0)
-    (w[[0, 2]] * 0.01).sum().backward()
-    opt.step()
-    assert torch.all(w[[0, 2]] == 0) and torch.all(w[[1, 3, 4]] != 0)
+    m = CTRModel("fm", 40, 4, 0, dim=3)
+    start = m.table.weight.detach().clone()
+    got = _trained_rows("ftrl", m, steps=1, ftrl_l1=10.0)
+    touched = torch.zeros(40, dtype=torch.bool)
+    touched[batch(nd=0, seed=0)[0].flatten()] = True
+    assert torch.all(got[touched] == 0) and torch.equal(got[~touched], start[~touched])
+    assert torch.all(start[touched] != 0)
 
 
 @pytest.mark.parametrize("kind", MODELS)
@@ -82,7 +109,7 @@ def test_train_step_equals_autograd_through_the_table(kind, unit_vals):
     """The trainers' step (unique rows -> two gradient leaves -> per-row index_add -> row SGD) gives the
     same loss, the same new table and the same dense gradients as plain autograd over nn.Embedding."""
     from mariana.apps.pctr.data import Batch
-    from mariana.apps.pctr.step import TABLE, train_step
+    from mariana.platform.ps.pull import TABLE, train_step
     from mariana.platform.ps.shard import EmbeddingShard, TableSpec
     from mariana.platform.ps.worker import LocalClient
 
@@ -116,7 +143,7 @@ def test_clip_grad_bounds_the_joint_norm_of_dense_and_row_gradients(clip):
     """``--clip-grad``: with SGD everywhere the step moves the dense parameters and the batch's rows by
     ``lr * g`` with ``g`` the gradient scaled to norm ``<= clip``; a large bound changes nothing."""
     from mariana.apps.pctr.data import Batch
-    from mariana.apps.pctr.step import TABLE, train_step
+    from mariana.platform.ps.pull import TABLE, train_step
     from mariana.platform.ps.shard import EmbeddingShard, TableSpec
     from mariana.platform.ps.worker import LocalClient
 
@@ -150,7 +177,7 @@ def test_l2_regularised_step_equals_autograd_of_the_regularised_loss(kind):
     ||row||^2 over the batch's unique rows + weight_decay/2 * sum of ||p||^2 over the dense parameters``
     (rows SGD, dense SGD); rows outside the batch do not move."""
     from mariana.apps.pctr.data import Batch
-    from mariana.apps.pctr.step import TABLE, train_step
+    from mariana.platform.ps.pull import TABLE, train_step
     from mariana.platform.ps.shard import EmbeddingShard, TableSpec
     from mariana.platform.ps.worker import LocalClient
 

@@ -40,28 +40,40 @@ AUC/logloss, lags, backlog), ``metrics.json`` (the stream's totals, rewritten af
 Parameter servers (``--servers S --workers W``): `stream_ps.py` (worker 0 runs this stream's folder,
 ledger and counter logic with the model on the servers).
 
-Only the standard library is imported at module level (``mariana --help`` stays fast).
+This is a handler module (torch at the top): the command line's parser must not import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
-import os
 import re
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
+from mariana.platform.core.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from mariana.platform.core.config import opt
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.loop import Trainer
+from mariana.platform.core.metrics import auc_logloss
+from mariana.platform.core.rundir import RunDir, setup_logging
+from mariana.platform.ps.memory import keep_freed_memory
+from mariana.platform.ps.protocol import TABLE
+from mariana.platform.ps.pull import predict_batches, write_counter
+from mariana.platform.runtime.dist import DistContext, resolve_device
 
 from .configs import PRESETS, PctrConfig
-from .sources import ignored
+from .folder import LogFile, read_unit, scan
+from .step import make_local_step
+from .train import Setup, export, warm_start
 
 log = logging.getLogger("mariana")
 
@@ -174,53 +186,6 @@ def parse_export_every(text: str) -> tuple[str, float]:
     )
 
 
-# --------------------------------------------------------------------------- the folder
-@dataclass
-class LogFile:
-    """One complete unit of the stream. ``name``: path relative to the folder (a partition ends in ``/``);
-    ``paths``: its data files in reading order; ``size``: bytes; ``mtime_ns``: the order key (the file's, or
-    the partition's ``_SUCCESS``'s); ``landed``: seconds since the epoch it became complete."""
-
-    name: str
-    paths: list[Path]
-    size: int
-    mtime_ns: int
-    landed: float
-
-
-def scan(folder: Path) -> list[LogFile]:
-    """The complete units in ``folder`` in arrival order (modification time, then name)."""
-    out = []
-    try:
-        entries = list(os.scandir(folder))
-    except FileNotFoundError:
-        raise MarianaError(f"--data {folder}: the folder disappeared") from None
-    for e in entries:
-        if ignored(e.name):
-            continue
-        try:
-            if e.is_file():
-                s = e.stat()
-                out.append(
-                    LogFile(e.name, [Path(e.path)], s.st_size, s.st_mtime_ns, max(s.st_mtime, s.st_ctime))
-                )
-            elif e.is_dir():
-                marker = Path(e.path) / "_SUCCESS"
-                if not marker.is_file():
-                    continue  # partition still being written
-                m = marker.stat()
-                parts = sorted(
-                    (p for p in Path(e.path).iterdir() if p.is_file() and not ignored(p.name)),
-                    key=lambda p: p.name,
-                )
-                size = sum(p.stat().st_size for p in parts)
-                out.append(LogFile(e.name + "/", parts, size, m.st_mtime_ns, max(m.st_mtime, m.st_ctime)))
-        except FileNotFoundError:
-            continue  # renamed or removed while scanning: seen on the next scan, or never
-    out.sort(key=lambda f: (f.mtime_ns, f.name))
-    return out
-
-
 # --------------------------------------------------------------------------- training pieces
 class MemoryLoader:
     """`BatchLoader` over one file's rows in memory: one pass in file order, batches of ``batch_size``
@@ -235,21 +200,17 @@ class MemoryLoader:
             yield self.rows.slice(k * self.bs, (k + 1) * self.bs)
 
 
-class _NoCheckpoint:
-    """The per-file `Trainer` writes no checkpoint: the stream writes one after the file, with its ledger."""
+def file_trainer(cfg, step, loader, ctx, run: RunDir) -> Trainer:
+    """The one platform `Trainer` of a stream, trained file by file (`Trainer.train_now`): no progress bar
+    (a stream has no end), no evaluation, checkpoints or export of its own (the stream does those)."""
+    cfg = dataclasses.replace(cfg, resume=False, progress=False, init_from="")
+    return Trainer(cfg, step, loader, ctx, run)
 
-    def save(self, step, progress) -> None:
-        pass
 
-
-def _stream_setup(cfg: StreamConfig, first: LogFile | None):
+def stream_setup(cfg: StreamConfig, first: LogFile | None):
     """`train.Setup` for a stream: built by its own constructor on a probe file (the first file for libFM
     without --num-fields, else an empty file: a stream has no line counts or splits), then pointed at the
     stream's config."""
-    import tempfile
-
-    from .train import Setup
-
     with tempfile.TemporaryDirectory(prefix="mariana-stream-") as tmp:
         probe = Path(tmp) / "empty.txt"
         probe.touch()
@@ -265,13 +226,6 @@ class Streamer:
     is the loop; the pieces are methods so that tests and benchmarks can drive them."""
 
     def __init__(self, cfg: StreamConfig, stop: threading.Event | None = None):
-        import torch
-        from mariana.platform.core.rundir import RunDir, setup_logging
-        from mariana.platform.ps.memory import keep_freed_memory
-        from mariana.platform.runtime.dist import DistContext, resolve_device
-
-        from .step import LocalStep
-
         self.cfg, self.folder = cfg, Path(cfg.data)
         self.run = RunDir(cfg.out)
         setup_logging(self.run)
@@ -282,15 +236,16 @@ class Streamer:
             first = self._wait_first()  # the number of fields comes from the first file
             if first is None:
                 raise MarianaError(f"--data {cfg.data}: no file arrived to infer the libFM fields from")
-        self.setup = _stream_setup(cfg, first)
+        self.setup = stream_setup(cfg, first)
         if cfg.format == "libfm":
             cfg.num_fields = self.setup.schema.num_fields  # recorded in config.toml for --resume
         self.run.save_config(cfg)
         torch.manual_seed(cfg.seed)
         self.device = resolve_device(cfg.device)
         keep_freed_memory()
-        self.step = LocalStep(cfg, self.setup, self.device)
+        self.step = make_local_step(cfg, self.setup, self.device)
         self.step.setup(1)
+        self.trainer: Trainer | None = None  # built for the first file (`train_on`)
         self.ctx = DistContext(device=self.device)
         self.ledger: list[dict[str, Any]] = []
         self.totals = {"files": 0, "rows": 0, "skipped_lines": 0, "steps": 0, "exports": 0}
@@ -302,8 +257,6 @@ class Streamer:
         if cfg.resume:
             self._restore()
         elif cfg.init_from:
-            from .train import warm_start
-
             warm_start(self.step, self.setup, cfg)
 
     # ---------------------------------------------------------------- folder
@@ -331,32 +284,11 @@ class Streamer:
 
     # ---------------------------------------------------------------- one file
     def read(self, f: LogFile):
-        """The unit's valid rows as one `Batch` (None if it disappeared), its skipped lines, and the first
-        skipped line as ``"[part: ]line N: error"`` ('' when none)."""
-        from .data import Batch, ReadStats, load_split
-
-        parts, skipped, first = [], 0, ""
-        try:
-            for p in f.paths:
-                stats = ReadStats()
-                parts.append(load_split(p, self.setup.encoder, 0, None, stats=stats))
-                skipped += stats.skipped
-                if stats.errors and not first:
-                    n = min(stats.errors)
-                    where = f"{p.name}: " if len(f.paths) > 1 else ""
-                    first = f"{where}line {n}: {stats.errors[n]}"
-        except FileNotFoundError:
-            return None, 0, ""
-        except OSError as e:
-            raise MarianaError(f"{self.folder / f.name}: cannot be read ({e.strerror or e})") from None
-        return Batch.cat(parts), skipped, first
+        """`read_unit` of ``f`` with the stream's encoder: (rows or None, skipped lines, first skipped)."""
+        return read_unit(f, self.setup.encoder, self.folder)
 
     def score(self, rows) -> dict[str, float]:
         """Progressive validation: AUC/logloss of the current model on ``rows`` (before training on them)."""
-        from mariana.platform.core.metrics import auc_logloss
-
-        from .step import TABLE, predict_batches
-
         if len(rows) == 0:
             return {"auc": float("nan"), "logloss": float("nan")}
         bs = 8192
@@ -375,29 +307,14 @@ class Streamer:
 
     def train_on(self, rows) -> int:
         """One pass over ``rows`` with the platform `Trainer` and this stream's step; returns the steps."""
-        from mariana.platform.core.loop import Trainer
-        from mariana.platform.core.rundir import RunDir
-
         if len(rows) == 0:
             return 0
         loader = MemoryLoader(rows, self.cfg.batch_size)
-        cfg = dataclasses.replace(self.cfg, resume=False, progress=False, init_from="")
-        run = RunDir(self.run.path, create=False)
-        run.write_final = lambda *a, **k: None  # the stream's metrics.json holds the stream's totals
-        start = self.totals["steps"]
-        trainer = Trainer(
-            cfg,
-            self.step,
-            loader,
-            self.ctx,
-            run,
-            checkpointer=_NoCheckpoint(),
-            total=start + loader.batches_per_epoch,
-        )
-        trainer.step = start  # metrics.jsonl records carry the run's global step
-        trainer.fit()
-        self.totals["steps"] = trainer.step
-        return trainer.step - start
+        if self.trainer is None:
+            self.trainer = file_trainer(self.cfg, self.step, loader, self.ctx, self.run)
+        steps = self.trainer.train_now(loader, self.totals["steps"])  # the run's global step goes on
+        self.totals["steps"] += steps
+        return steps
 
     def consume(self, f: LogFile) -> dict[str, Any] | None:
         """Read, score, train on ``f``; export when due; checkpoint. Returns its ledger entry (None if the
@@ -428,23 +345,7 @@ class Streamer:
             "train_s": round(done - t0, 3),
             "train_lag_s": round(done - f.landed, 3),
         }
-        if skipped:
-            entry["first_skipped"] = first_skipped
-            log.warning(
-                "skipped %d malformed line%s in %s (first: %s)",
-                skipped,
-                "s" * (skipped != 1),
-                self.folder / f.name,
-                first_skipped,
-            )
-        if not len(rows):  # every file, whatever the cause (wrong --format, binary, empty): said, not silent
-            log.warning(
-                "%s yielded no valid %s rows (%d line%s skipped); nothing was trained or scored on it",
-                self.folder / f.name,
-                self.cfg.format,
-                skipped,
-                "s" * (skipped != 1),
-            )
+        self._warn_skipped(f, entry, first_skipped)
         self.ledger.append(entry)
         self.totals["files"] += 1
         self.totals["rows"] += len(rows)
@@ -454,7 +355,36 @@ class Streamer:
         exported = self.maybe_export()
         t3 = time.time()
         self.checkpoint()
-        t4 = time.time()
+        self._file_done(f, entry, exported, export_s=t3 - done, checkpoint_s=time.time() - t3)
+        return entry
+
+    def _warn_skipped(self, f: LogFile, entry: dict[str, Any], first_skipped: str) -> None:
+        """Say what was skipped in ``f`` (and record its first skipped line in ``entry``)."""
+        skipped = entry["skipped_lines"]
+        if skipped:
+            entry["first_skipped"] = first_skipped
+            log.warning(
+                "skipped %d malformed line%s in %s (first: %s)",
+                skipped,
+                "s" * (skipped != 1),
+                self.folder / f.name,
+                first_skipped,
+            )
+        if not entry[
+            "rows"
+        ]:  # every file, whatever the cause (wrong --format, binary, empty): said, not silent
+            log.warning(
+                "%s yielded no valid %s rows (%d line%s skipped); nothing was trained or scored on it",
+                self.folder / f.name,
+                self.cfg.format,
+                skipped,
+                "s" * (skipped != 1),
+            )
+
+    def _file_done(
+        self, f: LogFile, entry: dict[str, Any], exported: bool, export_s: float, checkpoint_s: float
+    ):
+        """The file's counters record (with the backlog behind it) and its log line."""
         waiting = self.pending()
         backlog = len(waiting)
         # how far this file's landing is behind the newest complete file's (0 when nothing waits)
@@ -463,13 +393,13 @@ class Streamer:
             "file": f.name,
             "files": self.totals["files"],
             "rows": self.totals["rows"],
-            "file_rows": len(rows),
+            "file_rows": entry["rows"],
             "skipped_lines": self.totals["skipped_lines"],
-            "progressive_auc": m["auc"],
-            "progressive_logloss": m["logloss"],
+            "progressive_auc": entry["auc"],
+            "progressive_logloss": entry["logloss"],
             **{k: entry[k] for k in ("read_s", "score_s", "fit_s", "train_s", "train_lag_s")},
-            "export_s": round(t3 - done, 3),
-            "checkpoint_s": round(t4 - t3, 3),
+            "export_s": round(export_s, 3),
+            "checkpoint_s": round(checkpoint_s, 3),
             "backlog_files": backlog,
             "behind_newest_s": round(behind, 3),
             "step": self.totals["steps"],
@@ -482,16 +412,15 @@ class Streamer:
             "backlog %d%s",
             self.totals["files"],
             f.name,
-            len(rows),
-            skipped,
-            m["auc"],
-            m["logloss"],
+            entry["rows"],
+            entry["skipped_lines"],
+            entry["auc"],
+            entry["logloss"],
             entry["train_s"],
             entry["train_lag_s"],
             backlog,
             f", exported {self.version} (lag {entry['export_lag_s']:.1f} s)" if exported else "",
         )
-        return entry
 
     # ---------------------------------------------------------------- export, checkpoint, counters
     def export_due(self) -> bool:
@@ -514,10 +443,6 @@ class Streamer:
 
     def export(self) -> None:
         """The normal pCTR export (`train.export`, atomic files, a new version digest) of the current model."""
-        import json
-
-        from .train import export
-
         model, table, seen = self._model()
         last = self.ledger[-1] if self.ledger else {}
         metrics = {
@@ -540,8 +465,6 @@ class Streamer:
     def checkpoint(self) -> None:
         """Atomic checkpoint numbered by files consumed: the step's state (model, dense optimiser, row
         optimiser state and ``seen``), the ledger, the totals, the RNG states (`save_checkpoint`)."""
-        from mariana.platform.core.checkpoint import save_checkpoint
-
         n = self.totals["files"]
         folder = self.run.ckpt_dir / f"step_{n:08d}"
         folder.mkdir(parents=True, exist_ok=True)
@@ -559,8 +482,6 @@ class Streamer:
         self._write_metrics()
 
     def _restore(self) -> None:
-        from mariana.platform.core.checkpoint import load_checkpoint, set_rng_state
-
         state, rng = load_checkpoint(self.run)
         folder = self.run.ckpt_dir / (self.run.ckpt_dir / "latest").read_text().strip()
         if "stream" not in state:
@@ -585,8 +506,6 @@ class Streamer:
         )
 
     def _counters(self, rec: dict[str, Any]) -> None:
-        from .step import write_counter
-
         write_counter(self.run, 0, {"time": round(time.time(), 3), **rec})
         self.run.log_metrics(rec)
 

@@ -45,7 +45,6 @@ Not supported with servers (refused by `check_ps_stream`): --init-from, --ids dy
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -53,9 +52,25 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.metrics import auc_logloss
+from mariana.platform.ps.coordinator import Coordinator
+from mariana.platform.ps.job import TableClient, assemble_model, serve, start_process
+from mariana.platform.ps.loader import PullAheadLoader
+from mariana.platform.ps.pull import predict_batches
+from mariana.platform.ps.runtime import rpc_session
+from mariana.platform.ps.server import remote_handle, server_name
+from mariana.platform.ps.shard import contiguous_part
+from mariana.platform.ps.worker import PSClient
+from mariana.platform.runtime.dist import DistContext
 
-from .stream import StreamConfig, Streamer, _stream_setup, parse_export_every
+from .data import Batch
+from .model import build_model
+from .ps import make_server
+from .step import make_worker_step
+from .stream import StreamConfig, Streamer, file_trainer, parse_export_every, stream_setup
 
 log = logging.getLogger("mariana")
 
@@ -81,68 +96,10 @@ def check_ps_stream(cfg: StreamConfig) -> None:
         )
 
 
-# --------------------------------------------------------------------------- the coordinator (server 0)
-class Coordinator:
-    """Announcements of worker 0 to the workers, kept by server 0: announcement ``seq`` is a list with one
-    entry per worker (its list of per-step `Batch` parts) or None (stop); ``done[seq]``: workers whose part
-    the servers applied."""
-
-    def __init__(self, num_workers: int, stop: threading.Event):
-        self.W, self.stop = num_workers, stop
-        self.cond = threading.Condition()
-        self.jobs: dict[int, list | None] = {}
-        self.done: dict[int, set[int]] = {}
-
-    def announce(self, seq: int, parts: list | None) -> None:
-        with self.cond:
-            self.jobs[seq] = parts
-            self.cond.notify_all()
-
-    def fetch(self, seq: int, worker: int):
-        with self.cond:
-            self.cond.wait_for(lambda: seq in self.jobs or self.stop.is_set())
-            parts = self.jobs.get(seq)
-            return None if parts is None else parts[worker]
-
-    def part_done(self, seq: int, worker: int) -> None:
-        with self.cond:
-            self.done.setdefault(seq, set()).add(worker)
-            self.cond.notify_all()
-
-    def wait_parts(self, seq: int) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: len(self.done.get(seq, ())) >= self.W or self.stop.is_set())
-            self.jobs.pop(seq, None)  # the rows of a finished file are not kept
-            self.done.pop(seq, None)
-
-
-_CO: Coordinator | None = None
-
-
-def _co_announce(seq, parts):
-    return _CO.announce(seq, parts)
-
-
-def _co_fetch(seq, worker):
-    return _CO.fetch(seq, worker)
-
-
-def _co_done(seq, worker):
-    return _CO.part_done(seq, worker)
-
-
-def _co_wait(seq):
-    return _CO.wait_parts(seq)
-
-
 # --------------------------------------------------------------------------- cutting a file into steps
 def step_parts(rows, batch_size: int, workers: int) -> list[list]:
     """``rows`` (a `Batch` of N rows) -> one list per worker of T step batches (module docstring, 2.);
     every part is non-empty and a copy (an RPC would send a view's whole storage). [] if N < workers."""
-    from mariana.platform.ps.shard import contiguous_part
-
-    from .data import Batch
-
     n, chunk = len(rows), batch_size * workers
     if n < workers:
         return []
@@ -170,43 +127,26 @@ class ListLoader:
         yield from self.batches[start:]
 
 
-class _ServersCheckpoint:
-    """The per-file `Trainer` neither writes nor loads checkpoints: the stream checkpoints the servers
-    after each file (with the ledger) and sets the step itself."""
+class PartTrainer:
+    """A worker's training on its parts of the files, one after the other: the platform `Trainer` (built
+    for the first part) and the persistent `PSWorkerStep`, whose step counter ``t`` goes on across files."""
 
-    resume_from_servers = True
+    def __init__(self, cfg, step, ctx, run):
+        self.cfg, self.step, self.ctx, self.run = cfg, step, ctx, run
+        self.trainer = None
 
-    def save(self, step, progress) -> None:
-        pass
-
-    def load(self, step):
-        return None
-
-
-def train_part(cfg, step, batches: list, ctx, run) -> int:
-    """Train ``batches`` with the platform `Trainer` and the persistent `PSWorkerStep` (its step counter
-    ``t`` continues across files); waits until the servers applied this worker's pushes."""
-    from mariana.platform.core.loop import Trainer
-    from mariana.platform.core.rundir import RunDir
-
-    from .step import PullAheadLoader
-
-    if not batches:
-        return 0
-    loader = ListLoader(batches)
-    if step.pulls_ahead:
-        loader = PullAheadLoader(loader, step)
-    tcfg = dataclasses.replace(cfg, resume=False, progress=False, init_from="")
-    r = RunDir(run.path, create=False)
-    r.write_final = lambda *a, **k: None  # metrics.json holds the stream's totals
-    start = step.t
-    trainer = Trainer(
-        tcfg, step, loader, ctx, r, checkpointer=_ServersCheckpoint(), total=start + len(batches)
-    )
-    trainer.step = start
-    trainer.fit()
-    step.client.wait()
-    return trainer.step - start
+    def train(self, batches: list) -> int:
+        """Train ``batches``; wait until the servers applied this worker's pushes. Returns the steps."""
+        if not batches:
+            return 0
+        loader = ListLoader(batches)
+        if self.step.pulls_ahead:
+            loader = PullAheadLoader(loader, self.step)
+        if self.trainer is None:
+            self.trainer = file_trainer(self.cfg, self.step, loader, self.ctx, self.run)
+        steps = self.trainer.train_now(loader, self.step.t)
+        self.step.client.wait()
+        return steps
 
 
 def read_state(run) -> dict[str, Any] | None:
@@ -230,13 +170,13 @@ class PSStreamer(Streamer):
     the servers (`score`, `train_on`, `export`, `checkpoint` overridden)."""
 
     def __init__(self, cfg: StreamConfig, role, client, step, ctx, run, stop: threading.Event | None = None):
-        import torch
-
         self.cfg, self.folder, self.run = cfg, Path(cfg.data), run
         self.role, self.client, self.step, self.ctx = role, client, step, ctx
         self.stop = stop or threading.Event()
         self.export_kind, self.export_n = parse_export_every(cfg.export_every)
-        self.setup = _stream_setup(cfg, None)
+        self.setup = stream_setup(cfg, None)
+        self.coordinator = remote_handle(server_name(0), "coordinator")
+        self.parts = PartTrainer(cfg, step, ctx, run)
         self.device = torch.device("cpu")
         self.ledger: list[dict[str, Any]] = []
         self.totals = {"files": 0, "rows": 0, "skipped_lines": 0, "steps": 0, "exports": 0}
@@ -264,38 +204,21 @@ class PSStreamer(Streamer):
 
     def _model(self):
         """(model with the servers' current table and dense parameters, table [N, K], seen [N])."""
-        from mariana.platform.ps.dense import unflatten_into
-
-        from .model import build_model
-        from .step import TABLE
-
         st = self.setup
-        tables, dense_flat = self.client.dump({TABLE: st.spec.num_rows})
-        unflatten_into(dense_flat, self.step.model.dense_parameters())
-        weight, seen = tables[TABLE]
-        full = build_model(self.cfg, st.schema, table=weight)
-        full.load_dense_state_dict(self.step.model.state_dict())
-        return full, weight, seen
+        build = lambda w: build_model(self.cfg, st.schema, table=w)  # noqa: E731
+        return assemble_model(self.client, self.step.model, build, st.spec.num_rows)
 
     def score(self, rows) -> dict[str, float]:
-        from mariana.platform.core.metrics import auc_logloss
-
-        from .ps import _TableClient
-        from .step import predict_batches
-
         if len(rows) == 0:
             return {"auc": float("nan"), "logloss": float("nan")}
         full, weight, seen = self._model()
         batches = [rows.slice(i, i + 8192) for i in range(0, len(rows), 8192)]
         probs = predict_batches(
-            full, batches, _TableClient(weight), self.device, seen, self.setup.schema.rows_per_field
+            full, batches, TableClient(weight), self.device, seen, self.setup.schema.rows_per_field
         )
         return auc_logloss(rows.labels.numpy(), probs)
 
     def train_on(self, rows) -> int:
-        from mariana.platform.ps.server import server_name
-        from torch.distributed import rpc
-
         if len(rows) == 0:
             return 0
         parts = step_parts(rows, self.cfg.batch_size, self.role.num_workers)
@@ -307,18 +230,16 @@ class PSStreamer(Streamer):
             )
             return 0
         seq = self.seq
-        rpc.rpc_sync(server_name(0), _co_announce, args=(seq, parts), timeout=0)
-        steps = train_part(self.cfg, self.step, parts[0], self.ctx, self.run)
-        rpc.rpc_sync(server_name(0), _co_done, args=(seq, 0), timeout=0)
-        rpc.rpc_sync(server_name(0), _co_wait, args=(seq,), timeout=0)
+        self.coordinator.rpc_sync(timeout=0).announce(seq, parts)
+        steps = self.parts.train(parts[0])
+        self.coordinator.rpc_sync(timeout=0).part_done(seq, 0)
+        self.coordinator.rpc_sync(timeout=0).wait_parts(seq)
         self.seq += 1
         self.totals["steps"] = self.step.t
         return steps
 
     def checkpoint(self) -> None:
         """``step_T/stream.json`` atomically, then the servers' shards into the same folder and ``latest``."""
-        from mariana.platform.core.atomic import atomic_write_text
-
         t = self.step.t
         folder = self.run.ckpt_dir / f"step_{t:08d}"
         folder.mkdir(parents=True, exist_ok=True)
@@ -355,66 +276,36 @@ def rpc_threads(cfg: StreamConfig) -> int:
 
 def run_ps_stream_process(cfg: StreamConfig) -> int:
     """Body of one torchrun process of a parameter-server stream (role from RANK)."""
-    from mariana.platform.ps.runtime import rpc_session
-
-    from .ps import start_ps_process
-
-    role, run = start_ps_process(cfg)
-    setup = _stream_setup(cfg, None)
+    role, run = start_process(cfg.servers, cfg.workers, cfg.out)
+    setup = stream_setup(cfg, None)
     if role.kind == "server":
-        return _serve(cfg, role, run, setup, rpc_session)
-    return _work(cfg, role, run, setup, rpc_session)
-
-
-def _serve(cfg, role, run, setup, rpc_session) -> int:
-    from mariana.platform.ps.server import install
-
-    from .ps import build_server
-
-    global _CO
-    server, restored = build_server(cfg, role, run, setup)
-    _CO = Coordinator(role.num_workers, server.stop)
-    install(server)
-    with rpc_session(role, cfg.timeout, rpc_threads(cfg)):
-        server.serve()
-    (run.path / "counters" / f"server-{role.index}.json").write_text(
-        json.dumps({**server.counters, "restored_from": restored, "attempt": role.attempt}) + "\n"
-    )
-    return 0
-
-
-def _work(cfg, role, run, setup, rpc_session) -> int:
-    import torch
-    from mariana.platform.ps.server import server_name
-    from mariana.platform.ps.worker import PSClient
-    from mariana.platform.runtime.dist import DistContext
-    from torch.distributed import rpc
-
-    from .step import PSWorkerStep
-
+        server, restored = make_server(cfg, role, run, setup)
+        services = {"coordinator": Coordinator(role.num_workers, server.stop)} if role.index == 0 else {}
+        return serve(server, role, run, restored, cfg.timeout, rpc_threads(cfg), services)
     (run.path / "counters").mkdir(exist_ok=True)
     state = read_state(run) or {"step": 0, "seq": 0}
     with rpc_session(role, cfg.timeout, rpc_threads(cfg)):
         client = PSClient(role.num_servers, role.index, cfg.staleness, cfg.timeout)
-        step = PSWorkerStep(cfg, setup.schema, client, role, run)
+        step = make_worker_step(cfg, setup.schema, client, role, run)
         step.t = int(state["step"])
         ctx = DistContext(rank=role.index, device=torch.device("cpu"))  # workers talk to servers only
         if role.index == 0:
             streamer = PSStreamer(cfg, role, client, step, ctx, run)
             t = streamer.run_forever()
-            rpc.rpc_sync(server_name(0), _co_announce, args=(streamer.seq, None), timeout=0)  # stop
+            streamer.coordinator.rpc_sync(timeout=0).announce(streamer.seq, None)  # stop
             client.done()
             client.wait_all_done()
             client.finish_servers()
             log.info("stream: %d files, %d rows, %d exports", t["files"], t["rows"], t["exports"])
             return 0
+        coordinator, parts_trainer = (
+            remote_handle(server_name(0), "coordinator"),
+            PartTrainer(cfg, step, ctx, run),
+        )
         seq = int(state["seq"])
-        while True:
-            parts = rpc.rpc_sync(server_name(0), _co_fetch, args=(seq, role.index), timeout=0)
-            if parts is None:
-                break
-            train_part(cfg, step, parts, ctx, run)
-            rpc.rpc_sync(server_name(0), _co_done, args=(seq, role.index), timeout=0)
+        while (parts := coordinator.rpc_sync(timeout=0).fetch(seq, role.index)) is not None:
+            parts_trainer.train(parts)
+            coordinator.rpc_sync(timeout=0).part_done(seq, role.index)
             seq += 1
         client.done()
     return 0

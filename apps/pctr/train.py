@@ -23,14 +23,22 @@ from pathlib import Path
 import numpy as np
 import torch
 from mariana.platform.core.errors import DataError, MarianaError
+from mariana.platform.core.evaluator import evaluator_from
 from mariana.platform.core.export import export_model
+from mariana.platform.core.loop import Trainer
 from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.prefetch import Prefetcher
 from mariana.platform.core.rundir import RunDir, setup_logging
 from mariana.platform.core.tiers import host_budget_gb
+from mariana.platform.core.warmstart import load_init
 from mariana.platform.data.shards import BatchStore
+from mariana.platform.ps.loader import PullAheadLoader
+from mariana.platform.ps.local import LocalStep
 from mariana.platform.ps.memory import keep_freed_memory
+from mariana.platform.ps.protocol import TABLE
+from mariana.platform.ps.pull import predict_batches
 from mariana.platform.ps.shard import TableSpec, contiguous_part
+from mariana.platform.runtime.dist import DistContext, resolve_device
 
 from .configs import PctrConfig
 from .data import (
@@ -45,9 +53,10 @@ from .data import (
     parse_split,
     split_bounds,
 )
+from .images import setup_image_features
 from .model import CTRModel
 from .sources import resolve_sources
-from .step import TABLE, LocalStep, PullAheadLoader, predict_batches
+from .step import make_local_step
 
 log = logging.getLogger("mariana")
 
@@ -98,7 +107,6 @@ class WorkerData:
     ):
         self.path, self.encoder = path, encoder
         self.bs, self.w, self.W, self.seed, self.shuffle = batch_size, worker, num_workers, seed, shuffle
-        self.cache_device = torch.device(cache_device)
         self.stats = ReadStats()
         self.steps_per_epoch = max(1, ((stop - start) // batch_size) // num_workers)
         self.lo, self.hi = shard_lines(start, stop, worker, num_workers)
@@ -107,10 +115,9 @@ class WorkerData:
         key = {"encoding": encoding_key(encoder), "lines": [self.lo, self.hi], "batch": batch_size}
         self.cache = BatchStore(
             cache_dir, ("ids", "vals", "dense", "labels"), Batch, resolve_sources(path).paths, key,
-            self.hi - self.lo, host_budget_gb(cache_gb), self.cache_device,
+            self.hi - self.lo, host_budget_gb(cache_gb), cache_device,
         )  # fmt: skip
-        self.cache_complete = self.cache.complete
-        if self.cache_complete:  # a whole store from an earlier attempt of this run: its read statistics
+        if self.cache.complete:  # a whole store from an earlier attempt of this run: its read statistics
             s = self.cache.extra["stats"]
             self.stats = ReadStats(s["rows"], s["skipped"], {int(k): v for k, v in s["errors"].items()})
 
@@ -119,7 +126,6 @@ class WorkerData:
         for b in iter_batches(chunks, self.bs, drop_last=True):
             yield self.cache.append(b)
         self.cache.finish({"stats": dataclasses.asdict(self.stats)})
-        self.cache_complete = True
         if not len(self.cache):
             raise DataError(
                 f"{self.path}: no valid rows for worker {self.w} in lines {self.lo + 1}-{self.hi}"
@@ -127,7 +133,7 @@ class WorkerData:
 
     def batches(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
         n = self.steps_per_epoch
-        if epoch == 0 and not self.cache_complete:
+        if epoch == 0 and not self.cache.complete:
             self.cache.clear()
             k = 0
             for b in self._stream():
@@ -142,7 +148,7 @@ class WorkerData:
                     yield self.cache[k % len(self.cache)]
                 k += 1
             return
-        if not self.cache_complete:
+        if not self.cache.complete:
             for _ in self._stream():
                 pass
         m = len(self.cache)
@@ -171,7 +177,7 @@ class PctrLoader:
 
     def iterate(self, epoch: int, start: int = 0) -> Iterator[Batch]:
         gen = self.data.batches(epoch, start)
-        if epoch == 0 and self.prefetch > 0 and not self.data.cache_complete:
+        if epoch == 0 and self.prefetch > 0 and not self.data.cache.complete:
             return Prefetcher(gen, self.prefetch)
         return gen
 
@@ -192,8 +198,6 @@ class Setup:
         # --image-cross), so before the table's spec
         self.image = None
         if getattr(cfg, "image_features", ""):
-            from .images import setup_image_features
-
             self.image = setup_image_features(cfg, self.schema, self.encoder, self.bounds["train"])
         self.spec = TableSpec(
             TABLE, self.schema.num_rows, 1 + (0 if cfg.model == "lr" else cfg.dim), cfg.init_std
@@ -225,8 +229,6 @@ class Setup:
         return self.cfg.max_steps if self.cfg.max_steps > 0 else self.cfg.epochs * steps_per_epoch
 
     def meta(self, extra: dict | None = None) -> dict:
-        import dataclasses
-
         cfg = dataclasses.asdict(self.cfg)
         return {
             "app": "pctr",
@@ -269,8 +271,6 @@ def warm_start(step, setup: Setup, cfg: PctrConfig) -> None:
     """``--init-from``: table rows, ``seen`` flags and dense weights of an earlier pctr model; with
     ``--init-row-state`` also the table's row-optimiser state (Adagrad accumulators, FTRL z/n) from the
     source run's latest one-process checkpoint."""
-    from mariana.platform.core.warmstart import load_init
-
     state, meta = load_init(cfg.init_from, "pctr")
     table, seen = state.pop("table.weight", None), state.pop("seen", None)
     row_key = state.pop("idmap.row_key", None)
@@ -370,14 +370,9 @@ def continue_training_state(step, cfg: PctrConfig) -> int:
 
 def make_trainer(cfg, step, data: WorkerData, ctx, run, validate, exporter, total: int, checkpointer=None):
     """The platform `Trainer` over this process's batches; ``validate`` is None without validation rows."""
-    from mariana.platform.core.evaluator import evaluator_from
-    from mariana.platform.core.loop import Trainer
-
     if validate is None and cfg.early_stop:
         # No validation rows (e.g. --split 1,0,0, a day of logs trained on in full): nothing to stop early
         # on, so the run makes its --epochs passes and exports the final model.
-        import dataclasses
-
         log.info("no validation rows: no early stopping; the final model is exported")
         cfg = dataclasses.replace(cfg, early_stop=0)
     loader = PctrLoader(data, cfg.prefetch)
@@ -401,8 +396,6 @@ def train_local(cfg: PctrConfig, setup: Setup | None = None) -> dict:
 
     Checkpoints (every ``--ckpt-every`` steps and at the end) hold everything the next step depends on,
     so ``--resume`` continues exactly as if the run had not stopped."""
-    from mariana.platform.runtime.dist import DistContext, resolve_device
-
     st = setup or Setup(cfg)
     st.check_batch_size()
     run = RunDir(cfg.out)
@@ -411,7 +404,7 @@ def train_local(cfg: PctrConfig, setup: Setup | None = None) -> dict:
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
     keep_freed_memory()
-    step = LocalStep(cfg, st, device)
+    step = make_local_step(cfg, st, device)
     if cfg.init_from and not (cfg.resume and run.has_checkpoint()):
         warm_start(step, st, cfg)
     a, b = st.bounds["train"]

@@ -21,7 +21,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -113,6 +112,58 @@ class MetricsLogger:
             mininterval=1.0,
             file=sys.stderr,
         )
+        self.begin(ctx.device)
+
+    # --- the interval between two train records -------------------------------------------------------
+    def begin(self, device: torch.device) -> None:
+        """Start counting: the interval's loss sum (on ``device``: no host read per step), samples, steps,
+        input wait; the run's samples logged so far and the last logged loss."""
+        self.loss_sum = torch.zeros((), device=device)
+        self.interval_samples, self.interval_steps, self.interval_wait = 0, 0, 0.0
+        self.last_log = time.perf_counter()
+        self.run_samples, self.last_loss = 0, float("nan")
+
+    def add(self, loss: torch.Tensor, samples: int, wait_s: float) -> None:
+        """One optimizer step: its loss [], samples, seconds waited for its input."""
+        self.loss_sum += loss
+        self.interval_samples += samples
+        self.interval_steps += 1
+        self.interval_wait += wait_s
+        self.bar.update(1)
+
+    def log_train(self, step: int, epoch: int, step_obj: TrainStep) -> None:
+        """Write the interval's train record (mean loss, samples/s, step, communication and input-wait
+        times, learning rates) and start the next interval."""
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        n = self.interval_steps
+        self.last_loss = step_obj.mean_loss(self.loss_sum, n)
+        samples = self.interval_samples * step_obj.data_parallel
+        self.run_samples += samples
+        comm_s, comm_bytes = step_obj.comm_stats()
+        record = {
+            "step": step,
+            "epoch": epoch,
+            "loss": self.last_loss,
+            "samples_per_s": samples / max(1e-9, now - self.last_log),
+            "step_time_s": (now - self.last_log) / n,
+            "comm_time_s": comm_s / n,
+            "data_wait_s": self.interval_wait / n,
+            "comm_bytes": comm_bytes // n,
+            **step_obj.lrs(),
+        }
+        self.write(record)
+        self.postfix(loss=f"{self.last_loss:.4f}", sps=f"{record['samples_per_s']:.0f}")
+        self.loss_sum.zero_()
+        self.interval_samples, self.interval_steps, self.interval_wait = 0, 0, 0.0
+        self.last_log = time.perf_counter()
+
+    def flush(self, step_obj: TrainStep) -> None:
+        """Count the steps not logged yet (an early stop between log points) in the last loss and samples."""
+        if self.interval_steps:
+            self.last_loss = step_obj.mean_loss(self.loss_sum, self.interval_steps)
+            self.run_samples += self.interval_samples * step_obj.data_parallel
 
     def write(self, record: dict[str, Any]) -> None:
         if self.ctx.is_main:
@@ -131,7 +182,10 @@ class Trainer:
 
     ``evaluator``: when to evaluate, the monitored metric, patience; ``exporter(metrics, step)`` writes the
     model (called on every rank; the app decides which rank writes); ``checkpointer``: default
-    `Checkpointer` (the parameter-server step brings one that checkpoints the servers)."""
+    `Checkpointer` (the parameter-server step brings one that checkpoints the servers); ``faults``: the
+    injection point of ``MARIANA_FAULT``'s ``step=N`` faults, fired before each step (default: from the
+    environment, `faults.FaultInjector`). `fit` runs the whole schedule; `train_now` trains on a given
+    loader's batches at once (a stream, file by file)."""
 
     def __init__(
         self,
@@ -145,6 +199,7 @@ class Trainer:
         checkpointer: Checkpointer | None = None,
         desc: str = "train",
         total: int | None = None,
+        faults: FaultInjector | None = None,
     ):
         self.cfg, self.step_obj, self.loader, self.ctx, self.run = cfg, step, loader, ctx, run
         self.evaluator, self.exporter, self.desc = evaluator, exporter, desc
@@ -155,7 +210,8 @@ class Trainer:
         self.step, self.epoch, self.pos, self.samples = 0, 0, 0, 0
         self.history: list[dict[str, Any]] = []
         self.exported_step = -1
-        self.faults = FaultInjector()
+        self.faults = faults if faults is not None else FaultInjector()
+        self.logger: MetricsLogger | None = None
         if ctx.watchdog is not None:
             ctx.watchdog.report_dir = run.log_dir
 
@@ -273,111 +329,31 @@ class Trainer:
             self.epoch, self.pos = self.epoch + 1, 0
 
     def fit(self) -> dict[str, Any]:
+        """Train until ``--max-steps``/``--epochs`` or early stopping (resuming first when asked);
+        evaluate, checkpoint and export on schedule; write ``metrics.json``. Returns its record."""
         cfg, ctx = self.cfg, self.ctx
         resumed = self.maybe_resume()
         self.logger = MetricsLogger(self.run, ctx, self.total_steps, self.step, cfg.progress, self.desc)
-        stream = self._batches()
-        loss_sum = torch.zeros((), device=ctx.device)
-        interval_samples, interval_steps, interval_wait, last_log = 0, 0, 0.0, time.perf_counter()
-        start_time, start_step, run_samples = time.perf_counter(), self.step, 0
-        last_loss = float("nan")
+        start_time, start_step = time.perf_counter(), self.step
         eval_metrics: dict[str, float] = {}
-        stopped_early = False
-        audit = host_read_audit(ctx.rank)  # MARIANA_AUDIT_HOST_READS: count host reads per step
         with self.logger.redirect(), self.logger.bar:
             if self.evaluator is not None and not resumed and getattr(cfg, "init_from", ""):
                 eval_metrics = self.evaluate("warm start")  # the starting point, for comparison
-            while self.step < self.total_steps and not stopped_early:
-                self.faults.maybe_fire(self.step + 1)
-                ctx.beat(self.step + 1, "data")
-                epoch_before = self.epoch
-                t_data = time.perf_counter()
-                micro = [next(stream) for _ in range(self.accum)]
-                interval_wait += time.perf_counter() - t_data  # the step waiting for input
-                logged = evaluated = saved = False
-                if audit is not None:
-                    audit.begin()
-                    audit.__enter__()
-                loss, n = self.step_obj.train_step(micro)
-                loss_sum += loss
-                interval_samples += n
-                self.step += 1
-                interval_steps += 1
-                self.logger.bar.update(1)
-                # the epoch ended when the last batch taken was its last one
-                epoch_ended = self.pos >= self.loader.batches_per_epoch or self.epoch > epoch_before
-                if self.pos >= self.loader.batches_per_epoch:
-                    self.epoch, self.pos = self.epoch + 1, 0
-                    stream.close()
-                    stream = self._batches()
-
-                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                    logged = True
-                    if ctx.device.type == "cuda":
-                        torch.cuda.synchronize()
-                    now = time.perf_counter()
-                    last_loss = self.step_obj.mean_loss(loss_sum, interval_steps)
-                    samples = interval_samples * self.step_obj.data_parallel
-                    run_samples += samples
-                    comm_s, comm_bytes = self.step_obj.comm_stats()
-                    record = {
-                        "step": self.step,
-                        "epoch": self.batch_epoch(),
-                        "loss": last_loss,
-                        "samples_per_s": samples / max(1e-9, now - last_log),
-                        "step_time_s": (now - last_log) / interval_steps,
-                        "comm_time_s": comm_s / interval_steps,
-                        "data_wait_s": interval_wait / interval_steps,
-                        "comm_bytes": comm_bytes // interval_steps,
-                        **self.step_obj.lrs(),
-                    }
-                    self.logger.write(record)
-                    self.logger.postfix(loss=f"{last_loss:.4f}", sps=f"{record['samples_per_s']:.0f}")
-                    loss_sum.zero_()
-                    interval_samples, interval_steps, interval_wait = 0, 0, 0.0
-                    last_log = time.perf_counter()
-                if self.evaluator is not None and self.step < self.total_steps:
-                    if self.evaluator.due(self.step, epoch_ended):
-                        evaluated = True
-                        eval_metrics = self.evaluate("epoch end" if epoch_ended else "scheduled")
-                        stopped_early = self._agree(self.evaluator.should_stop)
-                        if stopped_early and ctx.is_main:
-                            log.info(
-                                "early stop at step %d: no %s improvement in %d evaluations (best %.4f at step %d)",
-                                self.step,
-                                self.evaluator.monitor,
-                                self.evaluator.patience,
-                                self.evaluator.best,
-                                self.evaluator.best_step,
-                            )
-                if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step < self.total_steps:
-                    saved = True
-                    self.save()
-                if audit is not None:
-                    audit.__exit__(None, None, None)
-                    audit.end(self.step, logged, evaluated, saved)
-            stream.close()
+            stopped_early, eval_metrics = self._run(eval_metrics, scheduled=True)
             wall = time.perf_counter() - start_time
-            if interval_steps:  # a loss not yet logged (early stop between log points)
-                last_loss = self.step_obj.mean_loss(loss_sum, interval_steps)
-                run_samples += interval_samples * self.step_obj.data_parallel
-            self.samples += run_samples
+            self.logger.flush(self.step_obj)  # a loss not yet logged (early stop between log points)
+            self.samples += self.logger.run_samples
             if self.evaluator is not None and self.evaluator.last_step != self.step:
                 eval_metrics = self.evaluate("end")
             elif self.evaluator is not None and self.history:
                 eval_metrics = {k[5:]: v for k, v in self.history[-1].items() if k.startswith("eval_")}
             self.save()
-        if self.exporter is not None and (self.evaluator is None or not self.evaluator.monitor):
-            self.exporter({f"eval_{k}": v for k, v in eval_metrics.items()}, self.step)
-            self.exported_step = self.step
-        elif self.exporter is not None and self.exported_step < 0:
-            self.exporter({f"eval_{k}": v for k, v in eval_metrics.items()}, self.step)  # nothing was better
-            self.exported_step = self.step
+        self._export_final(eval_metrics)
         final = {
             "steps": self.step,
             "epochs_completed": self.epoch,
-            "train_loss": last_loss,
-            "samples_per_s": run_samples / wall if wall > 0 and self.step > start_step else 0.0,
+            "train_loss": self.logger.last_loss,
+            "samples_per_s": self.logger.run_samples / wall if wall > 0 and self.step > start_step else 0.0,
             "wall_time_s": wall,
             "world_size": ctx.world_size,
             "stopped_early": stopped_early,
@@ -391,10 +367,93 @@ class Trainer:
             ctx.watchdog.disarm()
         return final
 
+    def train_now(self, loader: BatchLoader, start_step: int | None = None) -> int:
+        """Train on one pass of ``loader``'s batches now (a stream: one call per file, with one Trainer
+        for the whole stream). The step count goes on from ``start_step`` (default: where the last call
+        ended); train records go to ``metrics.jsonl`` with that global step, and ``MARIANA_FAULT``'s step
+        faults fire as in `fit`. Nothing is evaluated, checkpointed or exported and no ``metrics.json`` is
+        written: the caller does those on its own schedule. Returns the optimizer steps taken."""
+        if start_step is not None:
+            self.step = start_step
+        start = self.step
+        self.loader, self.epoch, self.pos = loader, 0, 0
+        self.total_steps = start + loader.batches_per_epoch // self.accum
+        self.step_obj.setup(self.total_steps)
+        self.logger = MetricsLogger(self.run, self.ctx, self.total_steps, start, self.cfg.progress, self.desc)
+        with self.logger.redirect(), self.logger.bar:
+            self._run({}, scheduled=False)
+            self.logger.flush(self.step_obj)
+        self.samples += self.logger.run_samples
+        return self.step - start
 
-def checkpoint_folder(run: RunDir) -> Path:
-    """The folder ``latest`` names (MarianaError if there is none)."""
-    latest = run.ckpt_dir / "latest"
-    if not latest.is_file():
-        raise MarianaError(f"no checkpoint in {run.ckpt_dir}")
-    return run.ckpt_dir / latest.read_text().strip()
+    def _run(self, eval_metrics: dict[str, float], scheduled: bool) -> tuple[bool, dict[str, float]]:
+        """The steps up to ``total_steps`` (or an early stop); ``scheduled``: evaluate and checkpoint on
+        the schedule of ``cfg``. Returns (stopped early, the latest evaluation's metrics)."""
+        ctx, stream, stopped_early = self.ctx, self._batches(), False
+        audit = host_read_audit(ctx.rank)  # MARIANA_AUDIT_HOST_READS: count host reads per step
+        while self.step < self.total_steps and not stopped_early:
+            self.faults.maybe_fire(self.step + 1)
+            ctx.beat(self.step + 1, "data")
+            epoch_before = self.epoch
+            t_data = time.perf_counter()
+            micro = [next(stream) for _ in range(self.accum)]
+            wait = time.perf_counter() - t_data  # the step waiting for input
+            if audit is not None:
+                audit.begin()
+                audit.__enter__()
+            loss, n = self.step_obj.train_step(micro)
+            self.step += 1
+            self.logger.add(loss, n, wait)
+            # the epoch ended when the last batch taken was its last one
+            epoch_ended = self.pos >= self.loader.batches_per_epoch or self.epoch > epoch_before
+            if self.pos >= self.loader.batches_per_epoch:
+                self.epoch, self.pos = self.epoch + 1, 0
+                stream.close()
+                stream = self._batches()
+            logged = self.step % self.cfg.log_every == 0 or self.step == self.total_steps
+            if logged:
+                self.logger.log_train(self.step, self.batch_epoch(), self.step_obj)
+            evaluated = saved = False
+            if scheduled:
+                evaluated, stopped_early, eval_metrics = self._maybe_evaluate(epoch_ended, eval_metrics)
+                saved = self._maybe_save()
+            if audit is not None:
+                audit.__exit__(None, None, None)
+                audit.end(self.step, logged, evaluated, saved)
+        stream.close()
+        return stopped_early, eval_metrics
+
+    def _maybe_evaluate(self, epoch_ended: bool, metrics: dict[str, float]) -> tuple[bool, bool, dict]:
+        """Evaluate when the evaluator says so (not at the last step: `fit` does that one). Returns
+        (evaluated, stop early, the metrics)."""
+        ev = self.evaluator
+        if ev is None or self.step >= self.total_steps or not ev.due(self.step, epoch_ended):
+            return False, False, metrics
+        metrics = self.evaluate("epoch end" if epoch_ended else "scheduled")
+        stop = self._agree(ev.should_stop)
+        if stop and self.ctx.is_main:
+            log.info(
+                "early stop at step %d: no %s improvement in %d evaluations (best %.4f at step %d)",
+                self.step,
+                ev.monitor,
+                ev.patience,
+                ev.best,
+                ev.best_step,
+            )
+        return True, stop, metrics
+
+    def _maybe_save(self) -> bool:
+        """Checkpoint every ``--ckpt-every`` steps (not at the last step: `fit` saves at the end)."""
+        every = self.cfg.ckpt_every
+        if every and self.step % every == 0 and self.step < self.total_steps:
+            self.save()
+            return True
+        return False
+
+    def _export_final(self, eval_metrics: dict[str, float]) -> None:
+        """Export at the end: always without a monitored metric, else only if nothing was exported yet."""
+        if self.exporter is None:
+            return
+        if (self.evaluator is None or not self.evaluator.monitor) or self.exported_step < 0:
+            self.exporter({f"eval_{k}": v for k, v in eval_metrics.items()}, self.step)
+            self.exported_step = self.step

@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from ..core.errors import MarianaError
 from ..core.optim import fused_supported
 
 
@@ -79,8 +80,6 @@ class DenseStore:
 
     def load_state_dict(self, sd: dict) -> None:
         if sd["param"].shape != self.param.shape:
-            from ..core.errors import MarianaError
-
             raise MarianaError(
                 f"checkpoint holds a dense slice of {sd['param'].numel()} values where this server holds "
                 f"{self.param.numel()}: it was written by a job with another --servers count or model"

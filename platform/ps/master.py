@@ -21,6 +21,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..core.atomic import atomic_write_text
+from ..runtime.launch import launch
+
 
 def collect_counters(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
@@ -70,9 +73,6 @@ def run_job(
     failed after all restarts (2 if every failed process reported bad input). ``console_rank``: the global
     rank whose progress bar and console log lines reach the terminal (e.g. the first worker, rank S); the
     others write only to their logs. ``num_servers``: S, to name failed processes by role."""
-    from ..core.atomic import atomic_write_text
-    from ..runtime.launch import launch
-
     t0 = time.time()
     what = f"{nprocs} process(es) x {nnodes} node(s)"
     if num_servers:

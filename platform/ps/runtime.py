@@ -15,8 +15,15 @@ hosts ``torchrun --nnodes 2 --nproc-per-node N --rdzv-backend c10d --rdzv-endpoi
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
+
+from torch.distributed import TCPStore, rpc
+
+from ..core.errors import MarianaError
+from ..core.faults import set_role
 
 
 @dataclass
@@ -38,14 +45,10 @@ def role_from_env(num_servers: int, num_workers: int) -> Role:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != num_servers + num_workers:
-        from ..core.errors import MarianaError
-
         raise MarianaError(
             f"the job has {world} processes but --servers {num_servers} + --workers {num_workers} "
             f"= {num_servers + num_workers}"
         )
-    from ..core.faults import set_role
-
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if rank < num_servers:
         role = Role("server", rank, rank, world, num_servers, num_workers, attempt)
@@ -66,10 +69,6 @@ def rpc_init_method(role: Role, timeout_s: float = 300.0) -> str:
     global _STORE
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
         return "env://"
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     timeout = timedelta(seconds=timeout_s)
     agent = TCPStore(addr, port, is_master=False, timeout=timeout, wait_for_workers=False)
@@ -89,8 +88,6 @@ def _generation(agent, role: Role, timeout_s: float) -> int:
     with their count unchanged, so the ranks of one group would disagree. Instead rank 0 of each new group
     bumps a counter in the agent store, and every other rank waits until the counter passes the generation
     it (its rank) joined last time, then joins that one."""
-    import time
-
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
     counter, seen = f"mariana/ps/generation/{run}", f"mariana/ps/joined/{run}/{role.rank}"
     last = int(agent.get(seen)) if agent.check([seen]) else 0
@@ -112,8 +109,6 @@ def _generation(agent, role: Role, timeout_s: float) -> int:
 def rpc_session(role: Role, timeout_s: float = 300.0, threads: int = 16):
     """``init_rpc`` for this role; always shuts RPC down (gracefully = a barrier over the group on success,
     at once on an exception, so a failing process does not wait for peers that may be gone)."""
-    from torch.distributed import rpc
-
     opts = rpc.TensorPipeRpcBackendOptions(
         init_method=rpc_init_method(role, timeout_s), rpc_timeout=timeout_s, num_worker_threads=threads
     )

@@ -19,25 +19,32 @@ weights, fresh optimiser state, not ``seen``), applied after the staleness wait 
 read. The map and the last few assignments of each worker go into server 0's checkpoint, so a worker that
 replays a step after a restore gets the same rows back without counting its batch twice.
 
-RPC handlers below are module-level functions (TensorPipe pickles references to them); they act on the
-process-global server object ``_PS``.
+RPC: each server process serves its `ParamServer` by name (`install`); a worker holds one RRef per server
+(`remote_handle`) and calls the server's methods through it (``handle.rpc_async().pull(...)``), so every
+public method of `ParamServer` is an RPC entry point, with no forwarding functions.
+
+Fault injection: ``faults`` (a `FaultInjector` of the ``push`` event, by default from ``MARIANA_FAULT``)
+fires before the N-th push is applied (platform/core/faults.py).
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
-import time
 from pathlib import Path
 
+import numpy as np
 import torch
+from torch.distributed import rpc
 
+from ..core.atomic import atomic_torch_save, atomic_write_text
+from ..core.faults import FaultInjector
 from .dense import DenseStore
 from .rowopt import coalesce
 from .shard import EmbeddingShard
 
 log = logging.getLogger("mariana")
-_PS: ParamServer | None = None
 
 
 def server_name(i: int) -> str:
@@ -55,6 +62,7 @@ class ParamServer:
         staleness: int = -1,
         ckpt_dir: str | Path | None = None,
         keep: int = 2,
+        faults: FaultInjector | None = None,
     ):
         self.index, self.num_servers, self.num_workers = index, num_servers, num_workers
         self.shard, self.dense, self.staleness = shard, dense, staleness
@@ -71,6 +79,8 @@ class ParamServer:
         self.keymap = None  # optional key -> row map (see the module docstring); set before `install`
         self.keymap_lock = threading.Lock()
         self.assigned: dict[int, dict[int, tuple]] = {}  # worker -> step -> (rows, evicted), the last few
+        self.faults = faults if faults is not None else FaultInjector("push")  # MARIANA_FAULT server=S:push=N
+        self._peers: list | None = None  # RRefs to servers 1.. (server 0 coordinates their checkpoints)
 
     # ----------------------------------------------------------------- pull / push
     def pull(self, reqs: list[tuple[str, torch.Tensor]], want_dense: bool, step: int, resets=None):
@@ -88,6 +98,9 @@ class ParamServer:
         return rows, dense
 
     def push(self, grads: list[tuple[str, torch.Tensor, torch.Tensor]], dense_grad, worker: int, step: int):
+        """Apply (or, bulk-synchronous, buffer) worker ``worker``'s gradients of ``step``: ``grads`` (table,
+        local rows [U], grad [U, K]), ``dense_grad`` [P_i] or None. False for a replayed step."""
+        self.faults.maybe_fire(self.counters["pushes"] + 1)  # the injection point of ``push=N`` faults
         self.counters["pushes"] += 1
         self.counters["rows_pushed"] += sum(r.numel() for _, r, _ in grads)
         if self.staleness != 0:
@@ -142,8 +155,6 @@ class ParamServer:
         Maps are applied in arrival order under one lock; a step this worker was already answered (a
         replay after a restore: the map is one or two steps ahead of the restored shards when pulls were
         sent ahead) gets the same answer again, counted once."""
-        import numpy as np
-
         with self.keymap_lock:
             mine = self.assigned.setdefault(worker, {})
             if step >= 0 and step in mine:
@@ -231,8 +242,6 @@ class ParamServer:
         that every shard holds steps ``0..step-1`` (no later step can be applied before worker 0 goes on).
         Shards saved one step apart would, after a restore, replay that step on the lagging shard from the
         other shard's newer state and end with a different model than an uninterrupted run."""
-        from ..core.atomic import atomic_torch_save
-
         if self.staleness == 0 and step > 0:
             with self.cond:
                 self.cond.wait_for(lambda: (step - 1) not in self.buffer or self.stop.is_set())
@@ -269,27 +278,18 @@ class ParamServer:
         ``latest`` is switched atomically. Shards need not be frozen together: each records the last
         step of every worker it applied, and a resumed worker replays from the minimum, which the shards
         that were ahead ignore, so the restored state is exactly-once per shard."""
-        from torch.distributed import rpc
-
-        from ..core.atomic import atomic_write_text
-
         assert self.ckpt_dir is not None
         with self.ckpt_lock:
             name = f"step_{step:08d}"
             folder = self.ckpt_dir / name
             folder.mkdir(parents=True, exist_ok=True)
-            futs = [
-                rpc.rpc_async(server_name(i), _save_shard, args=(str(folder), step))
-                for i in range(1, self.num_servers)
-            ]
+            futs = [h.rpc_async().save_shard(str(folder), step) for h in self.peers()]
             self.save_shard(str(folder), step)
             for f in futs:
                 f.wait()
             atomic_write_text(self.ckpt_dir / "latest", name + "\n")
             old = sorted(p for p in self.ckpt_dir.glob("step_*") if p.is_dir() and p.name != name)
             for p in old[: max(0, len(old) - (self.keep - 1))]:
-                import shutil
-
                 shutil.rmtree(p, ignore_errors=True)
             log.debug("checkpoint %s written (%d shards)", name, self.num_servers)
             return name
@@ -303,75 +303,44 @@ class ParamServer:
             counters.update(self.keymap_state()["counters"])
         return {"tables": out, "dense": dense, "counters": counters}
 
+    def peers(self) -> list:
+        """RRefs to the other servers (made on first use, once the RPC group is up)."""
+        if self._peers is None:
+            self._peers = [remote_handle(server_name(i)) for i in range(1, self.num_servers)]
+        return self._peers
+
+    def finish(self) -> bool:
+        """Stop serving: `serve` returns, and every waiting call gives up."""
+        self.stop.set()
+        with self.cond:
+            self.cond.notify_all()
+        return True
+
     def serve(self, poll_s: float = 0.2) -> None:
         while not self.stop.wait(poll_s):
             pass
 
 
-# --------------------------------------------------------------------- RPC entry points (run on a server)
-def _pull(reqs, want_dense, step, resets=None):
-    return _PS.pull(reqs, want_dense, step, resets)
+# --------------------------------------------------------------------- RPC: objects served by name
+_SERVED: dict[str, object] = {}  # this process's served objects: "ps" (its ParamServer), e.g. "coordinator"
 
 
-def _assign(keys, worker, step):
-    return _PS.assign(keys, worker, step)
-
-
-def _lookup(keys):
-    return _PS.lookup(keys)
-
-
-def _keymap_state():
-    return _PS.keymap_state()
-
-
-def _push(grads, dense_grad, worker, step):
-    return _PS.push(grads, dense_grad, worker, step)
-
-
-def _clock(worker, step):
-    return _PS.clock(worker, step)
-
-
-def _wait_clock(step, staleness):
-    return _PS.wait_clock(step, staleness)
-
-
-def _worker_done(worker):
-    return _PS.worker_done(worker)
-
-
-def _wait_all_done():
-    return _PS.wait_all_done()
-
-
-def _resume_step(worker):
-    return _PS.resume_step(worker)
-
-
-def _save_shard(folder, step=-1):
-    return _PS.save_shard(folder, step)
-
-
-def _checkpoint(step):
-    return _PS.checkpoint(step)
-
-
-def _dump():
-    return _PS.dump()
-
-
-def _finish():
-    _PS.stop.set()
-    with _PS.cond:
-        _PS.cond.notify_all()
-    return True
-
-
-def _ping():
-    return time.time()
+def serve_object(name: str, obj: object) -> None:
+    """Offer ``obj`` to the RPC group under ``name`` (before ``init_rpc``: peers may ask at once)."""
+    _SERVED[name] = obj
 
 
 def install(server: ParamServer) -> None:
-    global _PS
-    _PS = server
+    """Serve ``server`` as this process's parameter server (``"ps"``)."""
+    serve_object("ps", server)
+
+
+def _served(name: str) -> object:
+    """Runs on the owner: the object served as ``name`` (the value of the RRef `remote_handle` makes)."""
+    return _SERVED[name]
+
+
+def remote_handle(owner: str, name: str = "ps") -> rpc.RRef:
+    """An RRef to the object ``owner`` serves as ``name``: ``handle.rpc_async().method(*args)`` runs the
+    method on that object in the owner process (torch.distributed.rpc's RRef proxy)."""
+    return rpc.remote(owner, _served, args=(name,))

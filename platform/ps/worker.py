@@ -13,22 +13,7 @@ import time
 
 import torch
 
-from .server import (
-    _assign,
-    _checkpoint,
-    _clock,
-    _dump,
-    _finish,
-    _keymap_state,
-    _lookup,
-    _pull,
-    _push,
-    _resume_step,
-    _wait_all_done,
-    _wait_clock,
-    _worker_done,
-    server_name,
-)
+from .server import remote_handle, server_name
 from .shard import EmbeddingShard, contiguous_part, split_by_shard
 
 
@@ -81,17 +66,12 @@ class PSClient:
         self.S, self.worker, self.staleness, self.timeout = num_servers, worker, staleness, timeout_s
         self.pending: list = []
         self.pull_s = self.push_wait_s = 0.0
-
-    def _rpc(self):
-        from torch.distributed import rpc
-
-        return rpc
+        self.servers = [remote_handle(server_name(s)) for s in range(num_servers)]  # RRefs to ParamServers
 
     def resume_step(self) -> int:
         """First step this worker has to run (0 on a fresh job; after a restore, the earliest step any
         shard has not applied from it)."""
-        rpc = self._rpc()
-        futs = [rpc.rpc_async(server_name(s), _resume_step, args=(self.worker,)) for s in range(self.S)]
+        futs = [h.rpc_async().resume_step(self.worker) for h in self.servers]
         return min(f.wait() for f in futs) + 1
 
     def pull(self, reqs: dict[str, torch.Tensor], step: int = -1, want_dense: bool = False, resets=None):
@@ -99,7 +79,7 @@ class PSClient:
         ``resets``: as `pull_async`'s."""
         if self.staleness > 0 and step >= 0:
             t0 = time.perf_counter()
-            self._rpc().rpc_sync(server_name(0), _wait_clock, args=(step, self.staleness))
+            self.servers[0].rpc_sync().wait_clock(step, self.staleness)
             self.pull_s += time.perf_counter() - t0
         return self.pull_async(reqs, step, want_dense, resets).wait()
 
@@ -117,7 +97,6 @@ class PSClient:
         every worker's ``step - 1``, so a pull sent before this worker pushed ``step - 1`` returns the same
         rows as one sent after. ``resets``: table -> (global rows [E], weights [E, K]) that the servers
         start over (fresh optimiser state, not seen) before reading, after that wait."""
-        rpc = self._rpc()
         parts = {n: split_by_shard(r, self.S) for n, r in reqs.items()}
         rparts = {n: (split_by_shard(r, self.S), w) for n, (r, w) in (resets or {}).items()}
         futs = []
@@ -126,32 +105,31 @@ class PSClient:
             args = (sreq, want_dense, step)
             if rparts:
                 args += ([(n, sp[s][1], w.index_select(0, sp[s][0])) for n, (sp, w) in rparts.items()],)
-            futs.append(rpc.rpc_async(server_name(s), _pull, args=args))
+            futs.append(self.servers[s].rpc_async().pull(*args))
         return PendingPull(self, reqs, parts, futs)
 
     # ----------------------------------------------------------------- key map (on server 0)
     def assign(self, keys: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Server 0's key map for this worker's batch of ``step``: keys [B, F] -> (rows [B, F], evicted
         global rows [E]); a blocking round trip, so one worker's batches are mapped in its order."""
-        return self._rpc().rpc_sync(server_name(0), _assign, args=(keys, self.worker, step))
+        return self.servers[0].rpc_sync().assign(keys, self.worker, step)
 
     def assign_async(self, keys: torch.Tensor, step: int):
         """`assign` sent at once: a future of its answer (send a worker's next batch only once the
         previous answer arrived, so that its batches reach the map in order)."""
-        return self._rpc().rpc_async(server_name(0), _assign, args=(keys, self.worker, step))
+        return self.servers[0].rpc_async().assign(keys, self.worker, step)
 
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
         """Read-only lookup in server 0's key map: keys [n, F] -> rows [n, F]."""
-        return self._rpc().rpc_sync(server_name(0), _lookup, args=(keys,))
+        return self.servers[0].rpc_sync().lookup(keys)
 
     def keymap_state(self) -> dict:
         """Server 0's key map: ``row_key`` [rows] int64 and ``counters``."""
-        return self._rpc().rpc_sync(server_name(0), _keymap_state, timeout=0)
+        return self.servers[0].rpc_sync(timeout=0).keymap_state()
 
     def push(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]], dense_grad=None, step: int = -1):
         """Send the sparse gradients (table -> (global unique rows [U], grad [U, K])) and the dense one.
         Asynchronous: returns at once; `wait` blocks until the servers accepted this push."""
-        rpc = self._rpc()
         self.wait()  # at most one push in flight: bounded memory, and the clock below stays truthful
         parts = {n: (r, g, split_by_shard(r, self.S)) for n, (r, g) in grads.items()}
         for s in range(self.S):
@@ -160,10 +138,10 @@ class PSClient:
             if dense_grad is not None:
                 lo, hi = contiguous_part(dense_grad.numel(), s, self.S)
                 dg = dense_grad[lo:hi]
-            self.pending.append(rpc.rpc_async(server_name(s), _push, args=(sg, dg, self.worker, step)))
+            self.pending.append(self.servers[s].rpc_async().push(sg, dg, self.worker, step))
         if self.staleness > 0:
             self.wait()
-            rpc.rpc_sync(server_name(0), _clock, args=(self.worker, step))
+            self.servers[0].rpc_sync().clock(self.worker, step)
 
     def wait(self) -> None:
         t0 = time.perf_counter()
@@ -175,21 +153,20 @@ class PSClient:
     # ----------------------------------------------------------------- job control
     def done(self) -> None:
         self.wait()
-        self._rpc().rpc_sync(server_name(0), _worker_done, args=(self.worker,))
+        self.servers[0].rpc_sync().worker_done(self.worker)
 
     def wait_all_done(self) -> None:
-        self._rpc().rpc_sync(server_name(0), _wait_all_done, timeout=0)  # 0: no RPC timeout
+        self.servers[0].rpc_sync(timeout=0).wait_all_done()  # 0: no RPC timeout
 
     def checkpoint(self, step: int) -> str:
         self.wait()
-        return self._rpc().rpc_sync(server_name(0), _checkpoint, args=(step,))
+        return self.servers[0].rpc_sync().checkpoint(step)
 
     def dump(
         self, num_rows: dict[str, int]
     ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
         """Assemble every table in global row order: table -> (weight [N, K], seen [N] bool); dense [P]."""
-        rpc = self._rpc()
-        futs = [rpc.rpc_async(server_name(s), _dump, timeout=0) for s in range(self.S)]
+        futs = [h.rpc_async(timeout=0).dump() for h in self.servers]
         parts = [f.wait() for f in futs]
         out = {}
         for n, N in num_rows.items():
@@ -210,6 +187,5 @@ class PSClient:
         return out, (torch.cat(dense) if dense else torch.zeros(0))
 
     def finish_servers(self) -> None:
-        rpc = self._rpc()
-        for f in [rpc.rpc_async(server_name(s), _finish) for s in range(self.S)]:
+        for f in [h.rpc_async().finish() for h in self.servers]:
             f.wait()
