@@ -42,11 +42,11 @@ def criteo_text(n: int, seed: int = 0, unique: int = 4000) -> str:
     return ("\n".join(lines) + "\n") * reps + "".join(x + "\n" for x in lines[:rest])
 
 
-def _batches(n: int, rows: int = 7, seed: int = 0) -> list[Batch]:
+def _batches(n: int, rows: int = 7, seed: int = 0, dense: int = 2) -> list[Batch]:
     g = torch.Generator().manual_seed(seed)
     return [
         Batch(torch.randint(0, 99, (rows, 3), generator=g), torch.rand(rows, 3, generator=g),
-              torch.rand(rows, 2, generator=g), torch.rand(rows, generator=g))
+              torch.rand(rows, dense, generator=g), torch.rand(rows, generator=g))
         for _ in range(n)
     ]  # fmt: skip
 
@@ -117,6 +117,18 @@ def test_a_killed_write_is_never_trusted(tmp_path):
     with open(folder / "shard-00000.bin", "r+b") as f:  # a shard cut short after the index was written
         f.truncate(100)
     assert not _store(folder, src).complete
+
+
+def test_a_field_of_width_zero(tmp_path):
+    """libFM batches have no dense features (dense [B, 0])."""
+    src = tmp_path / "rows.tsv"
+    src.write_text("x\n")
+    st, bs = _store(tmp_path / "cache", src), _batches(3, dense=0)
+    for b in bs:
+        st.append(b)
+    st.finish()
+    assert st.tier == "disk" and all(_equal(st[k], b) for k, b in enumerate(bs))
+    assert st[1].dense.shape == (7, 0)
 
 
 def test_ram_tier_and_budget(tmp_path):

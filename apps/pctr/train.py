@@ -118,6 +118,7 @@ class WorkerData:
             self.hi - self.lo, host_budget_gb(cache_gb), cache_device,
         )  # fmt: skip
         if self.cache.complete:  # a whole store from an earlier attempt of this run: its read statistics
+            log.info("worker %d: %d encoded batches reused from %s", worker, len(self.cache), cache_dir)
             s = self.cache.extra["stats"]
             self.stats = ReadStats(s["rows"], s["skipped"], {int(k): v for k, v in s["errors"].items()})
 
@@ -126,6 +127,7 @@ class WorkerData:
         for b in iter_batches(chunks, self.bs, drop_last=True):
             yield self.cache.append(b)
         self.cache.finish({"stats": dataclasses.asdict(self.stats)})
+        log.info("worker %d: %d encoded batches kept (%s tier)", self.w, len(self.cache), self.cache.tier)
         if not len(self.cache):
             raise DataError(
                 f"{self.path}: no valid rows for worker {self.w} in lines {self.lo + 1}-{self.hi}"

@@ -94,7 +94,8 @@ class _ShardWriter:
         self.entries.append((len(self.sizes), self.offset, int(tensors[0].shape[0])))
         for t in tensors:
             a = t.detach().cpu().contiguous().numpy()
-            self.f.write(memoryview(a).cast("B"))  # no copy of the batch's bytes
+            if a.nbytes:  # (a field of width 0, e.g. libFM's dense [B, 0], has no bytes to write)
+                self.f.write(memoryview(a).cast("B"))  # no copy of the batch's bytes
             pad = _padded(a.nbytes) - a.nbytes
             self.f.write(b"\0" * pad)
             self.offset += a.nbytes + pad
