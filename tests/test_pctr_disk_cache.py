@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import mariana.apps.pctr.train as train_mod
 import numpy as np
 import pytest
 import torch
@@ -209,7 +210,6 @@ def test_killed_run_resumes_exactly_from_its_shards(small, reference, monkeypatc
         _run(small, out, cache_gb=1e-6, ckpt_every=5)
     assert (out / "row-cache" / "worker-0" / "index.json").is_file()
     monkeypatch.delenv("MARIANA_FAULT")
-    import mariana.apps.pctr.train as train_mod
 
     def no_parse(*a, **k):
         raise AssertionError("the resumed run parsed the file again")
