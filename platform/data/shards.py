@@ -121,10 +121,11 @@ class BatchStore:
     """The batches of one pass, in the tier ``choose_tier`` picks; see the module's docstring.
 
     ``fields``: the names of a batch's tensors (read with ``getattr``); ``make(*tensors)`` rebuilds a batch
-    from them. ``folder``: where the disk tier's shards go (created on demand; None: a new temporary folder, never
-    reused). ``sources`` / ``key``: what
-    the fingerprint covers. ``expected_rows``: the rows the pass will hold at most (sizes the tier);
-    ``cache_gb``: the host-RAM budget in GB; ``device``: the training device (the ``device`` tier's)."""
+    from them. ``folder``: where the disk tier's shards go (created on demand; None: a new temporary
+    folder, never reused). ``sources`` / ``key``: what the fingerprint covers. ``expected_rows``: the rows
+    the pass will hold at most (sizes the tier); ``cache_gb``: the host-RAM budget in GB; ``device``: the
+    training device (the ``device`` tier's). A whole store of the same fingerprint found in ``folder`` is
+    reused as it is (tier ``disk``, ``complete``), whatever the budget now."""
 
     def __init__(
         self,
