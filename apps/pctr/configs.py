@@ -41,6 +41,7 @@ class PctrConfig(TrainConfig):
         "val_rows",
         "init_row_state",
         "init_train_state",
+        "cache_gb",
     }
 
     data: str = opt(
@@ -146,7 +147,12 @@ class PctrConfig(TrainConfig):
     ftrl_l1: float = opt(0.0, "FTRL L1 strength")
     ftrl_l2: float = opt(0.0, "FTRL L2 strength")
     batch_size: int = opt(512, "samples per worker per step")
-    shuffle: bool = opt(True, "shuffle the batch order of epochs >= 2 (served from the in-memory cache)")
+    shuffle: bool = opt(True, "shuffle the batch order of epochs >= 2 (served from the row cache)")
+    cache_gb: float | None = opt(
+        None,
+        "host RAM in GB the encoded training rows may take (per process; default: a quarter of this "
+        "machine's RAM); beyond it they go to memory-mapped shards under RUN/row-cache/ (apps/pctr/README.md, Data)",
+    )
     prefetch: int = opt(2, "batches parsed ahead of the training step by a background thread (0: no thread)")
     val_rows: int = opt(0, "cap on validation rows scored for counters and early reports (0: all)")
     image_features: str = opt(
@@ -194,6 +200,8 @@ class PctrConfig(TrainConfig):
         for name in ("dim",):
             if getattr(self, name) < 1:
                 raise MarianaError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        if self.cache_gb is not None and not (math.isfinite(self.cache_gb) and self.cache_gb >= 0):
+            raise MarianaError(f"--cache-gb must be a finite number >= 0, got {self.cache_gb}")
         for name in ("num_fields", "cross_layers", "prefetch", "val_rows"):
             if getattr(self, name) < 0:
                 raise MarianaError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")

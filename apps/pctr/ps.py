@@ -72,8 +72,9 @@ def _work(cfg: PctrConfig, role, run, st: Setup) -> int:
     """A worker: train its share with the platform `Trainer`; worker 0 then finishes the job."""
     a, b = st.bounds["train"]
     data = WorkerData(
-        st.sources, st.encoder, a, b, cfg.batch_size, role.index, role.num_workers, cfg.seed, cfg.shuffle
-    )
+        st.sources, st.encoder, a, b, cfg.batch_size, role.index, role.num_workers, cfg.seed, cfg.shuffle,
+        cache_gb=cfg.cache_gb, cache_dir=run.path / "row-cache" / f"worker-{role.index}",
+    )  # fmt: skip
     total = st.total_steps(data.steps_per_epoch)
     cpu = torch.device("cpu")
     val, val_labels = st.val_batches(cpu)
@@ -99,6 +100,7 @@ def _work(cfg: PctrConfig, role, run, st: Setup) -> int:
     validate = validate if len(val_labels) else None
     trainer = make_trainer(cfg, step, data, ctx, run, validate, exporter, total, checkpointer)
     final = trainer.fit()
+    data.close()  # its row shards (kept by a failed attempt for the restarted one)
     client.done()
     if role.index == 0:
         client.wait_all_done()

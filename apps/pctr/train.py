@@ -13,7 +13,9 @@ evaluations (``--epochs`` is the cap), and the best model is exported.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +29,9 @@ from mariana.platform.core.loop import Trainer
 from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.prefetch import Prefetcher
 from mariana.platform.core.rundir import RunDir, setup_logging
+from mariana.platform.core.tiers import host_budget_gb
 from mariana.platform.core.warmstart import load_init
+from mariana.platform.data.shards import BatchStore
 from mariana.platform.ps.loader import PullAheadLoader
 from mariana.platform.ps.local import LocalStep
 from mariana.platform.ps.memory import keep_freed_memory
@@ -65,31 +69,15 @@ def shard_lines(start: int, stop: int, worker: int, num_workers: int) -> tuple[i
     return start + lo, start + hi
 
 
-class EncodedRows:
-    """The encoded batches of one worker's share, kept after epoch 1 so that later epochs do not parse
-    again (in memory, on ``device``). The one place the loaders keep encoded rows: ``append`` while
-    streaming, ``complete`` once the share was read to its end, ``[k]``/``len`` for later epochs."""
-
-    def __init__(self, device="cpu"):
-        self.device = torch.device(device)
-        self.batches: list[Batch] = []
-        self.complete = False
-
-    def clear(self) -> None:
-        self.batches.clear()
-        self.complete = False
-
-    def append(self, batch: Batch) -> Batch:
-        """Keep ``batch`` (moved to the cache's device); returns the kept batch."""
-        batch = batch.to(self.device)
-        self.batches.append(batch)
-        return batch
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, k: int) -> Batch:
-        return self.batches[k]
+def encoding_key(encoder: Encoder) -> dict:
+    """What turns lines into rows (the schema; with --image-features the CNN and the fitted projection):
+    part of the fingerprint of cached rows, so a changed encoding never reads rows of the old one."""
+    image = None
+    if encoder.image is not None:
+        img = encoder.image
+        proj = [t.detach().cpu().numpy().tobytes() for t in (img.proj_mean, img.proj) if t is not None]
+        image = {**img.meta(), "projection": hashlib.sha256(b"".join(proj)).hexdigest()}
+    return {"schema": encoder.schema.to_dict(), "image": image}
 
 
 class WorkerData:
@@ -114,20 +102,33 @@ class WorkerData:
         seed: int = 0,
         shuffle: bool = True,
         cache_device="cpu",
+        cache_gb: float | None = None,
+        cache_dir=None,
     ):
         self.path, self.encoder = path, encoder
         self.bs, self.w, self.W, self.seed, self.shuffle = batch_size, worker, num_workers, seed, shuffle
-        self.cache = EncodedRows(cache_device)
         self.stats = ReadStats()
         self.steps_per_epoch = max(1, ((stop - start) // batch_size) // num_workers)
         self.lo, self.hi = shard_lines(start, stop, worker, num_workers)
+        # the encoded rows: on the device / in RAM up to --cache-gb, else memory-mapped shards in cache_dir
+        # (reused by a resumed run when source and encoding are unchanged; `close` deletes them)
+        key = {"encoding": encoding_key(encoder), "lines": [self.lo, self.hi], "batch": batch_size}
+        self.cache = BatchStore(
+            cache_dir, ("ids", "vals", "dense", "labels"), Batch, resolve_sources(path).paths, key,
+            self.hi - self.lo, host_budget_gb(cache_gb), cache_device,
+        )  # fmt: skip
+        if self.cache.complete:  # a whole store from an earlier attempt of this run: its read statistics
+            log.info("worker %d: %d encoded batches reused from %s", worker, len(self.cache), cache_dir)
+            s = self.cache.extra["stats"]
+            self.stats = ReadStats(s["rows"], s["skipped"], {int(k): v for k, v in s["errors"].items()})
 
     def _stream(self) -> Iterator[Batch]:
         chunks = iter_chunks(self.path, self.encoder, self.lo, self.hi, stats=self.stats)
         for b in iter_batches(chunks, self.bs, drop_last=True):
             yield self.cache.append(b)
-        self.cache.complete = True
-        if not self.cache:
+        self.cache.finish({"stats": dataclasses.asdict(self.stats)})
+        log.info("worker %d: %d encoded batches kept (%s tier)", self.w, len(self.cache), self.cache.tier)
+        if not len(self.cache):
             raise DataError(
                 f"{self.path}: no valid rows for worker {self.w} in lines {self.lo + 1}-{self.hi}"
             )
@@ -154,10 +155,19 @@ class WorkerData:
                 pass
         m = len(self.cache)
         order = np.arange(max(n, m)) % m
-        if self.shuffle:
+        if self.shuffle and epoch > 0:  # epoch 0 from a reused store: the order streaming yields
             order = np.random.default_rng(self.seed * 1009 + epoch).permutation(order)
         for k in range(skip, n):
             yield self.cache[order[k]]
+
+    def close(self) -> None:
+        """The run is over: drop the cached rows and delete their shards (and their parent folder, once
+        every worker's is gone)."""
+        folder = self.cache.folder
+        self.cache.close()
+        if folder is not None:
+            with contextlib.suppress(OSError):
+                folder.parent.rmdir()
 
 
 class PctrLoader:
@@ -401,8 +411,9 @@ def train_local(cfg: PctrConfig, setup: Setup | None = None) -> dict:
         warm_start(step, st, cfg)
     a, b = st.bounds["train"]
     data = WorkerData(
-        st.sources, st.encoder, a, b, cfg.batch_size, seed=cfg.seed, shuffle=cfg.shuffle, cache_device=device
-    )
+        st.sources, st.encoder, a, b, cfg.batch_size, seed=cfg.seed, shuffle=cfg.shuffle, cache_device=device,
+        cache_gb=cfg.cache_gb, cache_dir=run.path / "row-cache" / "worker-0",
+    )  # fmt: skip
     val, val_labels = st.val_batches(device)
     total = st.total_steps(data.steps_per_epoch)
     log.info(
@@ -427,6 +438,8 @@ def train_local(cfg: PctrConfig, setup: Setup | None = None) -> dict:
 
     trainer = make_trainer(cfg, step, data, DistContext(device=device), run, validate, export_now, total)
     final = trainer.fit()
+    tier = data.cache.tier
+    data.close()  # the run is over: its row shards go (an interrupted run keeps them for --resume)
     skipped = {**st.val_stats.errors, **data.stats.errors}
     best = final.get("best_step", final["steps"])
     at_best = next(
@@ -440,6 +453,7 @@ def train_local(cfg: PctrConfig, setup: Setup | None = None) -> dict:
             "skipped_lines": data.stats.skipped + st.val_stats.skipped,
             "skipped_examples": {str(k): v for k, v in sorted(skipped.items())[:10]},
             "mode": "single-process",
+            "row_cache": tier,
             **({"ids": step.idmap.counters()} if step.idmap is not None else {}),
             "device": str(device),
             **({"image_features": dict(st.image.counts)} if st.image is not None else {}),

@@ -7,9 +7,21 @@ host RAM, so the ``--cache-gb`` limit applies), then ``host`` RAM up to ``--cach
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 DEVICE_SHARE = 0.25  # of the GPU's free memory: the rest is for the model, activations and the allocator
+RAM_SHARE = (
+    0.25  # of physical RAM: the --cache-gb of an app that leaves it unset (the rest: model, OS, others)
+)
+
+
+def host_budget_gb(cache_gb: float | None) -> float:
+    """``cache_gb``, or when it is None a quarter of this machine's physical RAM, in GB (1e9 bytes)."""
+    if cache_gb is not None:
+        return cache_gb
+    return RAM_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
 
 
 def choose_tier(nbytes: int, device: torch.device, cache_gb: float, free_device: int | None = None) -> str:
