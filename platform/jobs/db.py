@@ -39,8 +39,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-STATES = ("queued", "running", "succeeded", "failed", "cancelled")
-FINAL_STATES = ("succeeded", "failed", "cancelled")
+FINAL_STATES = ("succeeded", "failed", "cancelled")  # a job in one of these never changes again
 
 
 class Base(DeclarativeBase):
