@@ -42,6 +42,7 @@ from mariana.platform.data.libfm import (
 from mariana.platform.data.textblocks import lines_array, ordered_map, read_blocks
 
 from .configs import parse_split  # noqa: F401  (defined beside the flags: checked before torch loads)
+from .idmap import key_of
 from .sources import count_file_lines, resolve_sources
 
 FORMATS = ("criteo", "libfm")
@@ -202,8 +203,6 @@ class Encoder:
         """raw uint64 [n, F] values (already hashed or small ints), known bool [n, F] -> rows [n, F]; with
         ``ids == "dynamic"`` keys [n, F] instead (`idmap.key_of`; -1 missing), mapped to rows by the step."""
         if self.schema.ids == "dynamic":
-            from .idmap import key_of
-
             return torch.from_numpy(key_of(raw, known))
         R = self.schema.rows_per_field
         local = (raw % np.uint64(R - 1)).astype(np.int64) + 1

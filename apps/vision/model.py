@@ -25,6 +25,8 @@ import torch
 from mariana.platform.core.errors import MarianaError
 from torch import nn
 
+from .fastnet import fastnet
+
 MARIANA_MODELS = ("mariana-cnn", "mariana-cnn-32", "cifar-fast", "resnet9", "fastnet")
 
 
@@ -153,8 +155,6 @@ def build_model(name: str, num_classes: int, image_size: int = 32, dropout: floa
     if name == "resnet9":
         return cifar_fast(num_classes, width=64)
     if name == "fastnet":
-        from .fastnet import fastnet
-
         return fastnet(num_classes)
     if name == "mariana-cnn":
         return (
