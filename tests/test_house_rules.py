@@ -152,19 +152,24 @@ def test_no_product_file_over_500_lines(figures):
 
 
 def test_no_product_function_over_80_lines(figures):
-    assert not figures["long_functions"], f"functions over {MAX_FUNCTION_LINES} lines: {figures['long_functions']}"
+    assert not figures["long_functions"], (
+        f"functions over {MAX_FUNCTION_LINES} lines: {figures['long_functions']}"
+    )
 
 
 def test_few_function_local_imports_of_mariana(figures):
     n = len(figures["local_imports"])
-    assert n <= MAX_LOCAL_IMPORTS, f"{n} function-local imports of mariana modules (at most {MAX_LOCAL_IMPORTS})"
+    assert n <= MAX_LOCAL_IMPORTS, (
+        f"{n} function-local imports of mariana modules (at most {MAX_LOCAL_IMPORTS})"
+    )
 
 
 def test_no_import_cycle_between_packages(figures):
     edges = figures["edges"]
     cycles = import_cycles(edges)
     where = [
-        {src: {dst: edges[src][dst] for dst in edges[src] if dst in c} for src in c if src in edges} for c in cycles
+        {src: {dst: edges[src][dst] for dst in edges[src] if dst in c} for src in c if src in edges}
+        for c in cycles
     ]
     assert not cycles, f"packages that import each other (package -> package: first import): {where}"
 

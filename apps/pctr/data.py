@@ -39,6 +39,7 @@ from mariana.platform.data.libfm import (
     parse_lines,
     probe_fields,
 )
+from mariana.platform.data.splits import split_bounds  # noqa: F401  (the platform's row split, used by train)
 from mariana.platform.data.textblocks import lines_array, ordered_map, read_blocks
 
 from .configs import parse_split  # noqa: F401  (defined beside the flags: checked before torch loads)
@@ -436,14 +437,6 @@ def iter_batches(chunks: Iterator[Batch], batch_size: int, drop_last: bool = Fal
             pending, have = ([rest], len(rest)) if len(rest) else ([], 0)
     if have and not drop_last:
         yield Batch.cat(pending)
-
-
-def split_bounds(total: int, fractions: tuple[float, float, float]) -> dict[str, tuple[int, int]]:
-    """Row-order split of ``total`` lines: {'train': (0, a), 'val': (a, b), 'test': (b, total), 'all': ...}."""
-    tr, va, _ = fractions
-    a = int(round(total * tr))
-    b = int(round(total * (tr + va)))
-    return {"train": (0, a), "val": (a, b), "test": (b, total), "all": (0, total)}
 
 
 def load_split(path, encoder: Encoder, start: int, stop: int | None, stats: ReadStats | None = None) -> Batch:

@@ -14,8 +14,9 @@ from mariana.platform.core.config import load_toml
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.rundir import eval_result_path
+from mariana.platform.data.splits import split_bounds
 
-from .data import ReadStats, count_lines, iter_chunks, parse_split, split_bounds
+from .data import ReadStats, count_lines, iter_chunks, parse_split
 from .predict import load_predictor
 
 
