@@ -1,5 +1,5 @@
 """``mariana jobs serve|list|show|logs|cancel|wait|retry`` and ``mariana submit``: the parsers (standard
-library only, so ``mariana --help`` stays fast); the handlers are in ``commands.py``, imported by the CLI's
+library only, so ``mariana --help`` stays fast); the handlers are in ``commands.py`` and ``serve.py``, imported by the CLI's
 dispatch when a command runs.
 
 Clients find the service through ``--url``, env MARIANA_JOBS_URL, or http://127.0.0.1:8765; mutating
@@ -73,7 +73,7 @@ def register(sub) -> None:
     p.add_argument("--account", default=None, help="--executor slurm: account (sbatch --account)")
     p.add_argument("--sbatch-arg", action="append", default=None, metavar="ARG",
                    help="--executor slurm: an extra sbatch argument, e.g. --sbatch-arg=--qos=high (repeatable)")  # fmt: skip
-    p.set_defaults(func=handler("mariana.platform.jobs.commands:serve"))
+    p.set_defaults(func=handler("mariana.platform.jobs.serve:serve"))
 
     p = g.add_parser("list", help="all jobs, newest first", formatter_class=fmt)
     _client_flags(p)

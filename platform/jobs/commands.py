@@ -1,25 +1,18 @@
-"""The handlers of ``mariana jobs ...`` and ``mariana submit`` (parsers in ``cli.py``; the CLI's dispatch
-imports this module when one of those commands runs)."""
+"""The handlers of the job service's client commands, ``mariana submit`` and ``mariana jobs
+list|show|logs|cancel|retry|wait`` (parsers in ``cli.py``; the CLI's dispatch imports this module when one
+of them runs). They talk HTTP only (``client.py``); ``mariana jobs serve`` is ``serve.py``."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 
-import uvicorn
-from mariana.platform.cli.main import build_parser, check_command
+from mariana.platform.cli.main import check_command
 from mariana.platform.core.errors import MarianaError
-from sqlalchemy.exc import ArgumentError, OperationalError
 
-from .client import JobsClient, read_token
-from .db import FINAL_STATES
-from .service import create_app
-from .slurm import executor_from_args
-
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+from .client import FINAL_STATES, JobsClient, read_token
 
 
 def _client(args) -> JobsClient:
@@ -33,59 +26,6 @@ def _fmt_time(t) -> str:
 
 def _fmt_best(b) -> str:
     return f"{b['name']} {b['value']:.4f}" if b else "-"
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (0: a free port), or `MarianaError` naming the flags."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        raise MarianaError(f"--host {host} --port {port}: cannot bind ({e.strerror})") from None
-    sock.listen(128)
-    return sock
-
-
-def serve(args, argv) -> int:
-    """``mariana jobs serve``: the job service on ``--host --port`` until interrupted."""
-    token = read_token(args.token_file) if args.token_file else None
-    if args.host not in LOOPBACK_HOSTS and not token:
-        raise MarianaError(
-            f"--host {args.host} is reachable from other machines: give --token-file FILE (a secret that "
-            "every mutating request must present), or bind 127.0.0.1"
-        )
-    if args.slots is not None and args.slots < 1:
-        raise MarianaError(f"--slots {args.slots}: expected >= 1")
-    if not 0 <= args.port <= 65535:
-        raise MarianaError(f"--port {args.port}: expected 0..65535")
-    home = os.path.expanduser(args.home)
-    try:
-        os.makedirs(home, exist_ok=True)
-    except OSError as e:
-        raise MarianaError(f"--home {args.home}: {e.strerror}") from None
-    sock = _listen(args.host, args.port)
-    port = sock.getsockname()[1]
-    executor = None
-    if args.executor == "slurm":
-        executor = executor_from_args(args)
-    elif args.partition or args.account or args.sbatch_arg:
-        raise MarianaError("--partition/--account/--sbatch-arg need --executor slurm")
-    try:
-        app = create_app(home, args.db_url, args.slots, token, executor=executor, build_parser=build_parser)
-    except (ArgumentError, OperationalError) as e:
-        raise MarianaError(f"--db-url {args.db_url}: {str(e).splitlines()[0]}") from None
-    except ModuleNotFoundError as e:
-        raise MarianaError(
-            f"--db-url {args.db_url}: the database driver {e.name!r} is not installed"
-        ) from None
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"mariana jobs service on http://{host}:{port} (home {home}, {app.state.scheduler.slots} slots, "
-          f"{args.executor} executor, docs at /docs)", flush=True)  # fmt: skip
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="on")
-    uvicorn.Server(config).run(sockets=[sock])
-    return 0
 
 
 def submit(args, argv) -> int:

@@ -39,8 +39,6 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-FINAL_STATES = ("succeeded", "failed", "cancelled")  # a job in one of these never changes again
-
 
 class Base(DeclarativeBase):
     pass
