@@ -7,6 +7,7 @@ import sqlite3
 import time
 
 import pytest
+from mariana.platform.cli.main import build_parser
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.jobs.db import Database, Job
 from mariana.platform.jobs.resources import normalize
@@ -17,7 +18,7 @@ ARGV = ["mlp", "train", "--data", "x.libfm"]
 
 def test_local_executor_refuses_what_it_cannot_honour_and_stores_the_rest(tmp_path):
     db = Database(f"sqlite:///{tmp_path / 'jobs.db'}")
-    sched = Scheduler(db, tmp_path, slots=2)
+    sched = Scheduler(db, tmp_path, slots=2, build_parser=build_parser)
     for resources, expected in (
         ({"nodes": 2}, "--nodes 2: the local executor runs one task"),
         ({"tasks_per_node": 2, "time": "10"}, "--tasks-per-node 2 --time 10: the local executor"),

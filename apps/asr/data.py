@@ -249,6 +249,107 @@ def check_out_dir(out: Path) -> None:
         raise MarianaError(f"--out {out}: cannot write there ({e.strerror or e})") from None
 
 
+def _check_prepare_args(
+    data: Path, out: Path, utterances: int, max_digits: int, seed: int, synth_ratio: float
+):
+    """`DataError`/`MarianaError` for a missing --data, bad counts, or an --out that is --data or unwritable."""
+    if not data.exists():
+        raise DataError(f"--data {data}: no such file or directory")
+    if not data.is_dir():
+        raise DataError(f"--data {data}: expected a folder of FSDD WAVs or a Kaldi data dir")
+    if max_digits < 1 or utterances < 1:
+        raise MarianaError(f"--max-digits and --utterances must be >= 1, got {max_digits} and {utterances}")
+    if seed < 0:
+        raise MarianaError(f"--seed must be >= 0, got {seed}")
+    if synth_ratio < 0:
+        raise MarianaError(f"--synth-ratio must be >= 0, got {synth_ratio}")
+    if out.resolve() == data.resolve():
+        raise MarianaError(f"--out {out}: is the --data folder; choose a separate output folder")
+    check_out_dir(out)
+
+
+def _from_kaldi_dir(
+    data: Path, out: Path, test_speakers: list[str], dev_speakers: list[str], report: PrepareReport
+):
+    """Split a Kaldi data dir's utterances by speaker, copying each readable WAV to ``out/SPLIT/wav`` ->
+    {split: [Utterance]} (unreadable ones in ``report.skipped``)."""
+    result: dict[str, list[Utterance]] = {s: [] for s in SPLITS}
+    utts = read_kaldi_dir(data)
+    speakers = sorted({u.spk for u in utts})
+    if not test_speakers:
+        test_speakers = speakers[-1:]
+    split_of = _split_speakers(speakers, test_speakers, dev_speakers, need_train=False)
+    for u in utts:
+        try:
+            read_wav(u.path)
+        except MarianaError as e:
+            report.skipped.append((u.path, str(e)))
+            continue
+        split = split_of[u.spk]
+        dst = out / split / "wav" / f"{u.utt}.wav"
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(u.path, dst)
+        result[split].append(Utterance(u.utt, u.spk, u.words, str(dst.resolve())))
+    return result
+
+
+def _read_speaker(recordings: list[tuple[int, Path]], report: PrepareReport):
+    """One speaker's readable recordings at its first file's sample rate -> ([(digit, samples)], rate);
+    the others go to ``report.skipped``."""
+    recs, sr = [], None
+    for digit, path in recordings:
+        try:
+            x, r = read_wav(path)
+        except MarianaError as e:
+            report.skipped.append((str(path), str(e)))
+            continue
+        if sr is not None and r != sr:
+            report.skipped.append((str(path), f"{path}: sample rate {r} Hz, speaker uses {sr} Hz"))
+            continue
+        sr = r
+        recs.append((digit, x))
+    return recs, sr
+
+
+def _from_fsdd(data: Path, out: Path, test_speakers: list[str], dev_speakers: list[str], utterances: int,
+               max_digits: int, rng, synth, synth_ratio: float, report: PrepareReport):  # fmt: skip
+    """``utterances`` connected-digit utterances per FSDD speaker (and the --synth speakers' share of the
+    training split), written to ``out/SPLIT/wav`` -> {split: [Utterance]}."""
+    result: dict[str, list[Utterance]] = {s: [] for s in SPLITS}
+    by_spk = scan_fsdd(data)
+    if not by_spk:
+        raise DataError(
+            f"--data {data}: no '{{digit}}_{{speaker}}_{{take}}.wav' files and no wav.scp "
+            "(expected an FSDD recordings folder or a Kaldi data dir)"
+        )
+    speakers = sorted(by_spk)
+    # named test speakers only (no dev, no synth): a test set to eval on
+    test_only = bool(test_speakers) and not dev_speakers and synth is None
+    if not test_speakers:
+        test_speakers = speakers[-1:]
+    split_of = _split_speakers(speakers, test_speakers, dev_speakers, need_train=not test_only)
+    synth_spk: dict[str, list[tuple[int, Path]]] = {}
+    if synth is not None and synth_ratio > 0:
+        synth_spk = _synth_speakers(Path(synth), speakers)
+        n_real = sum(split_of[s] == "train" for s in speakers) * utterances
+        per_synth = synth_counts(sorted(synth_spk), round(synth_ratio * n_real))
+        synth_spk = {s: synth_spk[s] for s in sorted(synth_spk) if per_synth[s]}
+        by_spk.update(synth_spk)
+        split_of.update({s: "train" for s in synth_spk})
+    for spk in speakers + sorted(synth_spk):
+        n_utts = per_synth[spk] if spk in synth_spk else utterances
+        recs, sr = _read_speaker(by_spk[spk], report)
+        if not recs:
+            continue
+        split = split_of[spk]
+        for i, (digits, samples) in enumerate(build_connected(recs, sr, n_utts, max_digits, rng)):
+            utt = f"{spk}-{i:05d}"
+            dst = out / split / "wav" / f"{utt}.wav"
+            write_wav(dst, samples, sr)
+            result[split].append(Utterance(utt, spk, [DIGIT_WORDS[d] for d in digits], str(dst.resolve())))
+    return result
+
+
 def prepare(
     data: str | Path,
     out: str | Path,
@@ -272,94 +373,24 @@ def prepare(
     split only: round(``synth_ratio`` x the real training utterances) in all, shared by its speakers as
     evenly as `synth_counts` can (a ratio too small for one utterance per voice uses fewer voices)."""
     data, out = Path(data), Path(out)
-    if not data.exists():
-        raise DataError(f"--data {data}: no such file or directory")
-    if not data.is_dir():
-        raise DataError(f"--data {data}: expected a folder of FSDD WAVs or a Kaldi data dir")
-    if max_digits < 1 or utterances < 1:
-        raise MarianaError(f"--max-digits and --utterances must be >= 1, got {max_digits} and {utterances}")
-    if seed < 0:
-        raise MarianaError(f"--seed must be >= 0, got {seed}")
-    if synth_ratio < 0:
-        raise MarianaError(f"--synth-ratio must be >= 0, got {synth_ratio}")
-    if out.resolve() == data.resolve():
-        raise MarianaError(f"--out {out}: is the --data folder; choose a separate output folder")
-    check_out_dir(out)
+    _check_prepare_args(data, out, utterances, max_digits, seed, synth_ratio)
     test_speakers, dev_speakers = list(test_speakers or []), list(dev_speakers or [])
     report = PrepareReport()
     rng = np.random.default_rng(seed)
     for split in SPLITS:  # a re-run replaces the old output rather than mixing with it
         if (out / split).exists():
             shutil.rmtree(out / split)
-    result: dict[str, list[Utterance]] = {s: [] for s in SPLITS}
-
     if (data / "wav.scp").is_file():
         if synth is not None:
             raise MarianaError(
                 "--synth mixes synthetic speakers into an FSDD folder's training set; "
                 f"--data {data} is a Kaldi data dir"
             )
-        utts = read_kaldi_dir(data)
-        speakers = sorted({u.spk for u in utts})
-        if not test_speakers:
-            test_speakers = speakers[-1:]
-        split_of = _split_speakers(speakers, test_speakers, dev_speakers, need_train=False)
-        for u in utts:
-            try:
-                read_wav(u.path)
-            except MarianaError as e:
-                report.skipped.append((u.path, str(e)))
-                continue
-            split = split_of[u.spk]
-            dst = out / split / "wav" / f"{u.utt}.wav"
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(u.path, dst)
-            result[split].append(Utterance(u.utt, u.spk, u.words, str(dst.resolve())))
+        result = _from_kaldi_dir(data, out, test_speakers, dev_speakers, report)
     else:
-        by_spk = scan_fsdd(data)
-        if not by_spk:
-            raise DataError(
-                f"--data {data}: no '{{digit}}_{{speaker}}_{{take}}.wav' files and no wav.scp "
-                "(expected an FSDD recordings folder or a Kaldi data dir)"
-            )
-        speakers = sorted(by_spk)
-        # named test speakers only (no dev, no synth): a test set to eval on
-        test_only = bool(test_speakers) and not dev_speakers and synth is None
-        if not test_speakers:
-            test_speakers = speakers[-1:]
-        split_of = _split_speakers(speakers, test_speakers, dev_speakers, need_train=not test_only)
-        synth_spk: dict[str, list[tuple[int, Path]]] = {}
-        if synth is not None and synth_ratio > 0:
-            synth_spk = _synth_speakers(Path(synth), speakers)
-            n_real = sum(split_of[s] == "train" for s in speakers) * utterances
-            per_synth = synth_counts(sorted(synth_spk), round(synth_ratio * n_real))
-            synth_spk = {s: synth_spk[s] for s in sorted(synth_spk) if per_synth[s]}
-            by_spk.update(synth_spk)
-            split_of.update({s: "train" for s in synth_spk})
-        for spk in speakers + sorted(synth_spk):
-            recs, sr = [], None
-            n_utts = per_synth[spk] if spk in synth_spk else utterances
-            for digit, path in by_spk[spk]:
-                try:
-                    x, r = read_wav(path)
-                except MarianaError as e:
-                    report.skipped.append((str(path), str(e)))
-                    continue
-                if sr is not None and r != sr:
-                    report.skipped.append((str(path), f"{path}: sample rate {r} Hz, speaker uses {sr} Hz"))
-                    continue
-                sr = r
-                recs.append((digit, x))
-            if not recs:
-                continue
-            split = split_of[spk]
-            for i, (digits, samples) in enumerate(build_connected(recs, sr, n_utts, max_digits, rng)):
-                utt = f"{spk}-{i:05d}"
-                dst = out / split / "wav" / f"{utt}.wav"
-                write_wav(dst, samples, sr)
-                result[split].append(
-                    Utterance(utt, spk, [DIGIT_WORDS[d] for d in digits], str(dst.resolve()))
-                )
+        result = _from_fsdd(
+            data, out, test_speakers, dev_speakers, utterances, max_digits, rng, synth, synth_ratio, report
+        )
     for split in SPLITS:
         write_kaldi_dir(out / split, result[split])
         report.counts[split] = len(result[split])

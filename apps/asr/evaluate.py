@@ -130,6 +130,89 @@ def choose_warp(
 CMVN_MODES = ("speaker", "file")
 
 
+def _check_options(beam: int | None, jobs: int, cmvn: str, tempo: float | str, vtln: float | str):
+    """`MarianaError` for a bad --beam/--jobs/--cmvn/--tempo/--vtln -> (tempo: a float in [0.5, 2] or
+    "auto", vtln: a warp or "auto")."""
+    if beam is not None and beam < 0:
+        raise MarianaError(f"--beam must be >= 0 (0 = greedy), got {beam}")
+    if jobs < 1:
+        raise MarianaError(f"--jobs must be >= 1, got {jobs}")
+    if cmvn not in CMVN_MODES:
+        raise MarianaError(f"--cmvn must be one of {', '.join(CMVN_MODES)}, got {cmvn!r}")
+    if tempo != "auto":
+        try:
+            tempo = float(tempo)
+        except ValueError:
+            raise MarianaError(f"--tempo must be a number or auto, got {tempo!r}") from None
+        if not 0.5 <= tempo <= 2.0:
+            raise MarianaError(f"--tempo must be in [0.5, 2], got {tempo}")
+    vtln = parse_vtln(vtln)
+    if vtln != 1.0 and cmvn == "file":
+        raise MarianaError(
+            "--vtln needs per-speaker CMVN: --cmvn file normalises each file alone, as `transcribe` does, "
+            "and one file gives no speaker to estimate a warp for (use --cmvn speaker or --vtln 1)"
+        )
+    return tempo, vtln
+
+
+class _Features:
+    """The features of one Kaldi data dir at each (tempo, warp) asked for, computed once (cached under
+    RUN/feats; at warp != 1 only the warped copies, ids and speakers prefixed `warp_prefix`)."""
+
+    def __init__(self, d: Path, s: FeatureSettings, jobs: int, run_dir: str, prior: FilePrior | None):
+        self.d, self.s, self.jobs, self.run_dir, self.prior = d, s, jobs, run_dir, prior
+        self.caches: dict[tuple[float, float], FeatureCache] = {}
+
+    def __call__(self, t: float, w: float) -> FeatureCache:
+        if (t, w) not in self.caches:
+            self.caches[t, w] = cached_features(
+                self.d,
+                dataclasses.replace(self.s, frame_shift_ms=self.s.frame_shift_ms * t),
+                self.jobs,
+                (1.0,) if w == 1.0 else (),
+                Path(self.run_dir) / "feats",
+                warps=(w,),
+                prior=self.prior,
+            )
+        return self.caches[t, w]
+
+
+def _speaker_settings(model, vocab, features: _Features, base: FeatureCache, tempo, vtln):
+    """-> ({speaker: tempo}, {speaker: warp}): the given values, or with "auto" each speaker's most
+    confident one (tempo first at warp 1, then the warp at that speaker's tempo)."""
+    if tempo == "auto":
+        chosen = choose_tempo(model, vocab, {t: features(t, 1.0) for t in TEMPO_GRID})
+    else:
+        chosen = {u["spk"]: tempo for u in base.utts}
+    if vtln == "auto":
+        warps: dict[str, float] = {}
+        for t in sorted(set(chosen.values())):  # each speaker's warp at the tempo chosen for it
+            spks = {k for k, v in chosen.items() if v == t}
+            warps.update(choose_warp(model, vocab, {w: features(t, w) for w in VTLN_GRID}, spks))
+    else:
+        warps = {k: vtln for k in chosen}
+    return chosen, warps
+
+
+def _decode_groups(model, vocab, opts, features: _Features, chosen: dict, warps: dict):
+    """Decode each speaker's utterances at its (tempo, warp) -> (references, hypotheses, utterance ids
+    without the warp prefix), grouped by (tempo, warp)."""
+    refs, hyps, utt_ids = [], [], []
+    for t, w in sorted({(chosen[k], warps[k]) for k in chosen if k in warps}):
+        cache, pre = features(t, w), warp_prefix(w)
+        idx = [
+            i
+            for i, u in enumerate(cache.utts)
+            if (chosen.get(u["spk"].removeprefix(pre)), warps.get(u["spk"].removeprefix(pre))) == (t, w)
+        ]
+        r_, h_ = decode_set(
+            model, UtteranceSet(cache, vocab), vocab, opts.beam, idx, opts.lm, opts.lm_weight, opts.word_bonus
+        )
+        ids = [cache.utts[i]["utt"].removeprefix(pre) for i in idx]
+        refs, hyps, utt_ids = refs + r_, hyps + h_, utt_ids + ids
+    return refs, hyps, utt_ids
+
+
 def evaluate_run(
     run_dir: str,
     data: str,
@@ -161,26 +244,7 @@ def evaluate_run(
     where files are normalised one at a time (``cmvn="file"`` or a model trained so): `transcribe` cannot
     estimate a warp from one file, and that mode exists to score exactly what `transcribe` says. The result
     records ``vtln`` and ``speaker_vtln`` ({speaker: warp}); hypotheses keep the original utterance ids."""
-    if beam is not None and beam < 0:
-        raise MarianaError(f"--beam must be >= 0 (0 = greedy), got {beam}")
-    if jobs < 1:
-        raise MarianaError(f"--jobs must be >= 1, got {jobs}")
-    if cmvn not in CMVN_MODES:
-        raise MarianaError(f"--cmvn must be one of {', '.join(CMVN_MODES)}, got {cmvn!r}")
-    auto = tempo == "auto"
-    if not auto:
-        try:
-            tempo = float(tempo)
-        except ValueError:
-            raise MarianaError(f"--tempo must be a number or auto, got {tempo!r}") from None
-        if not 0.5 <= tempo <= 2.0:
-            raise MarianaError(f"--tempo must be in [0.5, 2], got {tempo}")
-    vtln = parse_vtln(vtln)
-    if vtln != 1.0 and cmvn == "file":
-        raise MarianaError(
-            "--vtln needs per-speaker CMVN: --cmvn file normalises each file alone, as `transcribe` does, "
-            "and one file gives no speaker to estimate a warp for (use --cmvn speaker or --vtln 1)"
-        )
+    tempo, vtln = _check_options(beam, jobs, cmvn, tempo, vtln)
     model, vocab, cfg, meta = load_model(run_dir, with_meta=True)
     opts = decode_options(run_dir, cfg, meta, beam, lm_weight, word_bonus)
     d = Path(data)
@@ -194,60 +258,15 @@ def evaluate_run(
             f"--vtln: {run_dir} was trained with --cmvn file and is always evaluated one file at a time; "
             "one file gives no speaker to estimate a warp for (use --vtln 1)"
         )
-    caches: dict[tuple[float, float], FeatureCache] = {}
-
-    def features(t: float, w: float) -> FeatureCache:
-        """The data's features at tempo ``t`` and warp ``w`` (cached under RUN/feats; at w != 1 only the
-        warped copies, ids and speakers prefixed `warp_prefix`, without the unwarped ones)."""
-        if (t, w) not in caches:
-            caches[t, w] = cached_features(
-                d,
-                dataclasses.replace(s, frame_shift_ms=s.frame_shift_ms * t),
-                jobs,
-                (1.0,) if w == 1.0 else (),
-                Path(run_dir) / "feats",
-                warps=(w,),
-                prior=prior,
-            )
-        return caches[t, w]
-
+    features = _Features(d, s, jobs, run_dir, prior)
     # The unwarped features: the readable utterances and the skipped recordings (`extract` lists skipped
     # audio for unperturbed copies only).
-    base = features(1.0 if auto else tempo, 1.0)
+    base = features(1.0 if tempo == "auto" else tempo, 1.0)
     if len(base) == 0:
         raise MarianaError(f"--data {data}: no readable utterances")
     with torch.no_grad():
-        if auto:
-            chosen = choose_tempo(model, vocab, {t: features(t, 1.0) for t in TEMPO_GRID})
-        else:
-            chosen = {u["spk"]: tempo for u in base.utts}
-        if vtln == "auto":
-            warps: dict[str, float] = {}
-            for t in sorted(set(chosen.values())):  # each speaker's warp at the tempo chosen for it
-                spks = {k for k, v in chosen.items() if v == t}
-                warps.update(choose_warp(model, vocab, {w: features(t, w) for w in VTLN_GRID}, spks))
-        else:
-            warps = {k: vtln for k in chosen}
-        refs, hyps, utt_ids = [], [], []
-        for t, w in sorted({(chosen[k], warps[k]) for k in chosen if k in warps}):
-            cache, pre = features(t, w), warp_prefix(w)
-            idx = [
-                i
-                for i, u in enumerate(cache.utts)
-                if (chosen.get(u["spk"].removeprefix(pre)), warps.get(u["spk"].removeprefix(pre))) == (t, w)
-            ]
-            r_, h_ = decode_set(
-                model,
-                UtteranceSet(cache, vocab),
-                vocab,
-                opts.beam,
-                idx,
-                opts.lm,
-                opts.lm_weight,
-                opts.word_bonus,
-            )
-            ids = [cache.utts[i]["utt"].removeprefix(pre) for i in idx]
-            refs, hyps, utt_ids = refs + r_, hyps + h_, utt_ids + ids
+        chosen, warps = _speaker_settings(model, vocab, features, base, tempo, vtln)
+        refs, hyps, utt_ids = _decode_groups(model, vocab, opts, features, chosen, warps)
     r = error_rates(refs, hyps)
     result = {
         "wer": r["wer"],

@@ -28,6 +28,7 @@ from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import DataError, MarianaError
 
 from .data import parse_speakers, prepare, scan_fsdd
+from .evaluate import evaluate_run, parse_vtln
 
 MARKER = "loso.json"
 MODEL_FILE = "model.safetensors"
@@ -149,6 +150,85 @@ def run_train(fold: str, data_dir: Path, run_dir: Path, train_args: list[str], l
         )
 
 
+def _prepare_options(data: str, utterances: int, max_digits: int, seed: int, synth, synth_ratio):
+    """-> (what every fold is prepared with, as recorded in its marker; the --synth keywords of
+    `data.prepare`, only those given)."""
+    synth_kw: dict = {}
+    if synth:
+        synth_kw["synth"] = str(Path(synth).resolve())
+    if synth_ratio is not None:
+        synth_kw["synth_ratio"] = synth_ratio
+    prep = {
+        "data": str(Path(data).resolve()),
+        "utterances": utterances,
+        "max_digits": max_digits,
+        "seed": seed,
+        **synth_kw,
+    }
+    return prep, synth_kw
+
+
+def _prepare_fold(spk: str, data: str, data_dir: Path, fold_prep: dict, synth_kw: dict, fresh: bool) -> bool:
+    """Prepare the fold's data folder (test speaker ``spk``) unless its marker says it was prepared with
+    the same ``fold_prep`` (and not ``fresh``) -> True when it was reused."""
+    prepared = not fresh and _read_marker(data_dir / MARKER) == fold_prep
+    if not prepared:
+        (data_dir / MARKER).unlink(missing_ok=True)
+        r = prepare(
+            data, data_dir, [spk], [], fold_prep["utterances"], fold_prep["max_digits"], fold_prep["seed"],
+            **synth_kw,
+        )  # fmt: skip
+        atomic_write_text(data_dir / MARKER, json.dumps(fold_prep, indent=2) + "\n")
+        print(
+            f"fold {spk}: prepared {data_dir}: train {r.counts['train']} test {r.counts['test']} "
+            f"utterances, skipped {len(r.skipped)}",
+            flush=True,
+        )
+    return prepared
+
+
+def _train_fold(spk: str, data_dir: Path, run_dir: Path, log: Path, marker: dict, reuse: bool) -> bool:
+    """Train the fold's model into ``run_dir`` unless ``reuse`` (the data was not prepared again) and its
+    marker matches ``marker`` (the same data and train args) -> True when it trained."""
+    if reuse and (run_dir / MODEL_FILE).is_file() and _read_marker(run_dir / MARKER) == marker:
+        print(f"fold {spk}: reusing the model in {run_dir} (same data and train args; --fresh retrains)")
+        return False
+    if run_dir.exists() and not run_dir.is_dir():
+        raise MarianaError(f"fold {spk}: {run_dir} exists and is not a folder (expected a run dir)")
+    # a stale or interrupted run would make `asr train` refuse the folder (or resume it)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    print(f"fold {spk}: training {run_dir} (log: {log})", flush=True)
+    run_train(spk, data_dir, run_dir, marker["train_args"], log)
+    if not (run_dir / MODEL_FILE).is_file():
+        raise MarianaError(f"fold {spk}: training finished without {run_dir / MODEL_FILE}; log: {log}")
+    atomic_write_text(run_dir / MARKER, json.dumps(marker, indent=2) + "\n")
+    return True
+
+
+def _summary(
+    results: dict[str, dict], folds: list[str], prep: dict, train_words: list[str], eval_kw: dict
+) -> dict:
+    """``eval.json``'s content: mean WER/SER over the folds, the worst speaker, each fold, and how they
+    were made (preparation, train command, eval options, date)."""
+    n = len(results)
+    worst = max(results, key=lambda s: results[s]["wer"])
+    return {
+        "speakers": folds,
+        "mean_wer": sum(f["wer"] for f in results.values()) / n,
+        "mean_ser": sum(f["ser"] for f in results.values()) / n,
+        "worst": {"speaker": worst, "wer": results[worst]["wer"]},
+        "folds": results,
+        "prepare": prep,
+        "train_args": train_words,
+        "train_command": shlex.join(
+            [*_train_command(), "asr", "train", "--data", "OUT/<speaker>-data", "--out", "OUT/<speaker>"]
+            + train_words
+        ),
+        "eval": eval_kw,
+        "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
 def run_loso(
     data: str,
     out: str,
@@ -174,8 +254,6 @@ def run_loso(
     ``mariana asr train``. ``beam``/``jobs``/``tempo``/``cmvn``/``vtln``: as ``mariana asr eval``
     (``vtln`` checked before any fold is prepared). WER and SER are percentages; seconds are wall-clock
     per fold and step."""
-    from .evaluate import evaluate_run, parse_vtln  # imports torch: after the cheap checks
-
     parse_vtln(vtln)  # a bad value fails now, not after the first fold's training
 
     if synth_ratio is not None and not synth:
@@ -187,18 +265,7 @@ def run_loso(
     if out_dir.exists() and not out_dir.is_dir():
         raise MarianaError(f"--out {out}: exists and is not a folder (expected the LOSO output folder)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    synth_kw: dict = {}
-    if synth:
-        synth_kw["synth"] = str(Path(synth).resolve())
-    if synth_ratio is not None:
-        synth_kw["synth_ratio"] = synth_ratio
-    prep = {
-        "data": str(Path(data).resolve()),
-        "utterances": utterances,
-        "max_digits": max_digits,
-        "seed": seed,
-        **synth_kw,
-    }
+    prep, synth_kw = _prepare_options(data, utterances, max_digits, seed, synth, synth_ratio)
 
     results: dict[str, dict] = {}
     for spk in folds:
@@ -206,53 +273,20 @@ def run_loso(
         data_dir, run_dir, log = out_dir / f"{spk}-data", out_dir / spk, out_dir / f"{spk}.log"
         fold_prep = {**prep, "test_speakers": [spk]}
         marker = {"prepare": fold_prep, "train_args": train_words}
-
-        prepared = not fresh and _read_marker(data_dir / MARKER) == fold_prep
-        if not prepared:
-            (data_dir / MARKER).unlink(missing_ok=True)
-            r = prepare(data, data_dir, [spk], [], utterances, max_digits, seed, **synth_kw)
-            atomic_write_text(data_dir / MARKER, json.dumps(fold_prep, indent=2) + "\n")
-            print(
-                f"fold {spk}: prepared {data_dir}: train {r.counts['train']} test {r.counts['test']} "
-                f"utterances, skipped {len(r.skipped)}",
-                flush=True,
-            )
+        # data prepared again: the fold's model is retrained on it
+        reuse = _prepare_fold(spk, data, data_dir, fold_prep, synth_kw, fresh)
         t1 = time.monotonic()
-
-        trained = (
-            not fresh
-            and prepared  # data prepared again: the fold's model is retrained on it
-            and (run_dir / MODEL_FILE).is_file()
-            and _read_marker(run_dir / MARKER) == marker
-        )
-        if trained:
-            print(f"fold {spk}: reusing the model in {run_dir} (same data and train args; --fresh retrains)")
-        else:
-            if run_dir.exists() and not run_dir.is_dir():
-                raise MarianaError(f"fold {spk}: {run_dir} exists and is not a folder (expected a run dir)")
-            # a stale or interrupted run would make `asr train` refuse the folder (or resume it)
-            shutil.rmtree(run_dir, ignore_errors=True)
-            print(f"fold {spk}: training {run_dir} (log: {log})", flush=True)
-            run_train(spk, data_dir, run_dir, train_words, log)
-            if not (run_dir / MODEL_FILE).is_file():
-                raise MarianaError(
-                    f"fold {spk}: training finished without {run_dir / MODEL_FILE}; log: {log}"
-                )
-            atomic_write_text(run_dir / MARKER, json.dumps(marker, indent=2) + "\n")
+        trained = _train_fold(spk, data_dir, run_dir, log, marker, reuse)
         t2 = time.monotonic()
-
         r = evaluate_run(str(run_dir), str(data_dir / "test"), beam, jobs, tempo, cmvn, vtln=vtln)
         t3 = time.monotonic()
         results[spk] = {
-            "wer": r["wer"],
-            "ser": r["ser"],
-            "utterances": r["utterances"],
-            "words": r["words"],
+            **{k: r[k] for k in ("wer", "ser", "utterances", "words")},
             "run": str(run_dir),
             "data": str(data_dir),
             "result": r["path"],
             "log": str(log),
-            "trained": not trained,
+            "trained": trained,
             "speaker_tempo": r["speaker_tempo"],
             "speaker_vtln": r["speaker_vtln"],
             "seconds": {
@@ -260,29 +294,14 @@ def run_loso(
                 "train": round(t2 - t1, 2),
                 "eval": round(t3 - t2, 2),
                 "total": round(t3 - t0, 2),
-            },
+            },  # fmt: skip
         }
         print(
             f"fold {spk}: WER {r['wer']:.2f}% SER {r['ser']:.2f}% ({r['utterances']} utterances)", flush=True
         )
 
-    n = len(results)
-    worst = max(results, key=lambda s: results[s]["wer"])
-    summary = {
-        "speakers": folds,
-        "mean_wer": sum(f["wer"] for f in results.values()) / n,
-        "mean_ser": sum(f["ser"] for f in results.values()) / n,
-        "worst": {"speaker": worst, "wer": results[worst]["wer"]},
-        "folds": results,
-        "prepare": prep,
-        "train_args": train_words,
-        "train_command": shlex.join(
-            [*_train_command(), "asr", "train", "--data", "OUT/<speaker>-data", "--out", "OUT/<speaker>"]
-            + train_words
-        ),
-        "eval": {"beam": beam, "jobs": jobs, "tempo": tempo, "cmvn": cmvn, "vtln": vtln},
-        "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
+    eval_kw = {"beam": beam, "jobs": jobs, "tempo": tempo, "cmvn": cmvn, "vtln": vtln}
+    summary = _summary(results, folds, prep, train_words, eval_kw)
     path = out_dir / "eval.json"
     atomic_write_text(path, json.dumps(summary, indent=2) + "\n")
     summary["path"] = str(path)

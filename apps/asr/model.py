@@ -9,6 +9,7 @@ A plain single-device `nn.Module`; data parallelism is applied from outside (tra
 from __future__ import annotations
 
 import torch
+from mariana.platform.core.registry import create_model, register_model
 from torch import nn
 
 
@@ -70,6 +71,7 @@ def pad_edges(feats: torch.Tensor, context: int, lengths: torch.Tensor | None = 
     return torch.cat([feats[:, :1].expand(b, context, f), feats, feats[:, -1:].expand(b, context, f)], dim=1)
 
 
+@register_model("asr", "dnn")
 class AcousticDNN(nn.Module):
     """Fully connected acoustic model.
 
@@ -126,6 +128,7 @@ def tdnn_dilations(context: int, layers: int) -> list[int]:
     return out
 
 
+@register_model("asr", "tdnn")
 class AcousticTDNN(nn.Module):
     """Kaldi-style TDNN: 1-D convolutions over frames with growing dilations.
 
@@ -175,14 +178,13 @@ class AcousticTDNN(nn.Module):
         return torch.log_softmax(self.out(x).float(), dim=-1)
 
 
-ARCHS = {"dnn": AcousticDNN, "tdnn": AcousticTDNN}
-
-
 def build_model(cfg: dict, output_units: int) -> nn.Module:
     """The model described by a config dict (an `AsrConfig` as a dict, e.g. from model.json); exports
     without ``arch`` are DNNs."""
     mfcc = cfg.get("features", "fbank") == "mfcc"
-    return ARCHS[cfg.get("arch", "dnn")](
+    return create_model(
+        "asr",
+        cfg.get("arch", "dnn"),
         num_bins=cfg.get("num_ceps", 13) if mfcc else cfg["num_mel_bins"],
         context=cfg["context"],
         hidden=cfg["hidden"],

@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from mariana.platform.core.errors import MarianaError
 
-from .data import DIGIT_WORDS, read_wav, write_wav
+from .data import DIGIT_WORDS, check_out_dir, read_wav, write_wav
 
 ACCENTS = ["en-us", "en", "en-gb-scotland", "en-gb-x-rp", "en-029", "en-gb-x-gbclan", "en-gb-x-gbcwmd",
            "en-us-nyc"]  # fmt: skip
@@ -71,8 +72,6 @@ class Espeak:
         try:
             import espeakng_loader
         except ImportError:
-            from mariana.platform.core.errors import MarianaError
-
             raise MarianaError(
                 "mariana asr synth needs the eSpeak NG engine: pip install espeakng-loader "
                 "(`make install` installs it)"
@@ -212,8 +211,6 @@ def synth_speaker(out: Path, spk: SynthSpeaker, takes: int, seed: int, sr: int, 
 
 def _readable(path: Path) -> bool | None:
     """True: a readable WAV; False: present but empty/unreadable; None: missing."""
-    from mariana.platform.core.errors import MarianaError
-
     if not path.is_file():
         return None
     try:
@@ -237,9 +234,6 @@ def synthesize(
     Deterministic from ``seed``: the same arguments give byte-identical files (each speaker is generated
     in a fresh process from a seeded engine, every take draws its jitter from its own seeded generator).
     ``jobs``: speakers generated in parallel processes."""
-    from mariana.platform.core.errors import MarianaError
-
-    from .data import check_out_dir
 
     if speakers < 1 or takes < 1:
         raise MarianaError(f"--speakers and --takes must be >= 1, got {speakers} and {takes}")

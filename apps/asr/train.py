@@ -216,63 +216,104 @@ def flush_denormals_on_cpu(device) -> None:
         torch.set_flush_denormal(True)
 
 
+def _require_prepared(data: Path) -> None:
+    """Raise `MarianaError` unless ``data`` is the output of ``mariana asr prepare`` (has train/wav.scp)."""
+    if not (data / "train" / "wav.scp").is_file():
+        raise MarianaError(
+            f"--data {data}: no train/wav.scp; expected the output of `mariana asr prepare` (e.g. "
+            f"`mariana asr prepare --data {data} --out {data.name}-prepared`, then --data {data.name}-prepared)"
+        )
+
+
+def _load_sets(cfg: AsrConfig, ctx, log):
+    """Build (rank 0) or read (the other ranks) the feature caches of DATA/train and DATA/dev.
+
+    -> (train cache, train UtteranceSet, dev UtteranceSet or None, vocab = [BLANK] + sorted words, the
+    training transcripts' word bigram)."""
+    data = Path(cfg.data)
+    train_dir, dev_dir = data / "train", data / "dev"
+    s = feature_settings(cfg)
+    speeds, warps, pitches = tuple(cfg.speed_perturb), tuple(cfg.vtln_perturb), tuple(cfg.pitch_perturb)
+    has_dev = (dev_dir / "wav.scp").is_file() and (dev_dir / "wav.scp").stat().st_size > 0
+    root = (lambda split: Path(cfg.cache) / split) if cfg.cache else (lambda split: None)
+    if ctx.is_main:  # one process computes the caches; the others wait and read them
+        cache = cached_features(train_dir, s, cfg.feature_jobs, speeds, root("train"), warps, pitches=pitches)
+        if has_dev:
+            cached_features(dev_dir, s, cfg.feature_jobs, (1.0,), root("dev"), prior=_prior(cache, s))
+    ctx.barrier()
+    cache = cached_features(train_dir, s, 1, speeds, root("train"), warps, pitches=pitches)
+    if cache.skipped and ctx.is_main:
+        log.warning(
+            "skipped %d unreadable recording(s): %s",
+            len(cache.skipped),
+            "; ".join(f"{x['path']} ({x['reason']})" for x in cache.skipped[:5]),
+        )
+    vocab = [BLANK] + sorted({w for u in cache.utts for w in u["words"]})
+    # The digit-loop grammar: a word bigram of the training transcripts, stored in the export.
+    lm = BigramLM.from_text(train_dir / "text", vocab)
+    train_set = UtteranceSet(cache, vocab)
+    dev_set = (
+        UtteranceSet(cached_features(dev_dir, s, 1, (1.0,), root("dev"), prior=_prior(cache, s)), vocab)
+        if has_dev
+        else None
+    )
+    log.info(
+        "%d training utterances (%d frames), %d dev, vocabulary %d + blank, %d worker(s)",
+        len(train_set),
+        sum(cache.lengths),
+        len(dev_set) if dev_set else 0,
+        len(vocab) - 1,
+        ctx.world_size,
+    )
+    return cache, train_set, dev_set, vocab, lm
+
+
+def _make_model(cfg: AsrConfig, n_units: int, ctx, log):
+    """The acoustic model for ``n_units`` outputs (warm-started with --init-from), wrapped for data
+    parallelism and compiled; -> (model, the compile-cache file or None)."""
+    model = build_model(dataclasses.asdict(cfg), n_units)
+    log.info("model: %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
+    if cfg.init_from:
+        warm_start(model, cfg.init_from, "asr")
+    model = compile_model(apply_data_parallel(model, ctx, grad_comm=cfg.grad_comm), cfg)
+    cached = compile_cache_file(cfg, n_units, ctx.device)
+    if cached is not None and compilecache.load(cached):
+        log.info("compiled artifacts loaded from %s", cached)
+    return model, cached
+
+
+def _exporter(cfg: AsrConfig, ctx, run, model, cache: FeatureCache, vocab: list[str], lm: BigramLM):
+    """-> ``export(eval_metrics, step)`` for the Trainer: rank 0 writes the export (weights, vocab, the
+    bigram, the training frames and the CMVN prior single files are normalised with)."""
+
+    def export(eval_metrics: dict, step: int) -> None:
+        if not ctx.is_main:
+            return
+        meta = {"vocab": vocab, "train_frames": sum(cache.lengths), "lm": lm.to_dict()}
+        if cache.speaker_stats:  # what single files are normalised with (`transcribe`, serving)
+            meta["cmvn_prior"] = FilePrior.from_speaker_stats(cache.speaker_stats).to_dict()
+        export_model(
+            run.path,
+            unwrap(model).state_dict(),
+            app="asr",
+            arch=f"{cfg.arch}-ctc",
+            config=dataclasses.asdict(cfg),
+            metrics=eval_metrics,
+            extra=meta,
+        )
+
+    return export
+
+
 def train(cfg: AsrConfig) -> dict:
+    """Train on cfg.data (a prepared folder) -> the Trainer's final metrics (dev WER/SER when DATA/dev exists)."""
     ctx = init_distributed(cfg.device, cfg.timeout)
     try:
         run, log = start_run(cfg, ctx.rank, ctx.is_main)
         flush_denormals_on_cpu(ctx.device)
-        data = Path(cfg.data)
-        train_dir, dev_dir = data / "train", data / "dev"
-        if not (train_dir / "wav.scp").is_file():
-            raise MarianaError(
-                f"--data {data}: no train/wav.scp; expected the output of `mariana asr prepare` (e.g. "
-                f"`mariana asr prepare --data {data} --out {data.name}-prepared`, then --data {data.name}-prepared)"
-            )
-        s = feature_settings(cfg)
-        speeds, warps, pitches = tuple(cfg.speed_perturb), tuple(cfg.vtln_perturb), tuple(cfg.pitch_perturb)
-        has_dev = (dev_dir / "wav.scp").is_file() and (dev_dir / "wav.scp").stat().st_size > 0
-        root = (lambda split: Path(cfg.cache) / split) if cfg.cache else (lambda split: None)
-        if ctx.is_main:  # one process computes the caches; the others wait and read them
-            cache = cached_features(
-                train_dir, s, cfg.feature_jobs, speeds, root("train"), warps, pitches=pitches
-            )
-            if has_dev:
-                cached_features(dev_dir, s, cfg.feature_jobs, (1.0,), root("dev"), prior=_prior(cache, s))
-        ctx.barrier()
-        cache = cached_features(train_dir, s, 1, speeds, root("train"), warps, pitches=pitches)
-        if cache.skipped and ctx.is_main:
-            log.warning(
-                "skipped %d unreadable recording(s): %s",
-                len(cache.skipped),
-                "; ".join(f"{x['path']} ({x['reason']})" for x in cache.skipped[:5]),
-            )
-        vocab = [BLANK] + sorted({w for u in cache.utts for w in u["words"]})
-        # The digit-loop grammar: a word bigram of the training transcripts, stored in the export.
-        lm = BigramLM.from_text(train_dir / "text", vocab)
-        train_set = UtteranceSet(cache, vocab)
-        dev_set = (
-            UtteranceSet(cached_features(dev_dir, s, 1, (1.0,), root("dev"), prior=_prior(cache, s)), vocab)
-            if has_dev
-            else None
-        )
-        frames = sum(cache.lengths)
-        log.info(
-            "%d training utterances (%d frames), %d dev, vocabulary %d + blank, %d worker(s)",
-            len(train_set),
-            frames,
-            len(dev_set) if dev_set else 0,
-            len(vocab) - 1,
-            ctx.world_size,
-        )
-        cfg_dict = dataclasses.asdict(cfg)
-        model = build_model(cfg_dict, len(vocab))
-        log.info("model: %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
-        if cfg.init_from:
-            warm_start(model, cfg.init_from, "asr")
-        model = compile_model(apply_data_parallel(model, ctx, grad_comm=cfg.grad_comm), cfg)
-        cached = compile_cache_file(cfg, len(vocab), ctx.device)
-        if cached is not None and compilecache.load(cached):
-            log.info("compiled artifacts loaded from %s", cached)
+        _require_prepared(Path(cfg.data))
+        cache, train_set, dev_set, vocab, lm = _load_sets(cfg, ctx, log)
+        model, cached = _make_model(cfg, len(vocab), ctx, log)
         sampler = BucketBatchSampler(train_set.lengths, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
         loader, tier = make_loader(cfg, train_set, sampler, ctx.device)
         log.info("feature cache tier: %s (--cache-gb %g)", tier, cfg.cache_gb)
@@ -282,22 +323,6 @@ def train(cfg: AsrConfig) -> dict:
             r = error_rates(refs, hyps)
             return {"wer": r["wer"], "ser": r["ser"]}
 
-        def export(eval_metrics: dict, step: int) -> None:
-            if not ctx.is_main:
-                return
-            meta = {"vocab": vocab, "train_frames": frames, "lm": lm.to_dict()}
-            if cache.speaker_stats:  # what single files are normalised with (`transcribe`, serving)
-                meta["cmvn_prior"] = FilePrior.from_speaker_stats(cache.speaker_stats).to_dict()
-            export_model(
-                run.path,
-                unwrap(model).state_dict(),
-                app="asr",
-                arch=f"{cfg.arch}-ctc",
-                config=cfg_dict,
-                metrics=eval_metrics,
-                extra=meta,
-            )
-
         trainer = Trainer(
             cfg,
             ModuleStep(cfg, model, make_step_fn(cfg), ctx),
@@ -305,7 +330,7 @@ def train(cfg: AsrConfig) -> dict:
             ctx,
             run,
             evaluator=evaluator_from(cfg, eval_fn if dev_set else None, "wer"),
-            exporter=export,
+            exporter=_exporter(cfg, ctx, run, model, cache, vocab, lm),
         )
         final = trainer.fit()
         if cached is not None and ctx.is_main and compilecache.save(cached):

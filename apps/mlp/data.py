@@ -16,6 +16,7 @@ import torch
 from mariana.platform.cli.console import warn_skipped
 from mariana.platform.core.errors import DataError
 from mariana.platform.data.libfm import parse_lines
+from mariana.platform.data.splits import split_bounds, tail_fractions
 
 log = logging.getLogger("mariana")
 
@@ -102,22 +103,16 @@ class ClickRows(torch.utils.data.Dataset):
 SPLITS = ("all", "train", "val", "test")
 
 
-def split_bounds(n: int, val_fraction: float, test_fraction: float = 0.0) -> dict[str, tuple[int, int]]:
-    """Row ranges ``[start, end)`` of each split of ``n`` rows, by row order: train | val | test (the last
-    ``test_fraction`` rows are the test split, the ``val_fraction`` before them validate; ``all`` is every
-    row). Validation gets at least one row; test gets none when ``test_fraction`` is 0."""
-    n_test = int(n * test_fraction)
-    n_val = max(1, int(n * val_fraction))
-    cut_val, cut_test = max(0, n - n_test - n_val), n - n_test
-    return {"all": (0, n), "train": (0, cut_val), "val": (cut_val, cut_test), "test": (cut_test, n)}
-
-
 def split(
     labels: np.ndarray, ids: np.ndarray, val_fraction: float, buckets: int, test_fraction: float = 0.0
 ) -> tuple[ClickRows, ClickRows]:
-    """(train rows, validation rows) by row order; the test rows (`split_bounds`) are left out."""
-    b = split_bounds(len(labels), val_fraction, test_fraction)
+    """(train rows, validation rows) by row order (`split_bounds` of the platform: the last
+    ``test_fraction`` of the rows are the test split, the ``val_fraction`` before them validate); the test
+    rows are left out."""
+    b = split_bounds(len(labels), tail_fractions(val_fraction, test_fraction))
     (t0, t1), (v0, v1) = b["train"], b["val"]
     if t1 <= t0:
         raise DataError(f"{len(labels)} rows leave none to train on after the validation and test splits")
+    if v1 <= v0:
+        raise DataError(f"{len(labels)} rows leave none to validate on (--val-fraction {val_fraction})")
     return ClickRows(labels[t0:t1], ids[t0:t1], buckets), ClickRows(labels[v0:v1], ids[v0:v1], buckets)

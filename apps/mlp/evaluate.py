@@ -12,8 +12,9 @@ from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import load_exported
 from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.rundir import eval_result_path
+from mariana.platform.data.splits import split_bounds, tail_fractions
 
-from .data import ClickRows, read_libfm, split_bounds
+from .data import ClickRows, read_libfm
 from .model import ClickMLP
 
 
@@ -48,7 +49,9 @@ def evaluate_run(model_dir: str, data: str, split: str = "all") -> dict:
     model.load_state_dict(state)
     model.eval()
     labels, ids, skipped = read_libfm(data, 0 if split == "all" else cfg.get("limit", 0))
-    start, end = split_bounds(len(labels), cfg["val_fraction"], cfg.get("test_fraction", 0.0))[split]
+    start, end = split_bounds(
+        len(labels), tail_fractions(cfg["val_fraction"], cfg.get("test_fraction", 0.0))
+    )[split]
     if end <= start:
         raise MarianaError(
             f"--split {split}: no rows of {data} fall in that split (the run's val_fraction "

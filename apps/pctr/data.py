@@ -39,9 +39,11 @@ from mariana.platform.data.libfm import (
     parse_lines,
     probe_fields,
 )
+from mariana.platform.data.splits import split_bounds  # noqa: F401  (the platform's row split, used by train)
 from mariana.platform.data.textblocks import lines_array, ordered_map, read_blocks
 
 from .configs import parse_split  # noqa: F401  (defined beside the flags: checked before torch loads)
+from .idmap import key_of
 from .sources import count_file_lines, resolve_sources
 
 FORMATS = ("criteo", "libfm")
@@ -202,8 +204,6 @@ class Encoder:
         """raw uint64 [n, F] values (already hashed or small ints), known bool [n, F] -> rows [n, F]; with
         ``ids == "dynamic"`` keys [n, F] instead (`idmap.key_of`; -1 missing), mapped to rows by the step."""
         if self.schema.ids == "dynamic":
-            from .idmap import key_of
-
             return torch.from_numpy(key_of(raw, known))
         R = self.schema.rows_per_field
         local = (raw % np.uint64(R - 1)).astype(np.int64) + 1
@@ -437,14 +437,6 @@ def iter_batches(chunks: Iterator[Batch], batch_size: int, drop_last: bool = Fal
             pending, have = ([rest], len(rest)) if len(rest) else ([], 0)
     if have and not drop_last:
         yield Batch.cat(pending)
-
-
-def split_bounds(total: int, fractions: tuple[float, float, float]) -> dict[str, tuple[int, int]]:
-    """Row-order split of ``total`` lines: {'train': (0, a), 'val': (a, b), 'test': (b, total), 'all': ...}."""
-    tr, va, _ = fractions
-    a = int(round(total * tr))
-    b = int(round(total * (tr + va)))
-    return {"train": (0, a), "val": (a, b), "test": (b, total), "all": (0, total)}
 
 
 def load_split(path, encoder: Encoder, start: int, stop: int | None, stats: ReadStats | None = None) -> Batch:

@@ -10,10 +10,13 @@ from pathlib import Path
 import numpy as np
 from mariana.platform.core import jsonfile
 from mariana.platform.core.atomic import atomic_write_text
+from mariana.platform.core.config import load_toml
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.metrics import auc_logloss
+from mariana.platform.core.rundir import eval_result_path
+from mariana.platform.data.splits import split_bounds
 
-from .data import ReadStats, count_lines, iter_chunks, parse_split, split_bounds
+from .data import ReadStats, count_lines, iter_chunks, parse_split
 from .predict import load_predictor
 
 
@@ -21,8 +24,6 @@ def run_split(run_dir: str | Path, split: str) -> str:
     """The ``train,val,test`` fractions ``run_dir`` was trained with (its config.toml ``split``), or
     MarianaError when the run has no such split: a stream (every row of a file is trained on), a zero
     fraction for ``split`` (e.g. ``--split 1,0,0`` has no val or test rows) or no config.toml to read."""
-    from mariana.platform.core.config import load_toml
-
     path = Path(run_dir) / "config.toml"
     if not path.is_file():
         raise MarianaError(
@@ -56,8 +57,6 @@ def evaluate_run(
     its ``RUN/config.toml`` ``split``) with the run's exported model. Returns the result dict and writes it
     to ``out`` (default: ``eval_result_path(run_dir, data, split)``). MarianaError for a split the run does
     not have (a zero fraction, a stream run, a run without config.toml)."""
-    from mariana.platform.core.rundir import eval_result_path
-
     pred = load_predictor(run_dir, device)
     if pred.image is not None:  # offline scoring shares the training run's image feature cache
         pred.image.use_cache(pred.meta["image"].get("cache") or None)

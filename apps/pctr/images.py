@@ -40,8 +40,14 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
+from mariana.apps.vision.data import decode_one
+from mariana.apps.vision.model import build_model
+from mariana.apps.vision.predict import load_classifier
 from mariana.platform.core.atomic import atomic_write_path
 from mariana.platform.core.errors import DataError, MarianaError
+from mariana.platform.core.export import load_exported
+
+from .sources import resolve_sources
 
 log = logging.getLogger("mariana")
 
@@ -158,9 +164,6 @@ class ImageFeatures:
         cls, run: str | Path, fmt: str, field: str, images, cache=None, cross: str = ""
     ) -> ImageFeatures:
         """The CNN of a `mariana vision train` run (its exported ``model.safetensors``)."""
-        from mariana.apps.vision.predict import load_classifier
-        from mariana.platform.core.export import load_exported
-
         clf = load_classifier(run)
         _, meta = load_exported(run)
         meta = {**meta, "arch": meta.get("arch") or meta.get("model")}
@@ -172,8 +175,6 @@ class ImageFeatures:
     ) -> ImageFeatures:
         """Rebuild from a pCTR export: pops ``image.*`` from ``state``; ``images`` overrides the folder
         recorded at training."""
-        from mariana.apps.vision.model import build_model
-
         cnn = info["cnn"]
         model = build_model(cnn["arch"], len(cnn["classes"]), int(cnn["image_size"]), float(cnn["dropout"]))
         sd = {k[len(CNN_PREFIX) :]: state.pop(k) for k in [k for k in state if k.startswith(CNN_PREFIX)]}
@@ -297,8 +298,6 @@ class ImageFeatures:
     def _compute(self, items: list[tuple[tuple, Path]], progress: bool):
         """Decode + CNN forward of ``items`` [(key, path)] in batches; new features go to memory and to
         one cache segment per batch. Returns ({key: [D]}, {key: error})."""
-        from mariana.apps.vision.data import decode_one
-
         out: dict[tuple, torch.Tensor] = {}
         bad: dict[tuple, str] = {}
         grabbed: list[torch.Tensor] = []
@@ -425,8 +424,6 @@ class ImageFeatures:
 def scan_values(path, fmt: str, field: str, start: int, stop: int) -> list[str]:
     """The image field's distinct values on lines ``[start, stop)`` (0-based) of a labelled data source
     (a file, a comma-separated list of files or a folder of partitions, `sources.py`)."""
-    from .sources import resolve_sources
-
     pos = field_position(fmt, field)
     src = resolve_sources(path)
     pieces = [(0, src.paths[0], start, stop)] if src.single else src.ranges(start, stop)
@@ -480,8 +477,6 @@ def setup_image_features(cfg, schema, encoder, train: tuple[int, int]) -> ImageF
 def _init_projection(cfg) -> dict | None:
     if not getattr(cfg, "init_from", ""):
         return None
-    from mariana.platform.core.export import load_exported
-
     state, meta = load_exported(cfg.init_from)
     if "image" not in meta:
         raise MarianaError(f"--init-from {cfg.init_from} was trained without --image-features")

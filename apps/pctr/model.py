@@ -13,7 +13,10 @@ gradients. Everything except ``table`` is "dense" (``dense_parameters()``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from mariana.platform.core.registry import create_model, register_model
 from torch import nn
 
 from .configs import MODELS
@@ -123,17 +126,23 @@ class CTRModel(nn.Module):
         return out + (logit if self.kind == "deepfm" else self.bias)
 
 
+# The models of this app, by name (`mariana.platform.core.registry`): one class, its ``kind`` the name.
+for _kind in MODELS:
+    register_model("pctr", _kind)(functools.partial(CTRModel, _kind))
+
+
 def build_model(cfg, schema, table: torch.Tensor | None = None) -> CTRModel:
     hidden = tuple(int(h) for h in str(cfg.hidden).split(",") if h.strip())
-    return CTRModel(
+    return create_model(
+        "pctr",
         cfg.model,
-        schema.num_rows,
-        schema.num_fields,
-        schema.num_dense,
-        cfg.dim,
-        hidden,
-        cfg.cross_layers,
-        cfg.dropout,
-        cfg.init_std,
-        table,
+        num_rows=schema.num_rows,
+        num_fields=schema.num_fields,
+        num_dense=schema.num_dense,
+        dim=cfg.dim,
+        hidden=hidden,
+        cross_layers=cfg.cross_layers,
+        dropout=cfg.dropout,
+        init_std=cfg.init_std,
+        table=table,
     )

@@ -31,6 +31,8 @@ from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import load_exported
 
 from .data import CRITEO_CATS, CRITEO_INTS, Batch, Encoder, Schema
+from .idmap import FrozenIdMap
+from .images import ImageFeatures
 from .model import CTRModel
 
 
@@ -60,8 +62,6 @@ class Predictor:
         self.encoder = Encoder(self.schema)
         self.image = None  # `--image-features` models: the CNN + projection travel in the export
         if "image" in meta:
-            from .images import ImageFeatures
-
             self.image = ImageFeatures.from_export(state, meta["image"], self.format, images, image_cache)
             self.image.attach(self.encoder)
         m = meta["model"]
@@ -82,8 +82,6 @@ class Predictor:
         self.idmap = None  # `--ids dynamic` models: the exported key of each row (never-seen ids -> OOV)
         row_key = state.pop("idmap.row_key", None)
         if self.schema.ids == "dynamic":
-            from .idmap import FrozenIdMap
-
             if row_key is None:
                 raise MarianaError(
                     "the exported pctr model was trained with --ids dynamic but lacks 'idmap.row_key'"

@@ -19,6 +19,8 @@ from fastapi.responses import Response
 from mariana.platform.core.errors import MarianaError
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, create_model
 
+from .predict import load_predictor
+
 log = logging.getLogger("mariana.serving")
 
 PATH = "/v1/pctr/predict"
@@ -34,8 +36,6 @@ class PctrResponse(BaseModel):
 # ------------------------------------------------------------------------------------------ loading
 def load_for_serving(run_dir: str):
     """`load_predictor` plus one warm-up prediction (the app's serving loader, see `spec.py`)."""
-    from .predict import load_predictor
-
     pred = load_predictor(run_dir)
     warm_up(pred)
     return pred

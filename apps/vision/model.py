@@ -23,9 +23,10 @@ from collections import OrderedDict
 
 import torch
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.registry import create_model, list_models, register_model
 from torch import nn
 
-MARIANA_MODELS = ("mariana-cnn", "mariana-cnn-32", "cifar-fast", "resnet9", "fastnet")
+from .fastnet import fastnet
 
 
 def conv_bn(cin: int, cout: int, pool: bool = False) -> nn.Sequential:
@@ -144,24 +145,42 @@ def mariana_cnn_32(num_classes: int = 10, dropout: float = 0.5) -> nn.Sequential
     )
 
 
-def build_model(name: str, num_classes: int, image_size: int = 32, dropout: float = 0.5) -> nn.Module:
-    """Model by name: ``cifar-fast``, ``resnet9``, ``fastnet`` (`fastnet.fastnet`), ``mariana-cnn`` (224 px variant when ``image_size`` >= 128, else the
-    32 px one), ``mariana-cnn-32``, or any torchvision classification model (``resnet18``, ``alexnet``,
-    ...; randomly initialised). Raises MarianaError for an unknown name."""
-    if name == "cifar-fast":
-        return cifar_fast(num_classes, width=16)
-    if name == "resnet9":
-        return cifar_fast(num_classes, width=64)
-    if name == "fastnet":
-        from .fastnet import fastnet
+# The models of this app, by name (`mariana.platform.core.registry`): factory(num_classes, image_size, dropout).
+@register_model("vision", "mariana-cnn")
+def _mariana_cnn(num_classes: int, image_size: int = 32, dropout: float = 0.5) -> nn.Module:
+    """The 224 px variant when ``image_size`` >= 128, else the 32 px one."""
+    return mariana_cnn(num_classes, dropout) if image_size >= 128 else mariana_cnn_32(num_classes, dropout)
 
-        return fastnet(num_classes)
-    if name == "mariana-cnn":
-        return (
-            mariana_cnn(num_classes, dropout) if image_size >= 128 else mariana_cnn_32(num_classes, dropout)
-        )
-    if name == "mariana-cnn-32":
-        return mariana_cnn_32(num_classes, dropout)
+
+@register_model("vision", "mariana-cnn-32")
+def _mariana_cnn_32(num_classes: int, image_size: int = 32, dropout: float = 0.5) -> nn.Module:
+    return mariana_cnn_32(num_classes, dropout)
+
+
+@register_model("vision", "cifar-fast")
+def _cifar_fast(num_classes: int, image_size: int = 32, dropout: float = 0.5) -> nn.Module:
+    return cifar_fast(num_classes, width=16)
+
+
+@register_model("vision", "resnet9")
+def _resnet9(num_classes: int, image_size: int = 32, dropout: float = 0.5) -> nn.Module:
+    return cifar_fast(num_classes, width=64)
+
+
+@register_model("vision", "fastnet")
+def _fastnet(num_classes: int, image_size: int = 32, dropout: float = 0.5) -> nn.Module:
+    return fastnet(num_classes)
+
+
+MARIANA_MODELS = tuple(list_models("vision"))
+
+
+def build_model(name: str, num_classes: int, image_size: int = 32, dropout: float = 0.5) -> nn.Module:
+    """Model by name: one registered above (``mariana-cnn``, ``mariana-cnn-32``, ``cifar-fast``,
+    ``resnet9``, ``fastnet``) or any torchvision classification model (``resnet18``, ``alexnet``, ...;
+    randomly initialised). Raises MarianaError for an unknown name."""
+    if name in MARIANA_MODELS:
+        return create_model("vision", name, num_classes=num_classes, image_size=image_size, dropout=dropout)
     import torchvision
 
     known = torchvision.models.list_models(module=torchvision.models)

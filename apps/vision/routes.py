@@ -13,6 +13,8 @@ from fastapi import APIRouter, File, Query, UploadFile
 from mariana.platform.core.errors import MarianaError
 from mariana.serving.context import error
 
+from .tta import tta_mode
+
 log = logging.getLogger("mariana.serving")
 
 PATH = "/v1/vision/classify"
@@ -51,8 +53,6 @@ def router(ctx) -> APIRouter:
         if not is_image(data):
             return error(415, "file: not a JPEG/PNG/GIF image")
         loaded = ctx.slot.current
-        from .tta import tta_mode  # the model code is loaded by now (a model is served)
-
         mode = tta_mode(tta)
         try:
             top = await ctx.run(loaded.obj.classify_bytes, data, k, mode)

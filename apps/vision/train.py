@@ -16,13 +16,22 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from mariana.platform.cli.console import warn_skipped
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.evaluator import evaluator_from
 from mariana.platform.core.export import export_model
+from mariana.platform.core.loop import Trainer
 from mariana.platform.core.metrics import topk_correct
 from mariana.platform.core.rundir import start_run
+from mariana.platform.core.steps import ModuleStep, autocast_for, unwrap
+from mariana.platform.core.warmstart import warm_start
+from mariana.platform.dp.ddp import apply_data_parallel
 from mariana.platform.dp.sampler import IndexBatchLoader, ShardedBatchSampler
+from mariana.platform.pipeline import parallelize_pipeline
+from mariana.platform.pipeline.step import PipelineStep
+from mariana.platform.runtime.dist import ParallelDims, init_distributed, teardown
 
 from .configs import VisionConfig
 from .data import (
@@ -196,8 +205,6 @@ def evaluate_cached(
             c1, c5, n = c1 + a, c5 + b, n + len(y)
     counts = torch.tensor([c1, c5, n], dtype=torch.float64)
     if world > 1:
-        import torch.distributed as dist
-
         dist.all_reduce(counts)
     c1, c5, n = counts.tolist()
     return {"top1": 100.0 * c1 / max(1, n), "top5": 100.0 * c5 / max(1, n), "images": n}
@@ -205,8 +212,7 @@ def evaluate_cached(
 
 # ------------------------------------------------------------------------------------------------ train
 def train(cfg: VisionConfig) -> dict[str, Any]:
-    from mariana.platform.runtime.dist import init_distributed, teardown
-
+    """Train on cfg.data -> the final metrics (top1/top5 on --eval-data, skipped images, parameters)."""
     ctx = init_distributed(cfg.device, cfg.timeout)
     try:
         return _train(cfg, ctx)
@@ -214,63 +220,42 @@ def train(cfg: VisionConfig) -> dict[str, Any]:
         teardown(ctx)
 
 
-def _train(cfg: VisionConfig, ctx) -> dict[str, Any]:
-    run, _ = start_run(cfg, ctx.rank, ctx.is_main)
-    device = ctx.device
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    k = cfg.model_parallel
-    src = open_source(cfg.data)
-    est_gb = len(src) * 3 * cfg.image_size**2 / 1e9
+def _use_cache(cfg: VisionConfig, n_images: int) -> bool:
+    """Whether the decoded training set is kept in memory (--cache, --cache-gb); `MarianaError` where the
+    recipe needs it (--augment alt-flip-translate, --model-parallel K > 1) and it does not fit."""
+    est_gb = n_images * 3 * cfg.image_size**2 / 1e9
     use_cache = cfg.cache == "on" or (cfg.cache == "auto" and est_gb <= cfg.cache_gb)
     if cfg.augment == "alt-flip-translate" and not use_cache:
         raise MarianaError(
             f"--augment alt-flip-translate needs the decoded set in memory; it needs {est_gb:.1f} GB "
             f"(> --cache-gb {cfg.cache_gb}); raise --cache-gb or use --cache on"
         )
-    if k > 1 and not use_cache:
+    if cfg.model_parallel > 1 and not use_cache:
         raise MarianaError(
-            f"--model-parallel {k} reads from the decoded-image cache; the data needs {est_gb:.1f} GB "
-            f"(> --cache-gb {cfg.cache_gb}); raise --cache-gb or use --cache on"
+            f"--model-parallel {cfg.model_parallel} reads from the decoded-image cache; the data needs "
+            f"{est_gb:.1f} GB (> --cache-gb {cfg.cache_gb}); raise --cache-gb or use --cache on"
         )
-    progress = ctx.is_main and cfg.progress
-    classes = src.classes
-    # the model first: a model that cannot take the image size fails before minutes of decoding
-    model = build_model(cfg.model, len(classes), cfg.image_size, cfg.dropout)
-    check_input_size(model, cfg)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    skipped: list[tuple[str, str]] = []
-    if use_cache:
-        data = decode_all(
-            src,
-            cfg.image_size,
-            decode_device(cfg, device),
-            cfg.limit,
-            progress=progress,
-            workers=decode_workers(cfg, device),
-        )
-        report_skipped(data.bad, cfg.data)
-        skipped = data.bad
-        data.images, data.labels = data.images.to(device), data.labels.to(device)
-        n_train = len(data)
-    else:
-        n_train = len(subset_indices(len(src), cfg.limit))
-    eval_data = None
-    if cfg.eval_data:
-        eval_data = load_images(cfg.eval_data, cfg, device, cfg.eval_limit, classes)
-    log.info(
-        "data: %d training images (%s), %d classes, %s",
-        n_train,
-        "decoded once" if use_cache else "streamed",
-        len(classes),
-        f"{len(eval_data)} eval images" if eval_data is not None else "no eval data",
+    return use_cache
+
+
+def _decode_training_set(cfg: VisionConfig, src, device: torch.device, progress: bool) -> DecodedImages:
+    """The training images decoded once onto ``device`` (the corrupt ones reported and listed in ``.bad``)."""
+    data = decode_all(
+        src,
+        cfg.image_size,
+        decode_device(cfg, device),
+        cfg.limit,
+        progress=progress,
+        workers=decode_workers(cfg, device),
     )
+    report_skipped(data.bad, cfg.data)
+    data.images, data.labels = data.images.to(device), data.labels.to(device)
+    return data
 
-    loss_fn = lambda logits, y: F.cross_entropy(logits.float(), y, label_smoothing=cfg.label_smoothing)  # noqa: E731
 
+def _exporter(cfg: VisionConfig, ctx, run, classes: list[str], n_train: int):
+    """-> ``export(state_dict, eval_metrics)``: rank 0 writes the model with what `predict` needs (classes,
+    image size, normalisation, config)."""
     meta = {
         "app": "vision",
         "model": cfg.model,
@@ -295,10 +280,45 @@ def _train(cfg: VisionConfig, ctx) -> dict[str, Any]:
                 extra=meta,
             )
 
-    if k == 1:
-        final = _train_data_parallel(
-            cfg, ctx, run, model, loss_fn, data if use_cache else None, src, eval_data, skipped, export
-        )
+    return export
+
+
+def _train(cfg: VisionConfig, ctx) -> dict[str, Any]:
+    run, _ = start_run(cfg, ctx.rank, ctx.is_main)
+    device = ctx.device
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    src = open_source(cfg.data)
+    use_cache = _use_cache(cfg, len(src))
+    classes = src.classes
+    # the model first: a model that cannot take the image size fails before minutes of decoding
+    model = build_model(cfg.model, len(classes), cfg.image_size, cfg.dropout)
+    check_input_size(model, cfg)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    data, skipped = None, []
+    if use_cache:
+        data = _decode_training_set(cfg, src, device, ctx.is_main and cfg.progress)
+        skipped = data.bad
+        n_train = len(data)
+    else:
+        n_train = len(subset_indices(len(src), cfg.limit))
+    eval_data = None
+    if cfg.eval_data:
+        eval_data = load_images(cfg.eval_data, cfg, device, cfg.eval_limit, classes)
+    log.info(
+        "data: %d training images (%s), %d classes, %s",
+        n_train,
+        "decoded once" if use_cache else "streamed",
+        len(classes),
+        f"{len(eval_data)} eval images" if eval_data is not None else "no eval data",
+    )
+    loss_fn = lambda logits, y: F.cross_entropy(logits.float(), y, label_smoothing=cfg.label_smoothing)  # noqa: E731
+    export = _exporter(cfg, ctx, run, classes, n_train)
+    if cfg.model_parallel == 1:
+        final = _train_data_parallel(cfg, ctx, run, model, loss_fn, data, src, eval_data, skipped, export)
     else:
         final = _train_pipeline(cfg, ctx, run, model, loss_fn, data, eval_data, export)
     final["skipped_images"] = len(skipped)
@@ -313,12 +333,8 @@ def _train(cfg: VisionConfig, ctx) -> dict[str, Any]:
 
 
 def _train_data_parallel(cfg, ctx, run, model, loss_fn, data, src, eval_data, skipped, export):
-    from mariana.platform.core.evaluator import evaluator_from
-    from mariana.platform.core.loop import Trainer
-    from mariana.platform.core.steps import ModuleStep, unwrap
-    from mariana.platform.core.warmstart import warm_start
-    from mariana.platform.dp.ddp import apply_data_parallel
-
+    """K = 1: the core `Trainer` with DDP over the workers, from the decoded set (``data``) or streamed
+    from ``src``; corrupt streamed images are appended to ``skipped`` -> the final metrics."""
     if cfg.model == "fastnet":
         init_whitening_from(model, data, src, cfg)
     if cfg.init_from:
@@ -381,22 +397,35 @@ def init_whitening_from(model, data, src, cfg: VisionConfig) -> None:
     init_whitening(model, normalize(sample))
 
 
-def _train_pipeline(cfg, ctx, run, model, loss_fn, data, eval_data, export):
-    from mariana.platform.core.evaluator import evaluator_from
-    from mariana.platform.core.loop import Trainer
-    from mariana.platform.core.steps import autocast_for
-    from mariana.platform.core.warmstart import warm_start
-    from mariana.platform.pipeline import parallelize_pipeline
-    from mariana.platform.pipeline.step import PipelineStep
-    from mariana.platform.runtime.dist import ParallelDims
+def _pipeline_eval_fn(cfg: VisionConfig, ctx, eval_data: DecodedImages):
+    """-> ``eval_fn(pipeline) -> {top1, top5, images}``: the first stage feeds ``eval_data`` in, the last
+    counts the hits, summed over every rank."""
 
+    def eval_fn(p) -> dict[str, float]:
+        ev = make_prepare(cfg, train=False)
+        bs = max(cfg.micro_batches, 250)
+        c1 = c5 = n = 0
+        for lo in range(p.dp_index * bs, len(eval_data), bs * p.dp_size):
+            x = eval_data.images[lo : lo + bs]
+            y = eval_data.labels[lo : lo + bs]
+            m = min(cfg.micro_batches, len(y))
+            logits = p.schedule.forward(ev(x) if p.is_first else None, len(y)) if len(y) >= m else None
+            if p.is_last and logits is not None:
+                a, b = topk_correct(logits, y)
+                c1, c5, n = c1 + a, c5 + b, n + len(y)
+        counts = torch.tensor([c1, c5, n], dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(counts)
+        c1, c5, n = counts.tolist()
+        return {"top1": 100.0 * c1 / max(1, n), "top5": 100.0 * c5 / max(1, n), "images": n}
+
+    return eval_fn
+
+
+def _build_pipeline(cfg: VisionConfig, ctx, model, loss_fn, data: DecodedImages):
+    """``model``'s blocks split into --model-parallel stages over a (pipeline x data parallel) mesh,
+    balanced by --stage-balance (params, time measured on one micro-batch, or explicit counts)."""
     k = cfg.model_parallel
-    if not ctx.distributed:
-        raise MarianaError(f"--model-parallel {k} needs --workers >= {k} (one process per stage)")
-    if cfg.init_from:
-        warm_start(model, cfg.init_from, "vision")
     mesh = ParallelDims(world_size=ctx.world_size, mp=k).build_mesh(ctx.device.type)
-    blocks = as_blocks(model)
     balance: Any = cfg.stage_balance
     sample = None
     if balance == "time":
@@ -404,7 +433,7 @@ def _train_pipeline(cfg, ctx, run, model, loss_fn, data, eval_data, export):
     elif balance != "params":
         balance = [int(b) for b in balance.split(",")]
     pp = parallelize_pipeline(
-        blocks,
+        as_blocks(model),
         mesh,
         ctx.device,
         loss_fn,
@@ -423,29 +452,21 @@ def _train_pipeline(cfg, ctx, run, model, loss_fn, data, eval_data, export):
         sum(p.numel() for p in pp.stage.parameters()),
         pp.dp_ranks,
     )
+    return pp
+
+
+def _train_pipeline(cfg, ctx, run, model, loss_fn, data, eval_data, export):
+    """K > 1: pipeline model parallel x data parallel from the decoded set; the stages' weights are merged
+    into one model for the export -> the final metrics (with the pipeline's summary)."""
+    k = cfg.model_parallel
+    if not ctx.distributed:
+        raise MarianaError(f"--model-parallel {k} needs --workers >= {k} (one process per stage)")
+    if cfg.init_from:
+        warm_start(model, cfg.init_from, "vision")
+    pp = _build_pipeline(cfg, ctx, model, loss_fn, data)
     sampler = ShardedBatchSampler(len(data), cfg.batch_size, pp.dp_index, pp.dp_size, cfg.seed)
     loader = PipelineLoader(data, sampler, pp.is_first, pp.is_last)
     prepare = make_prepare(cfg, train=True)
-
-    def eval_fn(p) -> dict[str, float]:
-        import torch.distributed as dist
-
-        ev = make_prepare(cfg, train=False)
-        bs = max(cfg.micro_batches, 250)
-        c1 = c5 = n = 0
-        for lo in range(p.dp_index * bs, len(eval_data), bs * p.dp_size):
-            x = eval_data.images[lo : lo + bs]
-            y = eval_data.labels[lo : lo + bs]
-            m = min(cfg.micro_batches, len(y))
-            logits = p.schedule.forward(ev(x) if p.is_first else None, len(y)) if len(y) >= m else None
-            if p.is_last and logits is not None:
-                a, b = topk_correct(logits, y)
-                c1, c5, n = c1 + a, c5 + b, n + len(y)
-        counts = torch.tensor([c1, c5, n], dtype=torch.float64, device=ctx.device)
-        dist.all_reduce(counts)
-        c1, c5, n = counts.tolist()
-        return {"top1": 100.0 * c1 / max(1, n), "top5": 100.0 * c5 / max(1, n), "images": n}
-
     # the torch schedule's shapes fixed at setup, not inferred in the first step (host reads)
     example = (cfg.batch_size, data.images[: cfg.batch_size] if pp.is_first else None)
     step = PipelineStep(cfg, pp, ctx, run, prepare, example)
@@ -457,13 +478,14 @@ def _train_pipeline(cfg, ctx, run, model, loss_fn, data, eval_data, export):
             as_blocks(fresh).load_state_dict(merged)
             export(fresh.state_dict(), metrics)
 
+    eval_fn = _pipeline_eval_fn(cfg, ctx, eval_data) if eval_data is not None else None
     trainer = Trainer(
         cfg,
         step,
         loader,
         ctx,
         run,
-        evaluator=evaluator_from(cfg, eval_fn if eval_data is not None else None, "top1"),
+        evaluator=evaluator_from(cfg, eval_fn, "top1"),
         exporter=export_merged,
         desc="train (pipeline)",
     )

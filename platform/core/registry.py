@@ -15,6 +15,7 @@ imports only the spec modules (standard library), which keeps ``mariana --help``
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -86,9 +87,6 @@ class AppSpec:
     def servable(self) -> bool:
         return self.loader is not None and self.routes is not None
 
-    def register_cli(self, subparsers) -> None:
-        resolve(self.cli).register(subparsers)
-
     def load(self, run_dir: str) -> Any:
         """The app's inference object for the model exported in ``run_dir`` (imports the app's modules)."""
         if self.loader is None:
@@ -133,10 +131,6 @@ def all_apps() -> list[AppSpec]:
     return list(_registry().values())
 
 
-def app_names() -> list[str]:
-    return list(_registry())
-
-
 def find_app(name: str) -> AppSpec | None:
     """The app called ``name``, or None (a platform command such as ``jobs``, or a typo)."""
     return _registry().get(name)
@@ -158,3 +152,46 @@ def serving_apps() -> list[AppSpec]:
 
 def tunable_apps() -> list[AppSpec]:
     return [s for s in all_apps() if s.tune is not None]
+
+
+# ------------------------------------------------------------------------------------------------ models
+# One way apps register their models (timm's idiom): ``@register_model("vision", "resnet9")`` on a factory
+# (a function or a class) ``f(**kwargs) -> torch.nn.Module``, and ``create_model("vision", "resnet9", ...)``.
+# Names are per app (asr and pctr both have a "dnn"); the kwargs are the app's own (the same for every model
+# of one app). A model module registers its models when it is imported.
+_MODELS: dict[str, dict[str, Callable[..., Any]]] = {}
+
+
+def register_model(app: str, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: register ``factory`` as ``app``'s model ``name`` (ValueError for a name another module
+    registered) and return it unchanged."""
+
+    def register(factory: Callable[..., Any]) -> Callable[..., Any]:
+        table = _MODELS.setdefault(app, {})
+        if name in table and _module_of(table[name]) != _module_of(factory):  # the same module: reloaded
+            raise ValueError(f"{app} model {name!r} is registered twice ({table[name]} and {factory})")
+        table[name] = factory
+        return factory
+
+    return register
+
+
+def _module_of(factory: Callable[..., Any]) -> str | None:
+    return getattr(getattr(factory, "func", factory), "__module__", None)  # a partial: its function's
+
+
+def create_model(app: str, name: str, **kwargs: Any) -> Any:
+    """``app``'s model ``name`` built with ``kwargs``; MarianaError naming the registered ones for an
+    unknown name."""
+    factory = _MODELS.get(app, {}).get(name)
+    if factory is None:
+        raise MarianaError(f"unknown {app} model {name!r}: choose one of {', '.join(list_models(app))}")
+    return factory(**kwargs)
+
+
+def list_models(app: str | None = None) -> list[str]:
+    """The names of ``app``'s registered models, in registration order; without ``app``, every model as
+    ``"app/name"``."""
+    if app is not None:
+        return list(_MODELS.get(app, {}))
+    return [f"{a}/{n}" for a, table in _MODELS.items() for n in table]

@@ -21,7 +21,7 @@ from typing import Any
 
 from . import jsonfile
 from .atomic import atomic_write_text
-from .config import save_config
+from .config import load_toml, save_config
 from .errors import MarianaError
 
 
@@ -118,8 +118,6 @@ def check_resume_config(cfg: Any, run_dir: str | Path) -> None:
     """Refuse a ``--resume`` whose settings differ from the checkpoint's ``RUN/config.toml`` in a field that
     changes the model, the data order or restored optimizer state (`MarianaError` listing
     ``field: saved -> new``). A run without config.toml is not checked."""
-    from .config import load_toml
-
     path = Path(run_dir) / "config.toml"
     if not path.is_file():
         return

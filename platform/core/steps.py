@@ -161,6 +161,3 @@ class ModuleStep:
     def comm_stats(self) -> tuple[float, int]:
         comm = getattr(self.model, "comm_stats", None)
         return comm.take() if comm is not None else (0.0, 0)
-
-    def state_dict_for_export(self) -> dict[str, torch.Tensor]:
-        return unwrap(self.model).state_dict()

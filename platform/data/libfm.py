@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .textblocks import lines_array
+
 
 @dataclass
 class LibfmRows:
@@ -170,8 +172,6 @@ def parse_block(block: bytes, num_fields: int | None = None, has_label: bool = T
 def _parse_arrow(block: bytes, F: int | None, has_label: bool) -> LibfmRows | None:
     import pyarrow as pa
     import pyarrow.compute as pc
-
-    from .textblocks import lines_array
 
     toks = pc.ascii_split_whitespace(pc.ascii_trim_whitespace(lines_array(block)))
     lens = pc.list_value_length(toks).to_numpy()

@@ -4,6 +4,10 @@ REST API (FastAPI) and the ``mariana submit`` / ``mariana jobs ...`` client comm
 
 Modules: ``db`` (tables, engine), ``scheduler`` (queue, slots, state machine, recovery), ``executor``
 (``Executor`` interface + ``LocalExecutor``), ``runner`` (the tiny wrapper every job runs under),
-``logstore`` (file tailing), ``service`` (``create_app``), ``client`` (httpx), ``cli`` (``register``).
-Nothing here is imported by ``mariana --help`` except ``cli``, which imports only the standard library.
+``logstore`` (file tailing), ``service`` (``create_app``: middleware + the routers of ``routes``, ``studies``
+and ``ui``), ``modelservers`` (model servers started from the UI), ``trials`` (an Optuna trial as a row),
+``client`` (httpx), ``cli`` (``register``: the parsers), ``commands`` (the client commands' handlers) and ``serve``
+(``mariana jobs serve``).
+Nothing here is imported by ``mariana --help`` except ``cli``, which imports only the standard library
+(and the CLI's dispatch, which imports a handler module when its command runs).
 """

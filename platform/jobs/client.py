@@ -12,6 +12,7 @@ import httpx
 from mariana.platform.core.errors import MarianaError
 
 DEFAULT_URL = "http://127.0.0.1:8765"
+FINAL_STATES = ("succeeded", "failed", "cancelled")  # a job in one of these never changes again
 
 
 def read_token(token_file: str | None) -> str | None:

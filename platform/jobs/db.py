@@ -39,9 +39,6 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-STATES = ("queued", "running", "succeeded", "failed", "cancelled")
-FINAL_STATES = ("succeeded", "failed", "cancelled")
-
 
 class Base(DeclarativeBase):
     pass

@@ -235,10 +235,6 @@ class LocalExecutor(Executor):
     def kill(self, handle: Handle) -> None:
         self._signal(handle, signal.SIGKILL)
 
-    def leftovers(self, handle: Handle) -> list[int]:
-        """Descendants remembered at terminate that still run (killed when the job is finalised)."""
-        return [pid for pid, start in self._tree.get(handle.pid, ()) if process_alive(pid, start)]
-
     def forget(self, handle: Handle) -> None:
         for pid, start in self._tree.pop(handle.pid, ()):
             if process_alive(pid, start):

@@ -91,16 +91,52 @@ def _num(v, kind):
     return kind(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
+class _Pass:
+    """One ingest pass over one job's files inside one write transaction: reads each file from its stored
+    offset, adds the records, and collects the job's ``counters`` (written back once, if changed)."""
+
+    def __init__(self, s: Session, job: Job):
+        self.s, self.job = s, job
+        rows = s.scalars(select(TailOffset).where(TailOffset.job_id == job.id))
+        self.offsets: dict[str, TailOffset] = {r.file: r for r in rows}
+        self.counters = dict(job.counters or {})
+        self.changed = False
+
+    def tail(self, name: str, path: Path) -> list[dict]:
+        """The new complete JSON lines of ``path`` (its offset stored under ``name`` moves past them);
+        corrupt lines are counted in ``counters["corrupt_lines"]``."""
+        row = self.offsets.get(name)
+        if row is None:
+            row = TailOffset(job_id=self.job.id, file=name, offset=0)
+            self.s.add(row)
+            self.offsets[name] = row
+        lines, end = _read_lines(path, row.offset)
+        if end == row.offset:
+            return []
+        row.offset = end
+        recs = []
+        for line in lines:
+            if not line.strip():
+                continue
+            rec = _parse(line)
+            if rec is None:
+                self.counters["corrupt_lines"] = self.counters.get("corrupt_lines", 0) + 1
+                self.changed = True
+            else:
+                recs.append(rec)
+        return recs
+
+    def set_counter(self, key: str, value) -> None:
+        self.counters[key] = value
+        self.changed = True
+
+
 class LogStore:
     def __init__(self, db: Database):
         self.db = db
         # ingest runs on the LogStore thread and (via finalize) on the scheduler thread: one at a time per
         # service, so an offset is never read twice.
         self._lock = threading.RLock()
-
-    def _offsets(self, s: Session, job_id: int) -> dict[str, TailOffset]:
-        rows = s.scalars(select(TailOffset).where(TailOffset.job_id == job_id))
-        return {r.file: r for r in rows}
 
     def ingest(self, job_id: int) -> int:
         """Read what is new in the job's files into the database; returns the number of new records."""
@@ -109,91 +145,62 @@ class LogStore:
             if job is None or not job.run_dir:
                 return 0
             run = Path(job.run_dir)
-            offsets = self._offsets(s, job_id)
-            new = 0
-            counters = dict(job.counters or {})
-            changed = False
-
-            def tail(name: str, path: Path) -> list[dict]:
-                nonlocal changed
-                row = offsets.get(name)
-                if row is None:
-                    row = TailOffset(job_id=job_id, file=name, offset=0)
-                    s.add(row)
-                    offsets[name] = row
-                lines, end = _read_lines(path, row.offset)
-                if end == row.offset:
-                    return []
-                row.offset = end
-                recs = []
-                for line in lines:
-                    if not line.strip():
-                        continue
-                    rec = _parse(line)
-                    if rec is None:
-                        counters["corrupt_lines"] = counters.get("corrupt_lines", 0) + 1
-                        changed = True
-                    else:
-                        recs.append(rec)
-                return recs
-
-            recs = tail("metrics.jsonl", run / "metrics.jsonl")
-            if recs:
-                seq = self._last_seq(s, MetricRecord, job_id)
-                for rec in recs:
-                    seq += 1
-                    s.add(
-                        MetricRecord(
-                            job_id=job_id,
-                            seq=seq,
-                            time=_num(rec.get("time"), float),
-                            step=_num(rec.get("step"), int),
-                            data=rec,
-                        )
-                    )
-                    self._fold(job, rec)
-                new += len(recs)
-            cdir = run / "counters"
-            if cdir.is_dir():
-                cseq = None
-                for path in sorted(cdir.glob("*.jsonl")):
-                    recs = tail("counters/" + path.name, path)
-                    if not recs:
-                        continue
-                    if cseq is None:
-                        cseq = self._last_seq(s, CounterRecord, job_id)
-                    for rec in recs:
-                        cseq += 1
-                        s.add(
-                            CounterRecord(
-                                job_id=job_id,
-                                seq=cseq,
-                                source=path.stem,
-                                time=_num(rec.get("time"), float),
-                                data=rec,
-                            )
-                        )
-                        update_best(job, rec)
-                    workers = dict(counters.get("workers", {}))
-                    workers[path.stem] = {"records": workers.get(path.stem, {}).get("records", 0) + len(recs),
-                                          "last": recs[-1]}  # fmt: skip
-                    counters["workers"] = workers
-                    changed = True
-                    new += len(recs)
-                for path in sorted(cdir.glob("server-*.json")):
-                    rec = _parse(path.read_text()) if path.is_file() else None
-                    if rec is not None and counters.get("servers", {}).get(path.stem) != rec:
-                        counters["servers"] = {**counters.get("servers", {}), path.stem: rec}
-                        changed = True
+            p = _Pass(s, job)
+            new = self._metrics(p, run / "metrics.jsonl")
+            if (run / "counters").is_dir():
+                new += self._worker_counters(p, run / "counters")
+                self._server_counters(p, run / "counters")
             final_counters = run / "counters.json"
             if final_counters.is_file():
                 rec = _parse(final_counters.read_text())
-                if rec is not None and counters.get("final") != rec:
-                    counters["final"] = rec
-                    changed = True
-            if changed:
-                job.counters = counters
+                if rec is not None and p.counters.get("final") != rec:
+                    p.set_counter("final", rec)
+            if p.changed:
+                job.counters = p.counters
             return new
+
+    def _metrics(self, p: _Pass, path: Path) -> int:
+        """New lines of ``RUN/metrics.jsonl`` -> `MetricRecord` rows (last step, best metric folded into the
+        job); -> how many."""
+        recs = p.tail("metrics.jsonl", path)
+        if recs:
+            seq = self._last_seq(p.s, MetricRecord, p.job.id)
+            for rec in recs:
+                seq += 1
+                time, step = _num(rec.get("time"), float), _num(rec.get("step"), int)
+                p.s.add(MetricRecord(job_id=p.job.id, seq=seq, time=time, step=step, data=rec))
+                self._fold(p.job, rec)
+        return len(recs)
+
+    def _worker_counters(self, p: _Pass, cdir: Path) -> int:
+        """New lines of ``RUN/counters/*.jsonl`` (one file per worker) -> `CounterRecord` rows, and each
+        worker's record count and last record in the job's counters; -> how many."""
+        new, cseq = 0, None
+        for path in sorted(cdir.glob("*.jsonl")):
+            recs = p.tail("counters/" + path.name, path)
+            if not recs:
+                continue
+            if cseq is None:
+                cseq = self._last_seq(p.s, CounterRecord, p.job.id)
+            for rec in recs:
+                cseq += 1
+                time = _num(rec.get("time"), float)
+                p.s.add(CounterRecord(job_id=p.job.id, seq=cseq, source=path.stem, time=time, data=rec))
+                update_best(p.job, rec)
+            workers = dict(p.counters.get("workers", {}))
+            workers[path.stem] = {"records": workers.get(path.stem, {}).get("records", 0) + len(recs),
+                                  "last": recs[-1]}  # fmt: skip
+            p.set_counter("workers", workers)
+            new += len(recs)
+        return new
+
+    @staticmethod
+    def _server_counters(p: _Pass, cdir: Path) -> None:
+        """``RUN/counters/server-*.json`` (each parameter server's latest snapshot) into the job's counters."""
+        for path in sorted(cdir.glob("server-*.json")):
+            rec = _parse(path.read_text()) if path.is_file() else None
+            if rec is not None and p.counters.get("servers", {}).get(path.stem) != rec:
+                p.set_counter("servers", {**p.counters.get("servers", {}), path.stem: rec})
 
     def _fold(self, job: Job, rec: dict) -> None:
         step = _num(rec.get("step"), int)

@@ -18,13 +18,16 @@ still alive (pid + start time) are re-adopted; dead ones are finalised from thei
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.registry import find_app
 from sqlalchemy import select
 
 from .db import Database, Job, add_event
@@ -63,8 +66,6 @@ def slots_of(argv: list[str]) -> int:
         except ValueError:
             return default  # the job reports the bad value itself
 
-    from mariana.platform.core.registry import find_app
-
     n = intval("--workers", 1)
     spec = find_app(argv[0]) if argv else None
     for flag in spec.extra_slots if spec else ():  # e.g. parameter servers besides the workers
@@ -73,18 +74,21 @@ def slots_of(argv: list[str]) -> int:
 
 
 class CommandCatalog:
-    """Which ``mariana <app> <cmd>`` exist and which flags they take (the CLI's own argparse tree)."""
+    """Which ``mariana <app> <cmd>`` exist and which flags they take, read from the CLI's own argparse
+    tree: ``build_parser()`` -> the ``mariana`` parser (given by whoever starts the service, so the
+    scheduler does not import the CLI that imports it)."""
 
-    def __init__(self):
+    def __init__(self, build_parser: Callable[[], argparse.ArgumentParser] | None = None):
+        self._build_parser = build_parser
         self._lock = threading.Lock()
         self._leaves: dict[tuple[str, str], set[str]] | None = None
 
     def leaves(self) -> dict[tuple[str, str], set[str]]:
+        """{(app, command): its option strings}; ``(app, "")`` for an app without subcommands."""
         with self._lock:
             if self._leaves is None:
-                import argparse
-
-                from mariana.platform.cli.main import build_parser
+                if self._build_parser is None:
+                    return {}
 
                 def subs(p):
                     for a in p._actions:
@@ -93,7 +97,7 @@ class CommandCatalog:
                     return None
 
                 leaves = {}
-                for app, ap in (subs(build_parser()) or {}).items():
+                for app, ap in (subs(self._build_parser()) or {}).items():
                     cmds = subs(ap)
                     if cmds is None:
                         leaves[(app, "")] = set(ap._option_string_actions)
@@ -107,6 +111,10 @@ class CommandCatalog:
         if not argv or not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
             raise MarianaError(
                 "argv: expected a non-empty list of strings, e.g. ['mlp', 'train', '--data', 'X']"
+            )
+        if self._build_parser is None:
+            raise MarianaError(
+                "this scheduler was started without the CLI's parser (build_parser): it takes no jobs"
             )
         leaves = self.leaves()
         app = argv[0]
@@ -131,13 +139,15 @@ class Scheduler:
         executor: Executor | None = None,
         grace_s: float = 10.0,
         interval_s: float = 0.5,
+        build_parser: Callable[[], argparse.ArgumentParser] | None = None,
     ):
+        """``build_parser()`` -> the ``mariana`` argparse tree submitted argvs are checked against."""
         self.db = db
         self.home = Path(home)
         self.slots = slots
         self.executor = executor or LocalExecutor()
         self.logstore = LogStore(db)
-        self.catalog = CommandCatalog()
+        self.catalog = CommandCatalog(build_parser)
         self.grace_s = grace_s
         self.interval_s = interval_s
         self._cancel_at: dict[int, float] = {}  # job id -> time of SIGTERM

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
+
+from .studies import mount_studies
 
 STATIC_DIR = Path(__file__).resolve().with_name("static")
 # Pages and scripts change with the package; make browsers revalidate instead of using a stale copy.
@@ -37,23 +39,37 @@ def _page(name: str) -> FileResponse:
     return FileResponse(STATIC_DIR / name, media_type="text/html", headers=NO_CACHE)
 
 
+pages = APIRouter(include_in_schema=False)
+
+
+@pages.get("/")
+def jobs_page() -> FileResponse:
+    return _page("jobs.html")
+
+
+@pages.get("/jobs/{job_id}")
+def job_page(job_id: int) -> FileResponse:
+    return _page("job.html")
+
+
+@pages.get("/compare")
+def compare_page() -> FileResponse:
+    return _page("compare.html")
+
+
+@pages.get("/studies")
+def studies_page() -> FileResponse:
+    return _page("studies.html")
+
+
+@pages.get("/studies/{name}")
+def study_page(name: str) -> FileResponse:
+    return _page("studies.html")
+
+
 def mount_ui(app: FastAPI) -> None:
-    """Add ``/``, ``/jobs/{job_id}``, ``/compare`` and ``/static`` to ``app`` (excluded from ``/docs``)."""
-
-    @app.get("/", include_in_schema=False)
-    def jobs_page() -> FileResponse:
-        return _page("jobs.html")
-
-    @app.get("/jobs/{job_id}", include_in_schema=False)
-    def job_page(job_id: int) -> FileResponse:
-        return _page("job.html")
-
-    @app.get("/compare", include_in_schema=False)
-    def compare_page() -> FileResponse:
-        return _page("compare.html")
-
-    from .studies import mount_studies
-
-    mount_studies(app, _page)
-
+    """Add the pages (``/``, ``/jobs/{job_id}``, ``/compare``, ``/studies[/{name}]``, excluded from
+    ``/docs``), the study API and ``/static`` to ``app``."""
+    app.include_router(pages)
+    mount_studies(app)
     app.mount("/static", _RevalidatedStaticFiles(directory=STATIC_DIR), name="static")

@@ -27,6 +27,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from .workerio import CONSOLE_RANK_ENV, CONSOLE_TTY_ENV, RUN_DIR_ENV, failure_lines
+
 CLI_MODULE = "mariana.platform.cli"
 
 
@@ -112,8 +114,6 @@ def run_torchrun(args: list[str], run_dir: str | Path, nproc_per_node: int, cons
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from .workerio import CONSOLE_RANK_ENV, CONSOLE_TTY_ENV, RUN_DIR_ENV
-
     run_dir = Path(run_dir).absolute()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     for stale in (run_dir / "logs").glob("error-rank-*.json"):  # of an earlier attempt of this run
@@ -140,8 +140,6 @@ def report_failure(
     """Print one console line per cause of a failed job (``e``: torchrun's ChildFailedError; ``name``:
     rank -> how to name that process, default ``worker rank R``); returns the exit code: 2 when every
     failed process reported bad input, else 1."""
-    from .workerio import failure_lines
-
     codes = {int(r): f.exitcode for r, f in e.failures.items()}
     lines, all_user = failure_lines(run_dir, codes, name)
     for line in lines:

@@ -39,6 +39,7 @@ from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.config import load_toml, to_toml
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.jobs.scheduler import PRUNED
+from mariana.platform.jobs.trials import trial_row
 
 from .apps import RESERVED, AppInfo
 from .space import Space, flag_args
@@ -326,35 +327,6 @@ def _report(f: InFlight, monitor: str) -> int | None:
         f.reported.append((step, v))
         if f.trial.should_prune():
             return step
-    return None
-
-
-def trial_row(t) -> dict:
-    """One Optuna trial as a JSON-able row (results.json, the study page): number, state, value (a pruned
-    trial's last reported value), params, error, run_dir, job_id, start/end (unix s) and duration_s."""
-    start, end = t.datetime_start, t.datetime_complete
-    return {
-        "number": t.number,
-        "state": t.state.name.lower(),
-        "value": _trial_value(t),
-        "params": t.params,
-        "error": t.user_attrs.get("error"),
-        "run_dir": t.user_attrs.get("run_dir"),
-        "job_id": t.user_attrs.get("job_id"),
-        "started": start.timestamp() if start else None,
-        "ended": end.timestamp() if end else None,
-        "duration_s": (end - start).total_seconds() if start and end else None,
-    }
-
-
-def _trial_value(t) -> float | None:
-    """A completed trial's value; a pruned one's last reported value; None for failed ones."""
-    from optuna.trial import TrialState
-
-    if t.state == TrialState.COMPLETE:
-        return t.value
-    if t.state == TrialState.PRUNED and t.intermediate_values:
-        return t.intermediate_values[max(t.intermediate_values)]
     return None
 
 

@@ -1,0 +1,71 @@
+"""The handler of ``mariana jobs serve`` (parser in ``cli.py``): the job service (FastAPI under uvicorn) on
+a socket bound here, so a bad --host/--port is one clear line before anything starts."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import uvicorn
+from mariana.platform.cli.main import build_parser
+from mariana.platform.core.errors import MarianaError
+from sqlalchemy.exc import ArgumentError, OperationalError
+
+from .client import read_token
+from .service import create_app
+from .slurm import executor_from_args
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (0: a free port), or `MarianaError` naming the flags."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        raise MarianaError(f"--host {host} --port {port}: cannot bind ({e.strerror})") from None
+    sock.listen(128)
+    return sock
+
+
+def serve(args, argv) -> int:
+    """``mariana jobs serve``: the job service on ``--host --port`` until interrupted."""
+    token = read_token(args.token_file) if args.token_file else None
+    if args.host not in LOOPBACK_HOSTS and not token:
+        raise MarianaError(
+            f"--host {args.host} is reachable from other machines: give --token-file FILE (a secret that "
+            "every mutating request must present), or bind 127.0.0.1"
+        )
+    if args.slots is not None and args.slots < 1:
+        raise MarianaError(f"--slots {args.slots}: expected >= 1")
+    if not 0 <= args.port <= 65535:
+        raise MarianaError(f"--port {args.port}: expected 0..65535")
+    home = os.path.expanduser(args.home)
+    try:
+        os.makedirs(home, exist_ok=True)
+    except OSError as e:
+        raise MarianaError(f"--home {args.home}: {e.strerror}") from None
+    sock = _listen(args.host, args.port)
+    port = sock.getsockname()[1]
+    executor = None
+    if args.executor == "slurm":
+        executor = executor_from_args(args)
+    elif args.partition or args.account or args.sbatch_arg:
+        raise MarianaError("--partition/--account/--sbatch-arg need --executor slurm")
+    try:
+        app = create_app(home, args.db_url, args.slots, token, executor=executor, build_parser=build_parser)
+    except (ArgumentError, OperationalError) as e:
+        raise MarianaError(f"--db-url {args.db_url}: {str(e).splitlines()[0]}") from None
+    except ModuleNotFoundError as e:
+        raise MarianaError(
+            f"--db-url {args.db_url}: the database driver {e.name!r} is not installed"
+        ) from None
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"mariana jobs service on http://{host}:{port} (home {home}, {app.state.scheduler.slots} slots, "
+          f"{args.executor} executor, docs at /docs)", flush=True)  # fmt: skip
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
