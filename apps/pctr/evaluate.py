@@ -21,14 +21,14 @@ def run_split(run_dir: str | Path, split: str) -> str:
     """The ``train,val,test`` fractions ``run_dir`` was trained with (its config.toml ``split``), or
     MarianaError when the run has no such split: a stream (every row of a file is trained on), a zero
     fraction for ``split`` (e.g. ``--split 1,0,0`` has no val or test rows) or no config.toml to read."""
-    from mariana.platform.core.config import load_toml
+    from mariana.platform.core.config import read_config_values
 
     path = Path(run_dir) / "config.toml"
     if not path.is_file():
         raise MarianaError(
             f"--split {split}: {path} is missing, so the run's split is unknown; use --split all"
         )
-    cfg = load_toml(path)
+    cfg = read_config_values(path)  # sectioned, or flat (runs of earlier versions)
     if "export_every" in cfg:  # only a stream's config has it
         raise MarianaError(
             f"--split {split}: {run_dir} is a stream run, which trains on every row of its files and has "

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..core.config import add_config_args, resolve_config
 from ..core.errors import MarianaError
+from .outputs import mark_output
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -25,17 +26,23 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def add_train_parser(
-    group, name: str, cfg_cls: type, help: str, func: Callable, presets: dict | None = None
+def add_command_parser(
+    group,
+    name: str,
+    cfg_cls: type,
+    help: str,
+    func: Callable,
+    presets: dict | None = None,
+    description: str | None = None,
 ) -> argparse.ArgumentParser:
-    """A ``train`` leaf parser whose flags are ``cfg_cls``'s fields. ``presets`` (the app's PRESETS dict,
-    optional): their names are listed in ``--preset``'s help (the value itself is checked by
-    `resolve_config`, so a preset named in a TOML file is checked the same way)."""
-    from .outputs import mark_output
-
-    p = group.add_parser(name, help=help, description=help, formatter_class=DefaultsHelpFormatter)
+    """A leaf parser whose flags are ``cfg_cls``'s fields, one argument group per section (`add_config_args`);
+    the handler gets the config with `resolve_config(*args._config, ...)` (and `check_command` resolves it
+    too). ``presets`` (the app's PRESETS dict, optional): their names are listed in ``--preset``'s help (the
+    value itself is checked by `resolve_config`, so a preset named in a TOML file is checked the same way)."""
+    p = group.add_parser(
+        name, help=help, description=description or help, formatter_class=DefaultsHelpFormatter
+    )
     add_config_args(p, cfg_cls)
-    mark_output(p, "--out", "run")
     if presets:
         for action in p._actions:
             if action.dest == "preset":
@@ -43,6 +50,15 @@ def add_train_parser(
                 action.metavar = "{" + ",".join(sorted(presets)) + "}"
                 action.help = f"named preset of defaults: {names} (see the app's configs.py)"
     p.set_defaults(func=func, _config=(cfg_cls, presets))
+    return p
+
+
+def add_train_parser(
+    group, name: str, cfg_cls: type, help: str, func: Callable, presets: dict | None = None
+) -> argparse.ArgumentParser:
+    """`add_command_parser` for a training command: its ``--out`` is a run directory."""
+    p = add_command_parser(group, name, cfg_cls, help, func, presets)
+    mark_output(p, "--out", "run")
     return p
 
 

@@ -45,7 +45,14 @@ class Clause:
     def refusal(self, name: str, cfg: Any) -> str:
         """The one-line error for an explicitly set field ``name`` that this clause says is not used."""
         now = getattr(cfg, self.field)
-        return f"--{flag(name)} applies to {self.text} (this run: --{flag(self.field)} {_shown(now)})"
+        this = (
+            f"this run has no --{flag(self.field)}"
+            if now in ("", None)
+            else f"this run: --{flag(self.field)} {_shown(now)}"
+        )
+        given = getattr(cfg, name, None)
+        typed = f"--no-{flag(name)}" if given is False else f"--{flag(name)}"  # the form of a switch typed
+        return f"{typed} applies to {self.text} ({this})"
 
 
 def only(field: str, *values: Any) -> Clause:
@@ -96,6 +103,7 @@ def opt(
     path: bool = False,
     epoch_ok: bool = False,
     applies: Clause | tuple[Clause, ...] = (),
+    required: bool = False,
 ):
     """A config field with a help string (shown by ``--help``) and optional allowed values.
 
@@ -105,7 +113,8 @@ def opt(
     ``epoch_ok=True``: an int field that also takes the word ``epoch`` (stored as -1).
     ``cli=False``: no flag (a TOML/preset-only value).
     ``applies``: clause(s) that must all hold for the field to be used; a value the user sets explicitly
-    (flag or TOML) while one fails is refused (`resolve.check_applies`)."""
+    (flag or TOML) while one fails is refused (`resolve.check_applies`).
+    ``required=True``: the flag must be given (argparse's own error otherwise)."""
     meta = {
         "help": help,
         "choices": tuple(choices) if choices else None,
@@ -113,6 +122,7 @@ def opt(
         "path": path,
         "epoch_ok": epoch_ok,
         "applies": applies if isinstance(applies, tuple) else (applies,),
+        "required": required,
     }
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
@@ -212,7 +222,7 @@ def check_choice(cls_or_cfg: Any, name: str, value: Any, where: str) -> None:
     if not choices:
         return
     for v in value if isinstance(value, list) else [value]:
-        if v not in choices:
+        if v is not None and v not in choices:  # None: an optional field left unset
             raise MarianaError(f"{where}: expected one of {_choices_text(choices)}, got {v!r}")
 
 

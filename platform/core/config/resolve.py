@@ -54,6 +54,8 @@ def _add_flag(target, f: dataclasses.Field, tp: Any, clauses: tuple) -> None:
     if clauses:
         help_ += "; applies to " + " and ".join(c.text for c in clauses)
     kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_}
+    if f.metadata.get("required"):
+        kwargs["required"] = True
     if _base_type(tp)[0] is bool:
         target.add_argument(f"--{flag(f.name)}", action=argparse.BooleanOptionalAction, **kwargs)
         return
