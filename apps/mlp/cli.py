@@ -5,12 +5,10 @@ when a command runs."""
 
 from __future__ import annotations
 
-import argparse
-
-from mariana.platform.cli.common import add_train_parser
+from mariana.platform.cli.common import add_command_parser, add_train_parser
 from mariana.platform.cli.dispatch import handler
 
-from .configs import PRESETS, MlpConfig
+from .configs import PRESETS, MlpConfig, MlpEvalConfig
 
 
 def register(sub) -> None:
@@ -25,18 +23,10 @@ def register(sub) -> None:
         handler("mariana.apps.mlp.commands:train"),
         PRESETS,
     )
-    e = g.add_parser(
+    add_command_parser(
+        g,
         "eval",
-        help="AUC/logloss of an exported run on a libFM file",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        MlpEvalConfig,
+        "AUC/logloss of an exported run on a libFM file",
+        handler("mariana.apps.mlp.commands:evaluate"),
     )
-    e.add_argument("--model", required=True, help="run directory of a finished `mariana mlp train`")
-    e.add_argument("--data", required=True, help="libFM file to score")
-    e.add_argument(
-        "--split",
-        choices=["all", "train", "val", "test"],
-        default="all",
-        help="rows of --data to score: all, or the train/val/test rows of that file as `mlp train` split "
-        "them (by row order: train | val | test, the run's --val-fraction and --test-fraction)",
-    )
-    e.set_defaults(func=handler("mariana.apps.mlp.commands:evaluate"))

@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 from mariana.platform.cli.common import check_data_path, run_training
+from mariana.platform.core.config import resolve_config
 from mariana.platform.core.errors import MarianaError
 
-from .configs import PRESETS, MlpConfig
+from .configs import PRESETS, MlpConfig, MlpEvalConfig
 from .evaluate import evaluate_run
 from .train import train as train_mlp
 
@@ -26,12 +27,13 @@ def train(args, argv) -> int:
 
 def evaluate(args, argv) -> int:
     """``mariana mlp eval``: AUC/logloss of an exported run on (a split of) a libFM file."""
-    check_data_path(args.data)
-    check_data_path(args.model, "--model")
-    _check_model_json(Path(args.model))
-    r = evaluate_run(args.model, args.data, args.split)
-    name = Path(args.data).name
-    print(f"AUC {r['auc']:.4f} logloss {r['logloss']:.4f} on {name} ({args.split}, {r['rows']} rows)")
+    cfg = resolve_config(MlpEvalConfig, args)
+    check_data_path(cfg.data)
+    check_data_path(cfg.model, "--model")
+    _check_model_json(Path(cfg.model))
+    r = evaluate_run(cfg.model, cfg.data, cfg.split)
+    name = Path(cfg.data).name
+    print(f"AUC {r['auc']:.4f} logloss {r['logloss']:.4f} on {name} ({cfg.split}, {r['rows']} rows)")
     return 0
 
 

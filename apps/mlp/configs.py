@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from mariana.platform.core.config import (
     RESUME_MAY_CHANGE,
+    Config,
     DataParallelSection,
     DataSection,
     LaunchSection,
@@ -74,6 +75,27 @@ class MlpConfig(TrainJob, sections=MLP_SECTIONS):
 
     EVAL_METRICS: ClassVar[tuple[str, ...]] = ("auc", "logloss")
     RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = RESUME_MAY_CHANGE
+
+
+@dataclass
+class MlpEvalSection(Section):
+    """What to score with which run."""
+
+    NAME: ClassVar[str] = "eval"
+    TITLE: ClassVar[str] = "the run and the data to score"
+
+    model: str = opt("", "run directory of a finished `mariana mlp train`", required=True)
+    data: str = opt("", "libFM file to score", required=True)
+    split: str = opt(
+        "all",
+        "rows of --data to score: all, or the train/val/test rows of that file as `mlp train` split them "
+        "(by row order: train | val | test, the run's --val-fraction and --test-fraction)",
+        ["all", "train", "val", "test"],
+    )
+
+
+class MlpEvalConfig(Config, sections=(MlpEvalSection,)):
+    """``mariana mlp eval``."""
 
 
 PRESETS = {

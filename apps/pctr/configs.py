@@ -280,7 +280,9 @@ class PctrPS(StreamPS):
     nnodes: int = opt(1, "number of nodes (multi-node runs rendezvous at --rdzv-endpoint)")
     rdzv_endpoint: str = opt("", "host:port of the c10d rendezvous for multi-node runs")
     rdzv_id: str = opt(
-        "mariana", "rendezvous id shared by all nodes of one job", applies=given("rdzv_endpoint")
+        "mariana",
+        "rendezvous id shared by all nodes of one job",
+        applies=given("rdzv_endpoint", "127.0.0.1:29500"),
     )
 
     def validate(self) -> None:
@@ -319,7 +321,7 @@ class Images(Section):
 
     NAME: ClassVar[str] = "image"
     TITLE: ClassVar[str] = "image features (with --image-features)"
-    APPLIES: ClassVar[tuple] = (given("image_features"),)
+    APPLIES: ClassVar[tuple] = (given("image_features", "VISION_RUN", image_field="C1", images=None),)
 
     image_features: str = opt(
         "",

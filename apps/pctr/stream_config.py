@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mariana.platform.core.config import Section, TrainJob, non_negative, only, opt
+from mariana.platform.core.config import Section, TrainJob, at_least, non_negative, only, opt
 from mariana.platform.core.errors import MarianaError
 
 from .configs import (
@@ -93,6 +93,9 @@ class Follow(Section):
 
 @dataclass
 class StreamServers(StreamPS):
+    # a parameter-server stream of libFM files needs --num-fields (`stream_ps.check_ps_stream`)
+    APPLIES: ClassVar[tuple] = (at_least("servers", 1, num_fields=10),)
+
     servers: int = opt(
         0,
         "parameter-server processes; 0 streams in this one process; >= 1: S servers + --workers W "

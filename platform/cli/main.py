@@ -13,6 +13,7 @@ import argparse
 import importlib
 import sys
 
+from ..core.config import resolve_config
 from ..core.errors import MarianaError
 from .outputs import guard_parsed, mark_made
 
@@ -82,8 +83,6 @@ def check_command(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     spec = getattr(args, "_config", None)
     if spec is not None:
-        from ..core.config import resolve_config
-
         cfg = resolve_config(spec[0], args, spec[1] or {})
         if hasattr(cfg, "data") and not cfg.data:
             raise MarianaError("--data is required")
@@ -126,6 +125,9 @@ def _main(argv: list[str], worker) -> int:
     args = build_parser().parse_args(argv)
     outputs = []
     try:
+        spec = getattr(args, "_config", None)
+        if spec is not None:  # before the handler's (torch) imports: a bad flag or value fails at once
+            args._resolved = resolve_config(spec[0], args, spec[1] or {})
         if worker is None:  # a worker re-runs its launcher's command: the launcher checked its outputs
             outputs = guard_parsed(args)
         try:

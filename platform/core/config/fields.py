@@ -34,13 +34,15 @@ class Clause:
     whether the field guarded by the clause is used; ``text``: how the refusal names it (``"--sparse-optimizer
     ftrl only"`` -> ``--ftrl-l1 applies to --sparse-optimizer ftrl only``); ``on``/``off``: values of
     ``field`` under which it holds / fails (tests generated from the parser set them; ``None`` for ``on``
-    of a path field means "an existing path")."""
+    of a path field means "an existing path"); ``also``: ``(field, value)`` pairs a valid config needs
+    beside ``on`` (e.g. ``--image-features`` needs ``--image-field`` and ``--images``)."""
 
     field: str
     test: Callable[[Any], bool]
     text: str
     on: Any
     off: Any
+    also: tuple[tuple[str, Any], ...] = ()
 
     def refusal(self, name: str, cfg: Any) -> str:
         """The one-line error for an explicitly set field ``name`` that this clause says is not used."""
@@ -67,16 +69,23 @@ def not_with(field: str, *values: Any) -> Clause:
     return Clause(field, lambda cfg: getattr(cfg, field) not in values, text, _OTHER, values[0])
 
 
-def at_least(field: str, low: int) -> Clause:
-    """Applies only while the number ``field`` is >= ``low`` (e.g. ``at_least("servers", 1)``)."""
+def at_least(field: str, low: int, **also: Any) -> Clause:
+    """Applies only while the number ``field`` is >= ``low`` (e.g. ``at_least("servers", 1)``); ``also``:
+    see `Clause`."""
     text = f"--{flag(field)} >= {low} only"
-    return Clause(field, lambda cfg: getattr(cfg, field) >= low, text, low, low - 1)
+    return Clause(field, lambda cfg: getattr(cfg, field) >= low, text, low, low - 1, tuple(also.items()))
 
 
-def given(field: str) -> Clause:
-    """Applies only while ``field`` is set (a non-empty path or string, or a true switch)."""
+def given(field: str, example: Any = None, **also: Any) -> Clause:
+    """Applies only while ``field`` is set (a non-empty path or string, or a true switch). ``example``: a
+    valid value of ``field`` (None: an existing path); ``also``: the values a valid config needs beside
+    it (see `Clause`)."""
     text = f"runs with --{flag(field)} only"
-    return Clause(field, lambda cfg: bool(getattr(cfg, field)), text, None, "")
+
+    def test(cfg: Any) -> bool:
+        return bool(getattr(cfg, field))
+
+    return Clause(field, test, text, example, "", tuple(also.items()))
 
 
 def when(field: str, test: Callable[[Any], bool], text: str, on: Any, off: Any) -> Clause:

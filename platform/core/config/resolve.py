@@ -123,7 +123,11 @@ def resolve_config(cls: type[C], args: argparse.Namespace, presets: dict[str, C]
     """Build the config: defaults < --preset < --config TOML < flags the user typed. Validates it and
     refuses explicit values that do not apply (`check_applies`). With ``--resume``, the run's own
     ``RUN/config.toml`` takes the place of the defaults and the preset, so only what changes needs typing
-    (`saved_run_values`)."""
+    (`saved_run_values`). The CLI resolves a command's config before it imports the command's handler
+    and keeps it in ``args._resolved``; the handler's own call returns that one."""
+    resolved = getattr(args, "_resolved", None)
+    if type(resolved) is cls:
+        return resolved  # type: ignore[return-value]
     presets = presets or {}
     given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}  # type: ignore[arg-type]
     cfg = cls()

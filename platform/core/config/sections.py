@@ -124,10 +124,18 @@ def witnesses(cls: type, clause: Clause) -> tuple[Any, Any]:
     out = []
     for v, holds in ((clause.on, True), (clause.off, False)):
         if v is _OTHER:
-            candidates = f.metadata.get("choices") or (True, False)
+            candidates = f.metadata.get("choices") or _neighbours(default_of(f), clause)
             v = next(c for c in candidates if clause.test(_Probe(cls, clause.field, c)) == holds)
         out.append(v)
     return out[0], out[1]
+
+
+def _neighbours(default: Any, clause: Clause) -> tuple:
+    """Values to try for a field without choices: a switch's two, or numbers next to the listed one."""
+    if isinstance(default, bool):
+        return (True, False)
+    known = clause.off if clause.on is _OTHER else clause.on
+    return (known + 1, known - 1) if isinstance(known, int | float) else ()
 
 
 class _Probe:

@@ -110,7 +110,9 @@ class LaunchSection(Section):
     nnodes: int = opt(1, "number of nodes (multi-node runs rendezvous at --rdzv-endpoint)")
     rdzv_endpoint: str = opt("", "host:port of the c10d rendezvous for multi-node runs")
     rdzv_id: str = opt(
-        "mariana", "rendezvous id shared by all nodes of one job", applies=given("rdzv_endpoint")
+        "mariana",
+        "rendezvous id shared by all nodes of one job",
+        applies=given("rdzv_endpoint", "127.0.0.1:29500"),
     )
     max_restarts: int = opt(0, "torchrun restarts of failed workers; they resume from the last checkpoint")
     timeout: float = opt(300.0, "collective timeout in seconds: a rank that stalls longer fails the job")
