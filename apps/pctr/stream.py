@@ -63,6 +63,7 @@ from .stream_config import STREAM_PRESETS, StreamConfig, parse_export_every  # n
 
 log = logging.getLogger("mariana")
 
+
 # --------------------------------------------------------------------------- the folder
 @dataclass
 class LogFile:
