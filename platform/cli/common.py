@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..core.config import add_config_args, resolve_config
 from ..core.errors import MarianaError
-from .outputs import mark_output
+from ..core.rundir import check_resume_config
+from ..runtime.launch import in_worker, launch_if_needed
+from .outputs import command_of, guard_output, mark_output
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -98,9 +102,6 @@ def check_fresh_run_dir(cfg: Any, command: str = "") -> None:
     holds no finished run (one interrupted before its first checkpoint is started again: its stale
     model and metrics are removed); with --resume it holds a checkpoint and the settings that may not
     change on resume (see ``RESUME_MAY_CHANGE``) are those of its ``RUN/config.toml``."""
-    from ..core.rundir import check_resume_config
-    from .outputs import guard_output
-
     force = bool(getattr(cfg, "force", False))
     if command:
         guard_output(cfg.out, "--out", command, "run", force and not cfg.resume)
@@ -130,8 +131,6 @@ def check_fresh_run_dir(cfg: Any, command: str = "") -> None:
 
 
 def _remove_run_files(out: Path) -> None:
-    import shutil
-
     for name in RUN_FILES:
         p = out / name
         if p.is_dir():
@@ -159,16 +158,12 @@ def run_training(
     """The thin train entry point: resolve config, check its data paths, launch workers if needed, train,
     print the headline. ``cfg.data`` must exist; each field named in ``optional_paths`` (e.g. ``eval_data``)
     must exist when set. Checked before any worker starts, so a typo fails in one clear line."""
-    from ..runtime.launch import in_worker, launch_if_needed
-
     cfg = resolve_config(cfg_cls, args, presets)
     check_data_path(cfg.data)
     for field in optional_paths:
         if getattr(cfg, field):
             check_data_path(getattr(cfg, field), "--" + field.replace("_", "-"))
     if not in_worker():
-        from .outputs import command_of
-
         check_fresh_run_dir(cfg, command_of(args)[0])
     from ..core.warmstart import warm_start_note
 
@@ -177,8 +172,6 @@ def run_training(
         if rc == 0:
             final = Path(cfg.out) / "metrics.json"
             if final.is_file():
-                import json
-
                 m = json.loads(final.read_text())
                 print(headline(m) + warm_start_note(cfg, m))
         return rc
