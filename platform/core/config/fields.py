@@ -49,7 +49,7 @@ class Clause:
         now = getattr(cfg, self.field)
         this = (
             f"this run has no --{flag(self.field)}"
-            if now in ("", None)
+            if now in ("", None) or now is False
             else f"this run: --{flag(self.field)} {_shown(now)}"
         )
         given = getattr(cfg, name, None)

@@ -123,6 +123,8 @@ def witnesses(cls: type, clause: Clause) -> tuple[Any, Any]:
     f = {f.name: f for f in dataclasses.fields(cls)}[clause.field]
     out = []
     for v, holds in ((clause.on, True), (clause.off, False)):
+        if isinstance(default_of(f), bool) and v in (None, ""):  # `given` of a switch: on / off
+            v = holds
         if v is _OTHER:
             candidates = f.metadata.get("choices") or _neighbours(default_of(f), clause)
             v = next(c for c in candidates if clause.test(_Probe(cls, clause.field, c)) == holds)
