@@ -121,12 +121,12 @@ def _main(argv: list[str], worker) -> int:
     args = build_parser().parse_args(argv)
     outputs = []
     try:
-        spec = getattr(args, "_config", None)
-        if spec is not None:  # before the handler's (torch) imports: a bad flag or value fails at once
-            args._resolved = resolve_config(spec[0], args, spec[1] or {})
         if worker is None:  # a worker re-runs its launcher's command: the launcher checked its outputs
             outputs = guard_parsed(args)
         try:
+            spec = getattr(args, "_config", None)
+            if spec is not None:  # before the handler's (torch) imports: a bad flag or value fails at once
+                args._resolved = resolve_config(spec[0], args, spec[1] or {})
             rc = args.func(args, argv)
         finally:
             mark_made(outputs)
