@@ -13,6 +13,8 @@ from helpers import ROOT, cli_env, free_port
 
 COMMANDS = [path for path, _ in leaf_parsers()]
 RDZV = [path for path, p in leaf_parsers() if option(p, "--rdzv-endpoint")]
+# commands whose rendezvous is that of their parameter servers (pctr train): --rdzv-endpoint applies with them
+WITH_SERVERS = {path for path, p in leaf_parsers() if option(p, "--servers")}
 
 
 class ClosedPipe:
@@ -76,6 +78,7 @@ def test_bad_rendezvous_endpoint_is_one_line(cmd, kind, tmp_path, capsys):
     data.write_text("1 0:1\n")
     t0 = time.monotonic()
     argv = [*cmd, "--data", data, "--out", tmp_path / "r", "--workers", "2", "--nnodes", "2"]
+    argv += ["--servers", "2"] if tuple(cmd) in WITH_SERVERS else []
     rc, out, err = run_main([*argv, "--rdzv-endpoint", endpoint], capsys)
     assert time.monotonic() - t0 <= 10
     assert rc == 2 and fragment in err and len(err.strip().splitlines()) == 1, err

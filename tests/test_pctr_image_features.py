@@ -141,12 +141,13 @@ def test_lr_uses_image_features_and_cache_is_reused(world):
 def test_flag_errors_name_the_flag(world):
     from mariana.apps.pctr.configs import PctrConfig
     from mariana.apps.pctr.images import field_position
+    from mariana.platform.cli.main import check_command
     from mariana.platform.core.errors import MarianaError
 
     with pytest.raises(MarianaError, match="--image-field"):
         PctrConfig(data="x", out="y", image_features=str(world["root"] / "vision")).validate()
-    with pytest.raises(MarianaError, match="need --image-features"):
-        PctrConfig(data="x", out="y", image_field="C3").validate()
+    with pytest.raises(MarianaError, match="--image-field applies to runs with --image-features only"):
+        check_command(["pctr", "train", "--data", "x", "--image-field", "C3"])
     with pytest.raises(MarianaError, match="C1..C26"):
         field_position("criteo", "C30")
     assert field_position("criteo", "C3") == 15 and field_position("libfm", "3") == 2

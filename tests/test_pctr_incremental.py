@@ -17,6 +17,7 @@ from mariana.apps.pctr.data import Encoder, ReadStats, count_lines, infer_schema
 from mariana.apps.pctr.drift import DriftSettings, generate
 from mariana.apps.pctr.sources import resolve_sources
 from mariana.apps.pctr.train import train_local
+from mariana.platform.cli.main import check_command
 from mariana.platform.core.errors import DataError, MarianaError
 from safetensors.torch import load_file
 
@@ -138,8 +139,10 @@ def test_init_train_state_needs_a_one_process_checkpoint(days, tmp_path):
         with_defaults(init_train_state=True).validate()
     src = tmp_path / "src"
     _train_here(days / "day-01.tsv", src)
-    with pytest.raises(MarianaError, match="not supported with --servers"):
-        with_defaults(init_from=str(src), init_train_state=True, servers=1).validate()
+    with pytest.raises(MarianaError, match="--init-train-state applies to --servers 0 only"):
+        check_command(
+            ["pctr", "train", "--data", "x", "--init-from", str(src), "--init-train-state", "--servers", "1"]
+        )
     export_only = tmp_path / "export-only"  # a model folder without the run's checkpoints
     export_only.mkdir()
     for name in ("model.safetensors", "model.json"):

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from mariana.platform.core import jsonfile
 from mariana.platform.core.atomic import atomic_write_text
-from mariana.platform.core.config import load_toml
+from mariana.platform.core.config import read_config_values
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.rundir import eval_result_path
@@ -29,7 +29,7 @@ def run_split(run_dir: str | Path, split: str) -> str:
         raise MarianaError(
             f"--split {split}: {path} is missing, so the run's split is unknown; use --split all"
         )
-    cfg = load_toml(path)
+    cfg = read_config_values(path)  # sectioned, or flat (runs of earlier versions)
     if "export_every" in cfg:  # only a stream's config has it
         raise MarianaError(
             f"--split {split}: {run_dir} is a stream run, which trains on every row of its files and has "

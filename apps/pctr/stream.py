@@ -48,17 +48,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import re
 import signal
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-from mariana.platform.core.config import opt
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.loop import Trainer
 from mariana.platform.core.metrics import auc_logloss
@@ -68,121 +65,13 @@ from mariana.platform.ps.protocol import TABLE
 from mariana.platform.ps.pull import predict_batches
 from mariana.platform.runtime.dist import DistContext, resolve_device
 
-from .configs import PRESETS, PctrConfig
 from .folder import LogFile, read_unit, scan
 from .step import make_local_step
+from .stream_config import STREAM_PRESETS, StreamConfig, parse_export_every  # noqa: F401 (their old home)
 from .stream_records import StreamRecords
 from .train import Setup, warm_start
 
 log = logging.getLogger("mariana")
-
-# PctrConfig fields a stream has no use for, with why: hidden from `--help` and refused when set.
-NOT_IN_STREAM = {
-    "split": "every row of a file is trained on; the next file is the validation (progressive AUC)",
-    "epochs": "each file is trained on exactly once",
-    "max_steps": "a stream stops by --max-files or --idle-exit",
-    "eval_every": "every file is scored before it is trained on",
-    "early_stop": "a stream does not stop on a metric",
-    "monitor": "a stream does not pick a best model: the latest one is exported",
-    "val_rows": "the whole next file is scored",
-    "shuffle": "files are trained on in arrival order, rows in file order",
-    "ckpt_every": "a checkpoint is written after every file (with the consumed-file ledger)",
-    "schedule": "a stream has no end to decay towards: the learning rates are constant",
-    "warmup_steps": "a stream has no end to decay towards: the learning rates are constant",
-}
-
-
-def _hidden(default, why: str):
-    return opt(default, why, cli=False)
-
-
-@dataclass
-class StreamConfig(PctrConfig):
-    """`PctrConfig` (the model, optimiser and data-format flags of ``pctr train``) plus the stream's own."""
-
-    RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = PctrConfig.RESUME_MAY_CHANGE | {
-        "export_every",
-        "max_files",
-        "idle_exit",
-        "poll",
-    }
-
-    data: str = opt(
-        "",
-        "folder to follow: complete files (renamed into place; names starting with . or _ or ending in "
-        ".tmp/.part are ignored) and partition subfolders holding a _SUCCESS marker",
-        path=True,
-    )
-    export_every: str = opt(
-        "1",
-        "export a new model version every N files (e.g. 1) or every S seconds (e.g. 30s) when the model "
-        "changed; at the end too",
-    )
-    servers: int = opt(
-        0,
-        "parameter-server processes; 0 streams in this one process; >= 1: S servers + --workers W "
-        "processes (stream_ps.py)",
-    )
-    max_files: int = opt(0, "stop once the run has consumed this many files in total (0: never)")
-    idle_exit: float = opt(0.0, "stop after this many seconds without a new file (0: never)")
-    poll: float = opt(1.0, "seconds between scans of --data for new files")
-    split: str = _hidden("0.8,0.1,0.1", NOT_IN_STREAM["split"])
-    epochs: int = _hidden(30, NOT_IN_STREAM["epochs"])
-    max_steps: int = _hidden(0, NOT_IN_STREAM["max_steps"])
-    eval_every: int = _hidden(-1, NOT_IN_STREAM["eval_every"])
-    early_stop: int = _hidden(2, NOT_IN_STREAM["early_stop"])
-    monitor: str = _hidden("", NOT_IN_STREAM["monitor"])
-    val_rows: int = _hidden(0, NOT_IN_STREAM["val_rows"])
-    shuffle: bool = _hidden(True, NOT_IN_STREAM["shuffle"])
-    ckpt_every: int = _hidden(0, NOT_IN_STREAM["ckpt_every"])
-    schedule: str = _hidden("constant", NOT_IN_STREAM["schedule"])
-    warmup_steps: int = _hidden(0, NOT_IN_STREAM["warmup_steps"])
-
-    def validate(self) -> None:
-        for f in dataclasses.fields(self):
-            if f.name in NOT_IN_STREAM and getattr(self, f.name) != f.default:
-                raise MarianaError(
-                    f"{f.name} = {getattr(self, f.name)!r}: not used by `pctr stream` ({NOT_IN_STREAM[f.name]})"
-                )
-        super().validate()
-        parse_export_every(self.export_every)
-        if self.max_files < 0:
-            raise MarianaError(f"--max-files must be >= 0, got {self.max_files}")
-        if not (math.isfinite(self.idle_exit) and self.idle_exit >= 0):
-            raise MarianaError(f"--idle-exit must be seconds >= 0, got {self.idle_exit}")
-        if not (math.isfinite(self.poll) and self.poll > 0):
-            raise MarianaError(f"--poll must be seconds > 0, got {self.poll}")
-        if getattr(self, "image_features", ""):
-            raise MarianaError("--image-features is not supported by `pctr stream` yet; use `pctr train`")
-        if self.servers > 0:
-            from .stream_ps import check_ps_stream
-
-            check_ps_stream(self)
-
-
-def _stream_preset(p: PctrConfig) -> StreamConfig:
-    """A `pctr train` preset as a stream preset: its model and optimiser values, the stream's defaults for
-    the fields a stream does not use."""
-    values = {
-        f.name: getattr(p, f.name) for f in dataclasses.fields(PctrConfig) if f.name not in NOT_IN_STREAM
-    }
-    values.pop("data", None)
-    return StreamConfig(**values)
-
-
-STREAM_PRESETS = {name: _stream_preset(p) for name, p in PRESETS.items()}
-
-
-def parse_export_every(text: str) -> tuple[str, float]:
-    """``"3"`` -> ("files", 3); ``"30s"`` -> ("seconds", 30.0). MarianaError for anything else."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s?)\s*", str(text))
-    if m and m.group(2) == "s" and float(m.group(1)) >= 0:
-        return "seconds", float(m.group(1))
-    if m and not m.group(2) and "." not in m.group(1) and int(m.group(1)) >= 1:
-        return "files", float(int(m.group(1)))
-    raise MarianaError(
-        f"--export-every must be a number of files >= 1 (e.g. 1) or seconds (e.g. 30s), got {text!r}"
-    )
 
 
 # --------------------------------------------------------------------------- training pieces

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..core.config import add_config_args, resolve_config
 from ..core.errors import MarianaError
+from ..core.rundir import check_resume_config
+from ..runtime.launch import in_worker, launch_if_needed
+from .outputs import command_of, guard_output, mark_output
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -25,17 +30,23 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def add_train_parser(
-    group, name: str, cfg_cls: type, help: str, func: Callable, presets: dict | None = None
+def add_command_parser(
+    group,
+    name: str,
+    cfg_cls: type,
+    help: str,
+    func: Callable,
+    presets: dict | None = None,
+    description: str | None = None,
 ) -> argparse.ArgumentParser:
-    """A ``train`` leaf parser whose flags are ``cfg_cls``'s fields. ``presets`` (the app's PRESETS dict,
-    optional): their names are listed in ``--preset``'s help (the value itself is checked by
-    `resolve_config`, so a preset named in a TOML file is checked the same way)."""
-    from .outputs import mark_output
-
-    p = group.add_parser(name, help=help, description=help, formatter_class=DefaultsHelpFormatter)
+    """A leaf parser whose flags are ``cfg_cls``'s fields, one argument group per section (`add_config_args`);
+    the handler gets the config with `resolve_config(*args._config, ...)` (and `check_command` resolves it
+    too). ``presets`` (the app's PRESETS dict, optional): their names are listed in ``--preset``'s help (the
+    value itself is checked by `resolve_config`, so a preset named in a TOML file is checked the same way)."""
+    p = group.add_parser(
+        name, help=help, description=description or help, formatter_class=DefaultsHelpFormatter
+    )
     add_config_args(p, cfg_cls)
-    mark_output(p, "--out", "run")
     if presets:
         for action in p._actions:
             if action.dest == "preset":
@@ -43,6 +54,15 @@ def add_train_parser(
                 action.metavar = "{" + ",".join(sorted(presets)) + "}"
                 action.help = f"named preset of defaults: {names} (see the app's configs.py)"
     p.set_defaults(func=func, _config=(cfg_cls, presets))
+    return p
+
+
+def add_train_parser(
+    group, name: str, cfg_cls: type, help: str, func: Callable, presets: dict | None = None
+) -> argparse.ArgumentParser:
+    """`add_command_parser` for a training command: its ``--out`` is a run directory."""
+    p = add_command_parser(group, name, cfg_cls, help, func, presets)
+    mark_output(p, "--out", "run")
     return p
 
 
@@ -82,9 +102,6 @@ def check_fresh_run_dir(cfg: Any, command: str = "") -> None:
     holds no finished run (one interrupted before its first checkpoint is started again: its stale
     model and metrics are removed); with --resume it holds a checkpoint and the settings that may not
     change on resume (see ``RESUME_MAY_CHANGE``) are those of its ``RUN/config.toml``."""
-    from ..core.rundir import check_resume_config
-    from .outputs import guard_output
-
     force = bool(getattr(cfg, "force", False))
     if command:
         guard_output(cfg.out, "--out", command, "run", force and not cfg.resume)
@@ -114,8 +131,6 @@ def check_fresh_run_dir(cfg: Any, command: str = "") -> None:
 
 
 def _remove_run_files(out: Path) -> None:
-    import shutil
-
     for name in RUN_FILES:
         p = out / name
         if p.is_dir():
@@ -143,16 +158,12 @@ def run_training(
     """The thin train entry point: resolve config, check its data paths, launch workers if needed, train,
     print the headline. ``cfg.data`` must exist; each field named in ``optional_paths`` (e.g. ``eval_data``)
     must exist when set. Checked before any worker starts, so a typo fails in one clear line."""
-    from ..runtime.launch import in_worker, launch_if_needed
-
     cfg = resolve_config(cfg_cls, args, presets)
     check_data_path(cfg.data)
     for field in optional_paths:
         if getattr(cfg, field):
             check_data_path(getattr(cfg, field), "--" + field.replace("_", "-"))
     if not in_worker():
-        from .outputs import command_of
-
         check_fresh_run_dir(cfg, command_of(args)[0])
     from ..core.warmstart import warm_start_note
 
@@ -161,8 +172,6 @@ def run_training(
         if rc == 0:
             final = Path(cfg.out) / "metrics.json"
             if final.is_file():
-                import json
-
                 m = json.loads(final.read_text())
                 print(headline(m) + warm_start_note(cfg, m))
         return rc

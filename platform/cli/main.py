@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
+from ..core.config import resolve_config
 from ..core.errors import MarianaError
+from ..core.registry import all_apps
+from ..runtime.workerio import WorkerIO
+from .common import DefaultsHelpFormatter
 from .outputs import guard_parsed, mark_made
 
 # The platform's commands, listed after the applications' groups.
@@ -26,7 +32,6 @@ PLATFORM_COMMANDS = [
 
 def version_text() -> str:
     """``mariana X.Y.Z (torch A.B.C)``, from the installed distributions' metadata (torch not imported)."""
-    from importlib.metadata import PackageNotFoundError, version
 
     def v(dist: str) -> str:
         try:
@@ -47,8 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version", version=version_text(), help="print the versions of mariana and torch"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from ..core.registry import all_apps
-
     for name in [spec.cli for spec in all_apps()] + PLATFORM_COMMANDS:
         try:
             module = importlib.import_module(name)
@@ -64,8 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _fix_help_formatters(parser: argparse.ArgumentParser) -> None:
     """Every (sub)parser that shows defaults uses `DefaultsHelpFormatter`, which leaves out
     ``(default: None)`` on required flags and empty defaults."""
-    from .common import DefaultsHelpFormatter
-
     if parser.formatter_class is argparse.ArgumentDefaultsHelpFormatter:
         parser.formatter_class = DefaultsHelpFormatter
     for action in parser._actions:
@@ -82,8 +83,6 @@ def check_command(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     spec = getattr(args, "_config", None)
     if spec is not None:
-        from ..core.config import resolve_config
-
         cfg = resolve_config(spec[0], args, spec[1] or {})
         if hasattr(cfg, "data") and not cfg.data:
             raise MarianaError("--data is required")
@@ -92,8 +91,6 @@ def check_command(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit code. In a worker started by our launcher, output goes to the
     rank's log file and a failure is recorded for the launcher's one-line summary (`runtime.workerio`)."""
-    from ..runtime.workerio import WorkerIO
-
     argv = list(sys.argv[1:] if argv is None else argv)
     worker = WorkerIO.install()
     try:
@@ -113,8 +110,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _silence_stdout() -> None:
     """Point stdout at /dev/null so the interpreter's final flush does not raise BrokenPipeError again."""
-    import os
-
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -129,6 +124,9 @@ def _main(argv: list[str], worker) -> int:
         if worker is None:  # a worker re-runs its launcher's command: the launcher checked its outputs
             outputs = guard_parsed(args)
         try:
+            spec = getattr(args, "_config", None)
+            if spec is not None:  # before the handler's (torch) imports: a bad flag or value fails at once
+                args._resolved = resolve_config(spec[0], args, spec[1] or {})
             rc = args.func(args, argv)
         finally:
             mark_made(outputs)
@@ -152,3 +150,7 @@ def _main(argv: list[str], worker) -> int:
 
 def run() -> None:
     sys.exit(main())
+
+
+if __name__ == "__main__":  # python -m mariana.platform.cli.main
+    run()

@@ -11,12 +11,13 @@ Routes find the service's `Database`, `Scheduler`, home folder and `ModelServers
 from __future__ import annotations
 
 import time
-import tomllib
 from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse
+from mariana.platform.core.config import read_config_values
+from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.registry import find_app, serving_apps
 from pydantic import BaseModel, Field, field_validator
 from sqlalchemy import select
@@ -136,8 +137,8 @@ def show(job_id: int, db: DB, servers: Servers) -> dict:
     out["served"] = servers.url(job_id)
     cfg = Path(job.run_dir) / "config.toml"
     try:
-        out["config"] = tomllib.loads(cfg.read_text()) if cfg.is_file() else None
-    except (tomllib.TOMLDecodeError, OSError):
+        out["config"] = read_config_values(cfg) if cfg.is_file() else None  # flat, as flags name it
+    except MarianaError:
         out["config"] = None
     return out
 
