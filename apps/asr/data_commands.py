@@ -1,0 +1,56 @@
+"""Handlers of ``mariana asr prepare`` and ``mariana asr synth`` (the data tools: numpy and soundfile, no
+torch), loaded by the CLI's dispatch (`mariana.platform.cli.dispatch`) only when one of them runs. Each
+takes the parsed flags of `mariana.apps.asr.cli` and the argv, prints its summary line and returns the
+exit code."""
+
+from __future__ import annotations
+
+import argparse
+
+from mariana.platform.cli.common import check_data_path
+
+from .data import parse_speakers
+from .data import prepare as prepare_data
+from .synth import synthesize
+
+
+def prepare(args: argparse.Namespace, argv: list[str]) -> int:
+    """``asr prepare``: Kaldi data dirs OUT/{train,dev,test} from --data (`data.prepare`); one line per
+    unreadable recording, then the counts."""
+    check_data_path(args.data)
+    r = prepare_data(
+        args.data,
+        args.out,
+        parse_speakers(args.test_speakers),
+        parse_speakers(args.dev_speakers),
+        args.utterances,
+        args.max_digits,
+        args.seed,
+        args.synth or None,
+        args.synth_ratio,
+    )
+    if r.skipped:
+        print(f"skipped {len(r.skipped)} unreadable recording(s):")
+        for path, reason in r.skipped:
+            print(f"  {path}: {reason}")
+    only = ""
+    if not r.counts["train"] and not r.counts["dev"]:
+        only = f" (a test-only set: `mariana asr eval --model RUN --data {args.out}/test`)"
+    print(
+        f"prepared {args.out}: train {r.counts['train']} dev {r.counts['dev']} test {r.counts['test']} "
+        f"utterances, skipped {len(r.skipped)}{only}"
+    )
+    return 0
+
+
+def synth(args: argparse.Namespace, argv: list[str]) -> int:
+    """``asr synth``: synthetic digit speakers into the FSDD-layout folder --out (`synth.synthesize`)."""
+    r = synthesize(args.out, args.speakers, args.takes, args.seed, args.sample_rate, jobs=args.jobs)
+    for path, reason in r.skipped[:10]:
+        print(f"  skipped {path}: {reason}")
+    print(
+        f"synthesised {args.out}: {r.speakers} speakers, {r.files} files ({r.generated} generated, "
+        f"{r.files - r.generated} from the cache, {r.regenerated} unreadable cached files regenerated), "
+        f"skipped {len(r.skipped)}"
+    )
+    return 0
