@@ -33,9 +33,6 @@ def register(sub) -> None:
             help=spec.serve_help or f"{spec.name} run directory",
         )
     p.add_argument(
-        "--data", metavar="PATH", help="unused by serve (accepted for uniformity with other commands)"
-    )
-    p.add_argument(
         "--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)"
     )
     p.add_argument(

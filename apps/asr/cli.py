@@ -81,7 +81,6 @@ def _add_synth(g) -> None:
     y.add_argument("--seed", type=int, default=0, help="random seed of the voices and the jitter")
     y.add_argument("--sample-rate", type=int, default=8000, help="output sample rate in Hz")
     y.add_argument("--jobs", type=int, default=2, help="speakers synthesised in parallel processes")
-    y.add_argument("--data", default="", help="unused; synth needs no input data")
     y.set_defaults(func=handler("mariana.apps.asr.data_commands:synth"))
     mark_output(y, "--out", "continue")
 
@@ -212,7 +211,6 @@ def _add_transcribe(g) -> None:
         formatter_class=_FMT,
     )
     t.add_argument("--model", required=True, help="run directory of `mariana asr train`")
-    t.add_argument("--data", default="", help="unused; WAV files are given as arguments")
     _add_decode_flags(t)
     t.add_argument(
         "wavs", nargs="+", help="WAV files; a bad one is reported and skipped, and the exit status is 2"

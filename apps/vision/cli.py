@@ -71,5 +71,4 @@ def register(sub) -> None:
         "--device", default="auto", choices=["auto", "cpu", "cuda"], help="compute device (auto = cpu)"
     )
     _tta_flags(c)
-    c.add_argument("--data", default="", help="unused; accepted for uniformity with the other commands")
     c.set_defaults(func=handler("mariana.apps.vision.commands:classify"))
