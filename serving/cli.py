@@ -57,7 +57,12 @@ def register(sub) -> None:
     p.add_argument(
         "--watch", action="store_true", help="reload a model when its run dir's model files change"
     )
-    p.add_argument("--watch-interval", type=float, default=2.0, help="seconds between --watch polls")
+    p.add_argument(
+        "--watch-interval",
+        type=float,
+        default=None,
+        help="seconds between --watch polls (default: 2.0); applies with --watch or --workers > 1 only",
+    )
     p.add_argument(
         "--reload-root",
         action="append",

@@ -30,7 +30,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     in uvicorn worker processes sharing the socket; prints ``serving ... on URL`` once models are loaded."""
     cfg = serve_config(args)
     if cfg.watch:
-        wait_for_exports(cfg.models, args.watch_interval)
+        wait_for_exports(cfg.models, cfg.watch_interval_s)
     sock = bind(args.host, args.port)
     host, port = args.host, sock.getsockname()[1]  # --port 0: the port the kernel picked
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
@@ -61,10 +61,19 @@ def _check_limits(args: argparse.Namespace) -> None:
     ):
         if value < 1:
             raise MarianaError(f"{flag} must be >= 1 (got {value})")
-    if args.max_wait_ms < 0 or args.threads < 0 or args.watch_interval <= 0:
+    if args.watch_interval is not None and not (args.watch or args.workers > 1):
+        raise MarianaError(
+            "--watch-interval applies to --watch (or --workers > 1) only: without it no run dir is polled"
+        )
+    if args.max_wait_ms < 0 or args.threads < 0 or watch_interval(args) <= 0:
         raise MarianaError("--max-wait-ms and --threads must be >= 0, --watch-interval > 0")
     if not 0 <= args.port <= 65535:
         raise MarianaError(f"--port {args.port}: expected 0..65535")
+
+
+def watch_interval(args: argparse.Namespace) -> float:
+    """--watch-interval in seconds (2.0 when not given)."""
+    return 2.0 if args.watch_interval is None else args.watch_interval
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -95,7 +104,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         threads=args.threads,
         workers=args.workers,
         watch=args.watch or args.workers > 1,  # with several processes, file watching keeps them in step
-        watch_interval_s=args.watch_interval,
+        watch_interval_s=watch_interval(args),
         reload_roots=[os.path.abspath(r) for r in args.reload_root or []],
         token=token,
     )

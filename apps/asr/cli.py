@@ -58,8 +58,9 @@ def _add_prepare(g) -> None:
     p.add_argument(
         "--synth-ratio",
         type=float,
-        default=1.0,
-        help="synthetic training utterances per real training utterance (shared by the synthetic speakers)",
+        default=None,
+        help="synthetic training utterances per real training utterance (shared by the synthetic speakers; "
+        "default: 1.0); applies with --synth only",
     )
     p.set_defaults(func=handler("mariana.apps.asr.data_commands:prepare"))
     mark_output(p, "--out", "never")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from mariana.platform.cli.common import check_data_path
+from mariana.platform.core.errors import MarianaError
 
 from .data import parse_speakers
 from .data import prepare as prepare_data
@@ -18,6 +19,8 @@ def prepare(args: argparse.Namespace, argv: list[str]) -> int:
     """``asr prepare``: Kaldi data dirs OUT/{train,dev,test} from --data (`data.prepare`); one line per
     unreadable recording, then the counts."""
     check_data_path(args.data)
+    if args.synth_ratio is not None and not args.synth:
+        raise MarianaError("--synth-ratio applies to runs with --synth only (no synthetic speakers given)")
     r = prepare_data(
         args.data,
         args.out,
@@ -27,7 +30,7 @@ def prepare(args: argparse.Namespace, argv: list[str]) -> int:
         args.max_digits,
         args.seed,
         args.synth or None,
-        args.synth_ratio,
+        1.0 if args.synth_ratio is None else args.synth_ratio,
     )
     if r.skipped:
         print(f"skipped {len(r.skipped)} unreadable recording(s):")
