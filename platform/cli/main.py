@@ -152,3 +152,7 @@ def _main(argv: list[str], worker) -> int:
 
 def run() -> None:
     sys.exit(main())
+
+
+if __name__ == "__main__":  # python -m mariana.platform.cli.main
+    run()

@@ -93,14 +93,15 @@ def eval_result_path(run_dir: str | Path, data: str | Path, split: str = "") -> 
 def resume_differences(cfg: Any, saved: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """``(field, saved value, new value)`` for every field of ``cfg`` outside its class's
     ``RESUME_MAY_CHANGE`` whose value differs from ``saved`` (a run's config.toml as a dict; a field
-    missing there counts as None). Path fields are compared as absolute paths."""
+    missing there counts as None). Path fields are compared as absolute paths; a field that does not apply
+    under ``cfg`` (`Config.applies`: unused, and left out of config.toml) is not compared."""
     import dataclasses
     import os
 
     allowed = getattr(type(cfg), "RESUME_MAY_CHANGE", frozenset())
     diffs = []
     for f in dataclasses.fields(cfg):
-        if f.name in allowed:
+        if f.name in allowed or not (cfg.applies(f.name) if hasattr(cfg, "applies") else True):
             continue
         new, old = getattr(cfg, f.name), saved.get(f.name)
         if f.metadata.get("path") and isinstance(old, str) and old:
@@ -111,19 +112,19 @@ def resume_differences(cfg: Any, saved: dict[str, Any]) -> list[tuple[str, Any, 
             new = list(new)
         if new != old:
             diffs.append((f.name, old, new))
-    return diffs
+    return sorted(diffs, key=lambda d: d[0])  # by name: the order of fields follows their sections
 
 
 def check_resume_config(cfg: Any, run_dir: str | Path) -> None:
     """Refuse a ``--resume`` whose settings differ from the checkpoint's ``RUN/config.toml`` in a field that
     changes the model, the data order or restored optimizer state (`MarianaError` listing
     ``field: saved -> new``). A run without config.toml is not checked."""
-    from .config import load_toml
+    from .config import read_config_values
 
     path = Path(run_dir) / "config.toml"
     if not path.is_file():
         return
-    diffs = resume_differences(cfg, load_toml(path))
+    diffs = resume_differences(cfg, read_config_values(path))
     if diffs:
         pairs = ", ".join(f"{name}: {old!r} -> {new!r}" for name, old, new in diffs)
         allowed = ", ".join(sorted(getattr(type(cfg), "RESUME_MAY_CHANGE", ())))

@@ -23,13 +23,13 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import Body, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
+from mariana.platform.core.config import read_config_values
 from mariana.platform.core.errors import MarianaError
 from pydantic import BaseModel, Field, field_validator
 from sqlalchemy import select
@@ -226,8 +226,8 @@ def create_app(home: str | Path, db_url: str | None = None, slots: int | None = 
         out["served"] = proc_url[1] if proc_url and proc_url[0].poll() is None else None
         cfg = Path(job.run_dir) / "config.toml"
         try:
-            out["config"] = tomllib.loads(cfg.read_text()) if cfg.is_file() else None
-        except (tomllib.TOMLDecodeError, OSError):
+            out["config"] = read_config_values(cfg) if cfg.is_file() else None  # flat, as flags name it
+        except MarianaError:
             out["config"] = None
         return out
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from mariana.platform.core.atomic import atomic_write_text
-from mariana.platform.core.config import load_toml, to_toml
+from mariana.platform.core.config import applicable_values, read_config_values, sectioned_toml
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.jobs.scheduler import PRUNED
 
@@ -257,6 +257,11 @@ def run_study(o: TuneOptions, runner) -> int:
             while len(flying) < o.parallel and done + len(flying) < o.trials and not expired:
                 trial = study.ask()
                 params = {n: p.suggest(trial) for n, p in o.space.params.items()}
+                # only the parameters that apply to this trial's values (e.g. no --hidden for --model fm)
+                used = applicable_values(
+                    o.info.config_cls(), {**o.space.fixed, **params}, o.train_flags, o.info.presets()
+                )
+                params = {n: v for n, v in params.items() if n in used}
                 run_dir = trials_dir / f"trial-{trial.number:04d}"
                 if run_dir.exists():  # left by a study whose database was removed: never train over it
                     shutil.rmtree(run_dir)
@@ -364,7 +369,7 @@ def _params_text(params: dict) -> str:
 
 def best_config(run_dir: Path, config_cls: type) -> dict:
     """The run's ``config.toml`` less what names this run (out, data, paths, config, preset, resume)."""
-    values = load_toml(run_dir / "config.toml")
+    values = read_config_values(run_dir / "config.toml")
     drop = set(RESERVED) | {"preset"}
     drop |= {f.name for f in dataclasses.fields(config_cls) if f.metadata.get("path")}
     return {k: v for k, v in values.items() if k not in drop}
@@ -393,7 +398,7 @@ def finish(study, o: TuneOptions, name: str) -> int:
     run_dir = Path(best.user_attrs["run_dir"])
     cfg = best_config(run_dir, o.info.config_cls())
     # Paths (e.g. vision's --eval-data) are left out like --data: name them in the retrain line.
-    saved = load_toml(run_dir / "config.toml")
+    saved = read_config_values(run_dir / "config.toml")
     paths = [f"--{k.replace('_', '-')} {saved[k]}" for k in sorted(set(saved) - set(cfg) - set(RESERVED))
              if k != "preset" and saved[k]]  # fmt: skip
     header = (
@@ -402,7 +407,7 @@ def finish(study, o: TuneOptions, name: str) -> int:
         + "".join(f" {p}" for p in paths)
         + "\n"
     )
-    atomic_write_text(o.out / "best.toml", header + to_toml(cfg))
+    atomic_write_text(o.out / "best.toml", header + sectioned_toml(o.info.config_cls(), cfg))
     tmp = o.out / "best.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(run_dir, tmp, ignore=shutil.ignore_patterns("checkpoints"))

@@ -1,0 +1,154 @@
+"""Typed job configs composed of sections: flags, TOML files, presets and the inert-flag rule.
+
+A command's config is composed of exactly the sections it uses; each section is a small typed dataclass
+(at most 30 fields) that validates its own values. The composition is one dataclass whose fields are the
+union of its sections' fields (names unique in a composition, asserted when the class is defined), so
+code reads ``cfg.lr`` or ``cfg.optim.lr`` (the section as its typed dataclass), and ``Cls(lr=...)``,
+``dataclasses.replace(cfg, lr=...)`` and ``dataclasses.fields(cfg)`` work on the flat names. Flags keep
+their flat names (``--lr``); ``--help`` shows one group per section (``[optim] ...``); TOML files hold one
+table per section (``[optim]`` then ``lr = 0.01``; flat files of earlier versions are still read, a
+user's with a one-line deprecation note); ``RUN/config.toml`` is written by sections with the fields that
+applied. A field (or a whole section) may say when it applies; a value the user set explicitly (flag or
+TOML) where it does not apply is refused (exit 2, e.g. ``--ftrl-l1 applies to --sparse-optimizer ftrl
+only (this run: --sparse-optimizer adagrad)``), and a command that does not compose a section has no flags
+for it.
+
+How to declare sections for an app (``apps/APP/configs.py``, standard library only)::
+
+    from mariana.platform.core.config import (
+        DataSection, LoopSection, OptimBase, RunSection, Section, TrainJob, only, not_with, opt)
+
+    @dataclass
+    class ModelSection(Section):
+        NAME: ClassVar[str] = "model"          # the TOML table and ``cfg.model``... pick a name no field has
+        TITLE: ClassVar[str] = "the network"   # the --help group: "[model] the network"
+        kind: str = opt("mlp", "model", ["lr", "mlp"])
+        hidden: int = opt(64, "hidden width", applies=not_with("kind", "lr"))
+
+        def validate(self) -> None:            # this section's own checks; MarianaError naming the flag
+            if self.hidden < 1: raise MarianaError(f"--hidden must be >= 1, got {self.hidden}")
+
+    @dataclass
+    class AppLoop(LoopSection):                # another default for this app: subclass the section
+        epochs: int = opt(5, "passes over the data")
+
+    class AppTrainConfig(TrainJob, sections=(RunSection, DataSection, AppLoop, OptimBase, ModelSection)):
+        EVAL_METRICS: ClassVar[tuple[str, ...]] = ("auc",)
+        RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = RESUME_MAY_CHANGE | {"eval_data"}
+        def check(self) -> None:               # checks across sections (each section's validate runs first)
+            ...
+
+Conditions (``opt(..., applies=...)`` or a section's ``APPLIES``): `only` (field in values), `not_with`,
+`at_least` (a number >= n), `given` (a non-empty value) and `when` (any test); each names a field of the
+composition, asserted at definition time. A value the command fixes (neither flag nor TOML key) is a
+``ClassVar`` of the composition (e.g. a stream's ``epochs: ClassVar[int] = 1``). Presets are instances of
+the composition. The CLI side: `add_config_args` (flag groups), `resolve_config` (defaults < preset <
+--config < flags, then `check_applies` and ``validate()``).
+"""
+
+from .fields import (
+    Clause,
+    _base_type,
+    at_least,
+    check_choice,
+    check_choices,
+    coerce,
+    default_of,
+    flag,
+    given,
+    not_with,
+    only,
+    opt,
+    when,
+)
+from .files import (
+    config_toml,
+    flatten,
+    load_toml,
+    read_config_values,
+    save_config,
+    sectioned_toml,
+    to_toml,
+)
+from .resolve import (
+    DEPRECATED_FLAT,
+    absolute_paths,
+    add_config_args,
+    applicable_values,
+    apply_values,
+    check_applies,
+    load_config,
+    read_config_file,
+    resolve_config,
+    saved_run_values,
+)
+from .sections import MAX_FIELDS, Config, Section, witnesses
+from .train import (
+    RESUME_MAY_CHANGE,
+    TRAIN_SECTIONS,
+    DataParallelSection,
+    DataSection,
+    LaunchSection,
+    LoopSection,
+    OptimBase,
+    OptimSection,
+    RunSection,
+    TrainConfig,
+    TrainJob,
+    at_least_one,
+    finite_non_negative,
+    non_negative,
+    several_workers,
+)
+
+__all__ = [
+    "DEPRECATED_FLAT",
+    "MAX_FIELDS",
+    "RESUME_MAY_CHANGE",
+    "TRAIN_SECTIONS",
+    "Clause",
+    "Config",
+    "DataParallelSection",
+    "DataSection",
+    "LaunchSection",
+    "LoopSection",
+    "OptimBase",
+    "OptimSection",
+    "RunSection",
+    "Section",
+    "TrainConfig",
+    "TrainJob",
+    "_base_type",
+    "absolute_paths",
+    "add_config_args",
+    "applicable_values",
+    "apply_values",
+    "at_least",
+    "at_least_one",
+    "check_applies",
+    "check_choice",
+    "check_choices",
+    "coerce",
+    "config_toml",
+    "default_of",
+    "finite_non_negative",
+    "flag",
+    "flatten",
+    "given",
+    "load_config",
+    "load_toml",
+    "non_negative",
+    "not_with",
+    "only",
+    "opt",
+    "read_config_file",
+    "read_config_values",
+    "resolve_config",
+    "save_config",
+    "saved_run_values",
+    "sectioned_toml",
+    "several_workers",
+    "to_toml",
+    "when",
+    "witnesses",
+]
