@@ -38,9 +38,7 @@ def tiny(tmp_path_factory):
     save_file({"w": torch.zeros(2)}, root / "pctr-run" / "model.safetensors", {"mariana": '{"app": "pctr"}'})
     run = root / "run"
     args = ["vision", "train", "--data", root / "imgs", "--out", run, "--preset", "debug", "--limit", "0"]
-    run_cli(
-        [*args, "--max-steps", "1", "--batch-size", "4", "--eval-limit", "0", "--no-progress"], check=True
-    )
+    run_cli([*args, "--max-steps", "1", "--batch-size", "4", "--no-progress"], check=True)
     return {
         "data": root / "imgs",
         "run": run,
@@ -57,11 +55,15 @@ CLASSIFY = ["vision", "classify", "--model", "{run}", "{data}/cat/0.jpg"]
 
 # (argv, exit code, fragment of the one-line error); {data} {run} {file} {notimg} {root} come from `tiny`
 CASES = [
-    (TRAIN + ["--micro-batches", "2"], 2, "--micro-batches applies to pipeline jobs only"),
-    (TRAIN + ["--pipeline-schedule", "gpipe"], 2, "--pipeline-schedule applies to pipeline jobs only"),
+    (TRAIN + ["--micro-batches", "2"], 2, "--micro-batches applies to --model-parallel >= 2 only"),
+    (
+        TRAIN + ["--pipeline-schedule", "gpipe"],
+        2,
+        "--pipeline-schedule applies to --model-parallel >= 2 only",
+    ),
     (TRAIN + MP2 + ["--compile"], 2, "--compile applies to --model-parallel 1 only"),
     (TRAIN + ["--limit", "-5"], 2, "--limit must be >= 0 images"),
-    (TRAIN + ["--eval-limit", "-1"], 2, "--eval-limit must be >= 0"),
+    (TRAIN + ["--eval-data", "{data}", "--eval-limit", "-1"], 2, "--eval-limit must be >= 0"),
     (TRAIN + ["--cache-gb", "0"], 2, "--cache-gb must be > 0"),
     (TRAIN + MP2 + ["--stage-balance", "fast"], 2, "--stage-balance must be params, time or block indices"),
     (TRAIN + MP2 + ["--stage-balance", "3,6"], 2, "--model-parallel 2 needs 1 block index in 1..9"),
@@ -72,7 +74,11 @@ CASES = [
     (TRAIN + ["--augment", "mixup"], 2, "invalid choice: 'mixup'"),
     (TRAIN + ["--preset", "fast"] + MP2, 2, "--recipe fast runs data parallel only (--model-parallel 1)"),
     (TRAIN + ["--recipe", "fast"], 2, "--recipe fast trains --model fastnet only"),
-    (TRAIN + MP2 + ["--eval-tta", "crops"], 2, "--eval-tta applies to --model-parallel 1 only"),
+    (
+        TRAIN + MP2 + ["--eval-data", "{data}", "--eval-tta", "crops"],
+        2,
+        "--eval-tta applies to --model-parallel 1 only",
+    ),
     (["vision", "train", "--data", "{data}", "--out", "{file}"], 2, "--out {file}"),
     (["vision", "train", "--data", "{data}", "--out", "/proc/mariana-x"], 2, "--out /proc/mariana-x"),
     (["vision", "train", "--data", "{root}/nowhere", "--out", "{root}/o"], 2, "no such file or directory"),

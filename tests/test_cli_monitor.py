@@ -38,6 +38,9 @@ def test_unreported_monitor_is_refused_before_training(path, tmp_path, capsys):
     data = tmp_path / "d.txt"
     data.write_text("1 0:1\n")
     t0 = time.monotonic()
-    rc, out, err = run_main([*path, "--data", data, "--out", tmp_path / "r", "--monitor", wrong], capsys)
+    # --monitor applies only where there is something to evaluate: held-out data where the job takes it
+    held_out = ["--eval-data", data] if option(dict(leaf_parsers())[path], "--eval-data") else []
+    argv = [*path, "--data", data, *held_out, "--out", tmp_path / "r", "--monitor", wrong]
+    rc, out, err = run_main(argv, capsys)
     assert rc == 2 and f"--monitor {wrong}: the evaluation reports no such metric" in err, err
     assert time.monotonic() - t0 < 10 and not (tmp_path / "r").exists()

@@ -10,7 +10,10 @@ BAD = [
     (["pctr", "train", "--data", "x", "--batch-size", "-4"], "--batch-size must be >= 1"),
     (["pctr", "train", "--data", "x", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["mlp", "train", "--out", "r"], "--data is required"),
-    (["vision", "train", "--data", "x", "--monitor", "auc"], "--monitor auc: the evaluation reports no such"),
+    (
+        ["vision", "train", "--data", "x", "--eval-data", "x", "--monitor", "auc"],
+        "--monitor auc: the evaluation reports no such",
+    ),
     (["pctr", "eval", "--data", "x"], "the following arguments are required: --model"),
 ]
 

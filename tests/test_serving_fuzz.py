@@ -70,7 +70,7 @@ def _vision_run(d: Path) -> Path:
                 d / "imgs" / c / f"{i}.jpg"
             )
     args = ["vision", "train", "--data", d / "imgs", "--out", d / "vision-run", "--preset", "debug"]
-    p = run_cli([*args, "--limit", "0", "--max-steps", "1", "--batch-size", "4", "--eval-limit", "0", "--no-progress"],
+    p = run_cli([*args, "--limit", "0", "--max-steps", "1", "--batch-size", "4", "--no-progress"],
                 check=True)  # fmt: skip
     assert "final {" not in p.stdout + p.stderr  # no raw JSON dump on the console (issue 30)
     return d / "vision-run"

@@ -1,55 +1,147 @@
-"""Config of ``mariana vision train`` (flat dataclass; every field is a ``--kebab-case`` flag)."""
+"""Config of ``mariana vision train``: the platform's training sections plus the held-out evaluation, the
+network, the pipeline (model parallelism) and the training recipe; presets ``debug``, ``small``, ``gpu94``,
+``fast``. Standard library only (the parser module imports it under ``mariana vision --help``); the model
+checks of `VisionConfig.check` import the model code when a config is validated."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mariana.platform.core.config import TrainConfig, opt
+from mariana.platform.core.config import (
+    RESUME_MAY_CHANGE,
+    DataParallelSection,
+    DataSection,
+    LaunchSection,
+    LoopSection,
+    OptimSection,
+    RunSection,
+    Section,
+    TrainJob,
+    at_least,
+    given,
+    only,
+    opt,
+    when,
+)
 from mariana.platform.core.errors import MarianaError
+
+MARIANA_CNNS = ("mariana-cnn", "mariana-cnn-32")  # the models with a dropout layer (--dropout)
+# `when` clauses with explicit witnesses: --model and --model-parallel have no choices to draw "another
+# value" from
+WITH_DROPOUT = when(
+    "model",
+    lambda cfg: cfg.model in MARIANA_CNNS,
+    "--model mariana-cnn/mariana-cnn-32 only",
+    MARIANA_CNNS[0],
+    "cifar-fast",
+)
+ONE_STAGE = when("model_parallel", lambda cfg: cfg.model_parallel == 1, "--model-parallel 1 only", 1, 2)
 
 
 @dataclass
-class VisionConfig(TrainConfig):
-    EVAL_METRICS: ClassVar[tuple[str, ...]] = ("top1", "top5")
-    model: str = opt(
-        "cifar-fast",
-        "model: fastnet, cifar-fast, resnet9, mariana-cnn, mariana-cnn-32 or a torchvision name (resnet18, alexnet, ...)",
+class VisionData(DataSection):
+    """An ImageFolder tar/folder, how much of it is used, and whether it is decoded once into memory."""
+
+    data: str = opt("", "training images: a .tar shard or a folder [split/]CLASS/NAME.jpg", path=True)
+    limit: int = opt(0, "use a class-balanced random subset of N training images (0 = all)")
+    cache: str = opt(
+        "auto",
+        "decode the data set once into memory (auto: when it fits in --cache-gb)",
+        ["auto", "on", "off"],
     )
-    image_size: int = opt(32, "input size in pixels (images are resized/cropped to SxS)")
-    model_parallel: int = opt(
-        1, "pipeline stages per data-parallel group (--workers must be divisible by it)"
+    cache_gb: float = opt(
+        8.0, "memory budget for the decoded-image cache in GB", applies=only("cache", "auto")
     )
-    micro_batches: int = opt(4, "micro-batches per batch in the pipeline schedule (model parallel > 1)")
-    stage_balance: str = opt(
-        "params", "how to cut the model into stages: params, time, or block indices '3,6'"
+    decode: str = opt(
+        "auto", "where JPEGs are decoded: auto = GPU when training on CUDA", ["auto", "cpu", "cuda"]
     )
-    pipeline_schedule: str = opt(
-        "1f1b",
-        "pipeline schedule (torch.distributed.pipelining) with --model-parallel > 1: 1f1b (one forward, one "
-        "backward: at most K micro-batches' activations alive) or gpipe (all forwards, then all backwards); "
-        "same gradients",
-        ["1f1b", "gpipe"],
-    )
-    # Held-out data may move between a run and its resume (only the scores depend on it); the pipeline
-    # schedule may change too.
-    RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = TrainConfig.RESUME_MAY_CHANGE | {
-        "eval_data",
-        "eval_limit",
-        "pipeline_schedule",  # the same gradients in another order of work
-        "eval_tta",
-    }
+
+    def validate(self) -> None:
+        if self.limit < 0:
+            raise MarianaError(f"--limit must be >= 0 images (0 = all), got {self.limit}")
+        if self.cache_gb <= 0:
+            raise MarianaError(f"--cache-gb must be > 0, got {self.cache_gb}")
+
+
+@dataclass
+class VisionEval(Section):
+    """The held-out images scored during and at the end of training."""
+
+    NAME: ClassVar[str] = "heldout"
+    TITLE: ClassVar[str] = "held-out evaluation"
 
     eval_data: str = opt(
         "", "held-out images (.tar or folder) evaluated at the end (and every --eval-every steps)", path=True
     )
-    limit: int = opt(0, "use a class-balanced random subset of N training images (0 = all)")
-    eval_limit: int = opt(0, "evaluate on the first N held-out images of a fixed random order (0 = all)")
-    augment: str = opt(
-        "flip-crop",
-        "training augmentation on the batch (on the GPU when training there); alt-flip-translate: one "
-        "random flip per image, all flipped every other epoch, random 2 px translation (decoded set only)",
-        ["flip-crop", "flip", "none", "alt-flip-translate"],
+    eval_limit: int = opt(
+        0,
+        "evaluate on the first N held-out images of a fixed random order (0 = all)",
+        applies=given("eval_data"),
+    )
+    eval_tta: str = opt(
+        "none",
+        "test-time augmentation of the evaluations during training: none, flip (2 views) or crops "
+        "(flip + 1 px translations: 6 views); the mean of the views' probabilities",
+        ["none", "flip", "crops"],
+        applies=(given("eval_data"), ONE_STAGE),
+    )
+
+    def validate(self) -> None:
+        if self.eval_limit < 0:
+            raise MarianaError(f"--eval-limit must be >= 0 images (0 = all), got {self.eval_limit}")
+
+
+@dataclass
+class VisionLoop(LoopSection):
+    """`LoopSection` whose evaluation settings need held-out images (vision evaluates --eval-data only)."""
+
+    eval_every: int = opt(
+        0,
+        "evaluate every N optimizer steps, or 'epoch' at the end of every epoch; 0 only at the end",
+        epoch_ok=True,
+        applies=given("eval_data"),
+    )
+    monitor: str = opt(
+        "",
+        "evaluation metric that picks the best model and drives --early-stop (top1, top5); empty: top1",
+        applies=given("eval_data"),
+    )
+    early_stop: int = opt(
+        0,
+        "stop after this many evaluations in a row without a better --monitor value; 0 never stops early",
+        applies=given("eval_data"),
+    )
+
+
+@dataclass
+class VisionOptim(OptimSection):
+    """`OptimSection` whose schedule the fast recipe replaces with its own triangular one."""
+
+    schedule: str = opt(
+        "constant",
+        "learning-rate schedule after warm-up",
+        ["constant", "cosine", "linear"],
+        applies=only("recipe", "standard"),
+    )
+    warmup_steps: int = opt(0, "linear warm-up steps", applies=only("recipe", "standard"))
+
+
+@dataclass
+class VisionNet(Section):
+    """The classifier and its training recipe."""
+
+    NAME: ClassVar[str] = "net"
+    TITLE: ClassVar[str] = "network and recipe"
+
+    model: str = opt(
+        "cifar-fast",
+        "model: fastnet, cifar-fast, resnet9, mariana-cnn, mariana-cnn-32 or a torchvision name (resnet18, "
+        "alexnet, ...)",
+    )
+    image_size: int = opt(32, "input size in pixels (images are resized/cropped to SxS)")
+    dropout: float = opt(
+        0.5, "dropout before the fully connected layers of mariana-cnn", applies=WITH_DROPOUT
     )
     recipe: str = opt(
         "standard",
@@ -57,82 +149,121 @@ class VisionConfig(TrainConfig):
         "at 64x LR, triangular LR, Lookahead weight averaging; apps/vision/recipe.py)",
         ["standard", "fast"],
     )
-    eval_tta: str = opt(
-        "none",
-        "test-time augmentation of the evaluations during training: none, flip (2 views) or crops "
-        "(flip + 1 px translations: 6 views); the mean of the views' probabilities",
-        ["none", "flip", "crops"],
+    augment: str = opt(
+        "flip-crop",
+        "training augmentation on the batch (on the GPU when training there); alt-flip-translate: one "
+        "random flip per image, all flipped every other epoch, random 2 px translation (decoded set only)",
+        ["flip-crop", "flip", "none", "alt-flip-translate"],
     )
-    cache: str = opt(
-        "auto",
-        "decode the data set once into memory (auto: when it fits in --cache-gb)",
-        ["auto", "on", "off"],
-    )
-    cache_gb: float = opt(8.0, "memory budget for the decoded-image cache in GB")
-    decode: str = opt(
-        "auto", "where JPEGs are decoded: auto = GPU when training on CUDA", ["auto", "cpu", "cuda"]
-    )
-    dropout: float = opt(0.5, "dropout before the fully connected layers of mariana-cnn")
     label_smoothing: float = opt(0.1, "label smoothing of the cross-entropy loss")
     channels_last: bool = opt(True, "channels-last memory format (faster convolutions)")
-    compile: bool = opt(False, "torch.compile the model (GPU; longer start-up, faster steps)")
+    compile: bool = opt(
+        False,
+        "torch.compile the model (GPU; longer start-up, faster steps)",
+        applies=ONE_STAGE,
+    )
 
     def validate(self) -> None:
-        super().validate()
-        if self.model_parallel < 1:
-            raise MarianaError(f"--model-parallel must be >= 1, got {self.model_parallel}")
-        if (self.workers * self.nnodes) % self.model_parallel:
-            raise MarianaError(
-                f"--workers {self.workers * self.nnodes} is not divisible by --model-parallel {self.model_parallel}"
-            )
-        if self.micro_batches < 1 or self.micro_batches > self.batch_size:
-            raise MarianaError(
-                f"--micro-batches must be in 1..--batch-size ({self.batch_size}), got {self.micro_batches}"
-            )
         if self.image_size < 8:
             raise MarianaError(f"--image-size must be >= 8 pixels, got {self.image_size}")
         if not 0 <= self.label_smoothing < 1 or not 0 <= self.dropout < 1:
             raise MarianaError("--label-smoothing and --dropout must be in [0, 1)")
-        for name in ("limit", "eval_limit"):
-            if getattr(self, name) < 0:
-                raise MarianaError(
-                    f"--{name.replace('_', '-')} must be >= 0 images (0 = all), got {getattr(self, name)}"
-                )
-        if self.cache_gb <= 0:
-            raise MarianaError(f"--cache-gb must be > 0, got {self.cache_gb}")
         if self.recipe == "fast" and self.model != "fastnet":
             raise MarianaError(f"--recipe fast trains --model fastnet only, got --model {self.model}")
-        if self.recipe == "fast" and self.model_parallel > 1:
+
+
+@dataclass
+class VisionPipeline(Section):
+    """Pipeline model parallelism: --model-parallel K stages per data-parallel group."""
+
+    NAME: ClassVar[str] = "pipeline"
+    TITLE: ClassVar[str] = "pipeline model parallelism"
+
+    model_parallel: int = opt(
+        1, "pipeline stages per data-parallel group (--workers must be divisible by it)"
+    )
+    micro_batches: int = opt(
+        4, "micro-batches per batch in the pipeline schedule", applies=at_least("model_parallel", 2)
+    )
+    stage_balance: str = opt(
+        "params",
+        "how to cut the model into stages: params, time, or block indices '3,6'",
+        applies=at_least("model_parallel", 2),
+    )
+    pipeline_schedule: str = opt(
+        "1f1b",
+        "pipeline schedule (torch.distributed.pipelining): 1f1b (one forward, one backward: at most K "
+        "micro-batches' activations alive) or gpipe (all forwards, then all backwards); same gradients",
+        ["1f1b", "gpipe"],
+        applies=at_least("model_parallel", 2),
+    )
+
+    def validate(self) -> None:
+        if self.model_parallel < 1:
+            raise MarianaError(f"--model-parallel must be >= 1, got {self.model_parallel}")
+        if self.micro_batches < 1:
+            raise MarianaError(f"--micro-batches must be >= 1, got {self.micro_batches}")
+
+
+VISION_SECTIONS = (
+    RunSection,
+    VisionData,
+    VisionEval,
+    LaunchSection,
+    DataParallelSection,
+    VisionLoop,
+    VisionOptim,
+    VisionNet,
+    VisionPipeline,
+)
+
+
+class VisionConfig(TrainJob, sections=VISION_SECTIONS):
+    """``mariana vision train``."""
+
+    EVAL_METRICS: ClassVar[tuple[str, ...]] = ("top1", "top5")
+    # Held-out data may move between a run and its resume (only the scores depend on it); the pipeline
+    # schedule may change too (the same gradients in another order of work).
+    RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = RESUME_MAY_CHANGE | {
+        "eval_data",
+        "eval_limit",
+        "pipeline_schedule",
+        "eval_tta",
+    }
+
+    def check(self) -> None:
+        """Checks across sections (workers vs stages, recipe vs optimizer and pipeline, augmentation vs
+        cache), then the model name and stage cut (`_validate_model`)."""
+        super().check()
+        k = self.model_parallel
+        if (self.workers * self.nnodes) % k:
+            raise MarianaError(
+                f"--workers {self.workers * self.nnodes} is not divisible by --model-parallel {k}"
+            )
+        if k > 1 and self.micro_batches > self.batch_size:
+            raise MarianaError(
+                f"--micro-batches must be in 1..--batch-size ({self.batch_size}), got {self.micro_batches}"
+            )
+        if self.recipe == "fast" and k > 1:
             raise MarianaError(
                 "--recipe fast runs data parallel only (--model-parallel 1): its Lookahead averaging and "
                 "per-group learning rates live in the data-parallel step, not in the pipeline's stages"
             )
         if self.recipe == "fast" and self.optimizer != "sgd":
             raise MarianaError("--recipe fast uses Nesterov SGD: set --optimizer sgd")
-        if self.augment == "alt-flip-translate" and self.model_parallel > 1:
+        if self.augment == "alt-flip-translate" and k > 1:
             raise MarianaError("--augment alt-flip-translate runs data parallel only (--model-parallel 1)")
         if self.augment == "alt-flip-translate" and self.cache == "off":
             raise MarianaError(
                 "--augment alt-flip-translate needs the decoded set in memory (--cache auto|on)"
             )
-        self._check_flags_apply()
-        self._validate_model()
-
-    def _check_flags_apply(self) -> None:
-        """A flag that would change nothing in this configuration is refused, not silently ignored."""
-        defaults = VisionConfig()
-        if self.model_parallel == 1:
-            for name in ("micro_batches", "stage_balance", "pipeline_schedule"):
-                if getattr(self, name) != getattr(defaults, name):
-                    raise MarianaError(
-                        f"--{name.replace('_', '-')} applies to pipeline jobs only (--model-parallel > 1)"
-                    )
-        elif self.compile:
+        if k > 1 and self.compile:  # e.g. from a preset (gpu94): pipeline stages run eagerly
             raise MarianaError("--compile applies to --model-parallel 1 only (pipeline stages run eagerly)")
-        elif self.eval_tta != "none":
+        if k > 1 and self.eval_tta != "none":
             raise MarianaError(
                 "--eval-tta applies to --model-parallel 1 only (pipeline evaluations use one view)"
             )
+        self._validate_model()
 
     def _validate_model(self) -> None:
         """``--model`` and ``--stage-balance`` checked in the launching process, before any worker starts
