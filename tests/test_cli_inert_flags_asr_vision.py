@@ -141,4 +141,5 @@ def test_a_flag_whose_condition_fails_is_refused(command, cls, name, clause, tmp
     failing = {**holding, clause.field: witnesses(cls, clause)[1]}
     with pytest.raises(MarianaError) as e:
         check_command(_argv(command, cls, name, failing, str(tmp_path)))
-    assert str(e.value).startswith(f"--{flag(name)} applies to {clause.text}"), str(e.value)
+    typed = (f"--{flag(name)}", f"--no-{flag(name)}")  # a switch is named as it was typed
+    assert str(e.value).startswith(tuple(f"{t} applies to {clause.text}" for t in typed)), str(e.value)

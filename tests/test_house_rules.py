@@ -148,26 +148,16 @@ def figures() -> dict:
     return measure()
 
 
-@pytest.mark.xfail(strict=False, reason="until w4-ps (apps/pctr/stream.py, step.py) is merged")
 def test_no_product_file_over_500_lines(figures):
     assert not figures["long_files"], f"files over {MAX_FILE_LINES} lines: {figures['long_files']}"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="until w4-cfgb (apps/asr/cli.py:register, serving/cli.py:_serve), w4-ps (pctr ps._work, "
-    "stream.consume, core/loop.py:fit) and w4-newc (pctr drift.day) are merged",
-)
 def test_no_product_function_over_80_lines(figures):
     assert not figures["long_functions"], (
         f"functions over {MAX_FUNCTION_LINES} lines: {figures['long_functions']}"
     )
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="until the CLI splits (w4-cfga, w4-cfgb) and w4-ps (pctr stream/ps/step, platform/ps) are merged",
-)
 def test_few_function_local_imports_of_mariana(figures):
     n = len(figures["local_imports"])
     assert n <= MAX_LOCAL_IMPORTS, (
@@ -175,11 +165,6 @@ def test_few_function_local_imports_of_mariana(figures):
     )
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="until w4-cfga is merged: platform/core/config.py imports platform.runtime.endpoint "
-    "(runtime imports core.errors)",
-)
 def test_no_import_cycle_between_packages(figures):
     edges = figures["edges"]
     cycles = import_cycles(edges)

@@ -29,7 +29,7 @@ from mariana.platform.core.config import (
     when,
 )
 from mariana.platform.core.errors import DataError, MarianaError
-from mariana.platform.runtime.endpoint import check_endpoint
+from mariana.platform.core.endpoint import check_endpoint
 
 MODELS = ("lr", "fm", "dnn", "deepfm", "dcn")
 # --l2-emb when not given: it calibrates the models with embedding vectors; on --model lr it only shrinks the

@@ -183,19 +183,21 @@ class VisionPipeline(Section):
         1, "pipeline stages per data-parallel group (--workers must be divisible by it)"
     )
     micro_batches: int = opt(
-        4, "micro-batches per batch in the pipeline schedule", applies=at_least("model_parallel", 2)
+        4,
+        "micro-batches per batch in the pipeline schedule",
+        applies=at_least("model_parallel", 2, workers=2),
     )
     stage_balance: str = opt(
         "params",
         "how to cut the model into stages: params, time, or block indices '3,6'",
-        applies=at_least("model_parallel", 2),
+        applies=at_least("model_parallel", 2, workers=2),
     )
     pipeline_schedule: str = opt(
         "1f1b",
         "pipeline schedule (torch.distributed.pipelining): 1f1b (one forward, one backward: at most K "
         "micro-batches' activations alive) or gpipe (all forwards, then all backwards); same gradients",
         ["1f1b", "gpipe"],
-        applies=at_least("model_parallel", 2),
+        applies=at_least("model_parallel", 2, workers=2),
     )
 
     def validate(self) -> None:

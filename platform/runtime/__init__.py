@@ -1,2 +1,3 @@
 """The runtime all three training frameworks share: process launch (torchrun), process groups, the
-watchdog, worker console and failure I/O, and rendezvous endpoints."""
+watchdog and worker console and failure I/O (the rendezvous endpoint check is `core.endpoint`:
+config validation calls it)."""

@@ -256,25 +256,8 @@ def run_study(o: TuneOptions, runner) -> int:
         while True:
             expired = deadline is not None and time.monotonic() > deadline
             while len(flying) < o.parallel and done + len(flying) < o.trials and not expired:
-                trial = study.ask()
-                params = {n: p.suggest(trial) for n, p in o.space.params.items()}
-                # only the parameters that apply to this trial's values (e.g. no --hidden for --model fm)
-                used = applicable_values(
-                    o.info.config_cls(), {**o.space.fixed, **params}, o.train_flags, o.info.presets()
-                )
-                params = {n: v for n, v in params.items() if n in used}
-                run_dir = trials_dir / f"trial-{trial.number:04d}"
-                if run_dir.exists():  # left by a study whose database was removed: never train over it
-                    shutil.rmtree(run_dir)
-                argv = [o.app, "train", *o.train_flags, *flag_args(o.space.fixed), *flag_args(params),
-                        "--out", str(run_dir.resolve())]  # fmt: skip
-                trial.set_user_attr("run_dir", str(run_dir.resolve()))
-                trial.set_user_attr("argv", argv)
-                handle = runner.start(argv, run_dir.resolve(), f"trial {trial.number}")
-                trial.set_user_attr("handle", handle)
-                if "job_id" in handle:
-                    trial.set_user_attr("job_id", handle["job_id"])
-                flying[trial.number] = InFlight(trial, handle, run_dir)
+                f = _launch(study.ask(), o, runner, trials_dir)
+                flying[f.trial.number] = f
             if not flying:
                 break
             time.sleep(POLL_S)
@@ -318,6 +301,28 @@ def run_study(o: TuneOptions, runner) -> int:
             runner.cancel(f.handle)
         raise
     return finish(study, o, name)
+
+
+def _launch(trial, o: TuneOptions, runner, trials_dir: Path) -> InFlight:
+    """Start one asked Optuna ``trial``: its parameters (only those that apply to its values, e.g. no
+    --hidden for --model fm) as a ``mariana APP train`` under ``trials_dir/trial-NNNN`` through ``runner``."""
+    params = {n: p.suggest(trial) for n, p in o.space.params.items()}
+    used = applicable_values(
+        o.info.config_cls(), {**o.space.fixed, **params}, o.train_flags, o.info.presets()
+    )
+    params = {n: v for n, v in params.items() if n in used}
+    run_dir = trials_dir / f"trial-{trial.number:04d}"
+    if run_dir.exists():  # left by a study whose database was removed: never train over it
+        shutil.rmtree(run_dir)
+    argv = [o.app, "train", *o.train_flags, *flag_args(o.space.fixed), *flag_args(params),
+            "--out", str(run_dir.resolve())]  # fmt: skip
+    trial.set_user_attr("run_dir", str(run_dir.resolve()))
+    trial.set_user_attr("argv", argv)
+    handle = runner.start(argv, run_dir.resolve(), f"trial {trial.number}")
+    trial.set_user_attr("handle", handle)
+    if "job_id" in handle:
+        trial.set_user_attr("job_id", handle["job_id"])
+    return InFlight(trial, handle, run_dir)
 
 
 def _report(f: InFlight, monitor: str) -> int | None:

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ...runtime.endpoint import check_endpoint
+from ..endpoint import check_endpoint
 from ..errors import MarianaError
 from ..evaluator import higher_is_better, metric_name
 from .fields import flag, given, only, opt, when

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
-from ..core.errors import MarianaError
+from .errors import MarianaError
 
 CONNECT_S = 5.0
 
