@@ -28,8 +28,8 @@ from mariana.platform.core.config import (
     opt,
     when,
 )
-from mariana.platform.core.errors import DataError, MarianaError
 from mariana.platform.core.endpoint import check_endpoint
+from mariana.platform.core.errors import DataError, MarianaError
 
 MODELS = ("lr", "fm", "dnn", "deepfm", "dcn")
 # --l2-emb when not given: it calibrates the models with embedding vectors; on --model lr it only shrinks the
