@@ -55,13 +55,13 @@ def machine() -> dict:
 
 
 def write_result(name: str, payload: dict) -> Path:
-    """Write ``bench/results/NAME-{cpu,gpu}.json``: the machine record, the commit and the command line
-    (for the README's tables, `bench/report.py`), then ``payload``."""
+    """Write ``bench/results/NAME-{cpu,gpu}.json``: the machine record (with the commit) and the command
+    line (for the README's tables, `bench/report.py`), then ``payload``."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     tag = "gpu" if torch.cuda.is_available() else "cpu"
     path = RESULTS / f"{name}-{tag}.json"
-    record = {"machine": machine(), "commit": commit(), "command": shlex.join(["python", *sys.argv])}
-    record.update(payload)  # a bench that records its own command or commit keeps it
+    record = {"machine": machine(), "command": shlex.join(["python", *sys.argv])}
+    record.update(payload)  # a bench that records its own command keeps it
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
 

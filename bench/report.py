@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,10 +40,6 @@ class Row:
 def k(x: float) -> str:
     """A rate for a table: 79312.4 -> '79.3k', 974.2 -> '974'."""
     return f"{x / 1e3:.1f}k" if x >= 10_000 else f"{x:.0f}"
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs)
 
 
 def _asr(d: dict) -> str:
@@ -284,7 +279,7 @@ def load(name: str) -> dict:
 def provenance(d: dict, row: Row) -> tuple[str, str, str]:
     """(date, commit, command) of one result file."""
     date = d["machine"]["date"][:10]
-    commit = d.get("commit") or d["machine"].get("commit")
+    commit = d.get("commit") or d["machine"].get("commit")  # a bench's own record, else write_result's
     commit = commit or (f"rec. {d['recorded_in']}" if d.get("recorded_in") else "?")
     command = d.get("command") or row.command or f"python bench/{row.file.rsplit('-', 1)[0]}.py"
     return date, commit, command
