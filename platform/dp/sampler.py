@@ -68,7 +68,7 @@ class IndexBatchLoader:
 
     ``collate_fn=None`` with a dataset that implements ``__getitems__`` returning a ready batch skips
     per-sample Python work (the fast path); otherwise torch's default collate is used. One `DataLoader` is
-    built for the whole run (``builds`` counts them): its worker processes persist over epochs, and each
+    built for the whole run: its worker processes persist over epochs, and each
     ``iterate`` only hands it that epoch's index lists."""
 
     def __init__(
@@ -84,7 +84,6 @@ class IndexBatchLoader:
         self.batches_per_epoch = sampler.batches_per_epoch
         self.epoch_batches = _EpochBatches()
         self.loader: DataLoader | None = None
-        self.builds = 0
 
     def iterate(self, epoch: int, start: int = 0) -> Iterator[Any]:
         self.epoch_batches.lists = list(self.sampler.batches(epoch, start))
@@ -101,7 +100,6 @@ class IndexBatchLoader:
                 prefetch_factor=4 if self.num_workers else None,
                 persistent_workers=self.num_workers > 0,
             )
-            self.builds += 1
         return iter(self.loader)
 
 

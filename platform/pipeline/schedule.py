@@ -52,7 +52,6 @@ class P2P:
     def __init__(self, device: torch.device, group=None):
         self.device, self.group = device, group
         self.pending: list = []
-        self.bytes_sent = 0
 
     def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
         t = t.detach().contiguous()
@@ -65,7 +64,6 @@ class P2P:
         # keep both tensors alive until the sends complete (wait_all)
         self.pending.append((dist.isend(hdr, dst, group=self.group, tag=tag), hdr))
         self.pending.append((dist.isend(t, dst, group=self.group, tag=tag + 1), t))
-        self.bytes_sent += t.numel() * t.element_size()
 
     def recv(self, src: int, tag: int) -> torch.Tensor:
         hdr = torch.empty(_HDR, dtype=torch.int64, device=self.device)

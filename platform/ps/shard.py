@@ -110,8 +110,6 @@ class EmbeddingShard:
             assert self.weight[t.name].shape == (n, t.dim), (self.weight[t.name].shape, n, t.dim)
             self.state[t.name] = init_state(opt.rule, self.weight[t.name], opt)
             self.seen[t.name] = torch.zeros(n, dtype=torch.bool, device=self.weight[t.name].device)
-        self.pushes = 0
-        self.rows_pushed = 0
 
     def pull(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         return self.weight[name].index_select(0, rows.to(self.weight[name].device))
@@ -130,8 +128,6 @@ class EmbeddingShard:
                 self.last_step[key] = step
             apply_rows(self.weight[name], self.state[name], rows, grad, self.opt, scale)
             self.seen[name][rows] = True
-            self.pushes += 1
-            self.rows_pushed += rows.numel()
         return True
 
     def reset(self, name: str, rows: torch.Tensor, weight: torch.Tensor) -> None:
