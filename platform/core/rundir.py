@@ -32,7 +32,6 @@ class RunDir:
         self.log_dir = self.path / "logs"
         self.config_path = self.path / "config.toml"
         self.metrics_jsonl = self.path / "metrics.jsonl"
-        self.metrics_json = self.path / "metrics.json"
         if create:
             for d in (self.path, self.ckpt_dir, self.log_dir):
                 d.mkdir(parents=True, exist_ok=True)

@@ -206,10 +206,6 @@ class Database:
         with self._lock, self._factory() as s, s.begin():
             yield s
 
-    def journal_mode(self) -> str:
-        with self.engine.connect() as c:
-            return str(c.exec_driver_sql("PRAGMA journal_mode").scalar())
-
 
 def _add_missing_columns(engine) -> None:
     """``create_all`` creates missing tables but never alters existing ones: a database made by an older

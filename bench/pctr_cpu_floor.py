@@ -1,0 +1,177 @@
+"""The CPU target of issue 32 in one process: our one-process pCTR step against the dense-layers floor,
+step blocks interleaved, fp32 and bf16.
+
+``bench/pctr_throughput.py --target`` compares the CLI's steady rate (its log records over ~30 steps of
+a cached epoch, a subprocess per run) with a floor timed minutes later in another process: on this shared
+2-core machine single rates swing 4-10x between rounds, so the per-round ratio swings with them. Here
+both sides run in the same process on the same batches, alternating blocks of ``--block`` steps, so a
+load change hits both sides of a round alike.
+
+- ``ours``: the step ``pctr train`` runs on a CPU (`apps/pctr/step.py:make_local_step`: `LocalStep` ->
+  `FixedShapeStep` with the trimmed unique-row path, Adagrad rows at 0.05, fused Adam on the dense layers
+  at 1e-3, ``--amp off|bf16``), DeepFM on Criteo's layout: 13 bucketed-count + 26 categorical fields of
+  ``R`` rows each, rows of 1 + 16 floats, 13 dense features, MLP 637-256-128-1 (the CLI's defaults);
+- ``floor``: the same shapes as a plain PyTorch model (``nn.EmbeddingBag`` lookup, FM, MLP, dense
+  linear) with the table's own work removed (rows looked up, their gradient computed and dropped,
+  nothing scattered or updated), fused Adam on the dense layers: what any step of this model costs;
+- ``plain``: the floor's model with the table trained (``sparse=True`` gradient + ``torch.optim.Adagrad``
+  at 0.05): the like-for-like plain loop, for reference.
+
+Ids follow a Zipf(``--zipf``) law per field (the CLI bench's generator). Output: one table (median
+samples/s, median of per-round ratios ours / floor and ours / plain per precision) and
+``bench/results/pctr_cpu_floor-cpu.json``.
+
+    .venv/bin/python bench/pctr_cpu_floor.py --rounds 15 --block 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import write_result  # noqa: E402
+from mariana.apps.pctr.configs import PctrConfig  # noqa: E402
+from mariana.apps.pctr.data import Batch, Schema  # noqa: E402
+from mariana.apps.pctr.step import make_local_step  # noqa: E402
+from mariana.platform.ps.shard import TableSpec  # noqa: E402
+
+FIELDS, DENSE, DIM, HIDDEN = 39, 13, 16, (256, 128)
+
+
+def make_batches(R: int, B: int, n: int, zipf: float, seed: int = 0) -> list[Batch]:
+    """``n`` batches of ``B`` rows: ids [B, 39] (field f's ids in [f R, (f + 1) R)), values 1, 13 dense
+    features ~ N(0, 1), labels ~ Bernoulli(0.25)."""
+    rng = np.random.default_rng(seed)
+    base = np.arange(FIELDS) * R
+    out = []
+    for _ in range(n):
+        ids = (rng.zipf(zipf, size=(B, FIELDS)) - 1) % R + base
+        out.append(
+            Batch(
+                ids=torch.from_numpy(ids.astype(np.int64)),
+                vals=torch.ones(B, FIELDS),
+                dense=torch.from_numpy(rng.standard_normal((B, DENSE), dtype=np.float32)),
+                labels=torch.from_numpy((rng.random(B) < 0.25).astype(np.float32)),
+            )
+        )
+    return out
+
+
+def ours_loop(R: int, amp: str):
+    """One training step of ``pctr train --device cpu --amp AMP`` (the CLI's own builder)."""
+    cfg = PctrConfig(model="deepfm", dim=DIM, hidden=",".join(map(str, HIDDEN)), amp=amp, l2_emb=0.0)
+    schema = Schema("criteo", FIELDS, R, DENSE)
+    spec = TableSpec("table", schema.num_rows, 1 + DIM, cfg.init_std)
+    torch.manual_seed(0)
+    step = make_local_step(cfg, SimpleNamespace(schema=schema, spec=spec, image=None), torch.device("cpu"))
+    step.setup(10**9)
+    return lambda b: step.train_step([b])
+
+
+class Plain(nn.Module):
+    """DeepFM at the same shapes on ``nn.EmbeddingBag``; ``floor``: rows detached from the table."""
+
+    def __init__(self, R: int, floor: bool):
+        super().__init__()
+        self.floor = floor
+        self.emb = nn.EmbeddingBag(FIELDS * R, 1 + DIM, mode="sum", sparse=True)
+        sizes = [FIELDS * DIM + DENSE, *HIDDEN]
+        layers: list[nn.Module] = []
+        for a, b in zip(sizes[:-1], sizes[1:]):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        self.mlp, self.head = nn.Sequential(*layers), nn.Linear(sizes[-1], 1)
+        self.dense_linear = nn.Linear(DENSE, 1)
+
+    def forward(self, ids, dense):
+        rows = self.emb(ids.reshape(-1, 1)).view(ids.shape[0], FIELDS, 1 + DIM)
+        if self.floor:
+            rows = rows.detach().requires_grad_()
+        lin, e = rows[..., 0].sum(1), rows[..., 1:]
+        s = e.sum(1)
+        fm = 0.5 * (s * s - (e * e).sum(1)).sum(1)
+        deep = self.head(self.mlp(torch.cat([e.flatten(1), dense], 1))).squeeze(1)
+        return lin + self.dense_linear(dense).squeeze(1) + fm + deep
+
+
+def plain_loop(R: int, amp: str, floor: bool):
+    torch.manual_seed(0)
+    m = Plain(R, floor)
+    opts = [
+        torch.optim.Adam([p for n, p in m.named_parameters() if not n.startswith("emb")], 1e-3, fused=True)
+    ]
+    if not floor:
+        opts.append(torch.optim.Adagrad([m.emb.weight], lr=0.05))
+
+    def step(b: Batch):
+        for o in opts:
+            o.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp == "bf16"):
+            logits = m(b.ids, b.dense)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits.float(), b.labels)
+        loss.backward()
+        for o in opts:
+            o.step()
+        return loss
+
+    return step
+
+
+def timed(step, batches, start: int, steps: int) -> float:
+    t0 = time.perf_counter()
+    for k in range(steps):
+        step(batches[(start + k) % len(batches)])
+    return steps * len(batches[0].labels) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows-per-field", type=int, default=100_000, help="table rows per field (39 fields)")
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--zipf", type=float, default=1.2, help="power-law exponent of the ids")
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds")
+    ap.add_argument("--block", type=int, default=5, help="timed steps of each loop per round")
+    ap.add_argument("--amp", default="off,bf16", help="precisions to run, comma-separated")
+    args = ap.parse_args()
+    R, B = args.rows_per_field, args.batch
+    batches = make_batches(R, B, 16, args.zipf)
+    loops = {}
+    for amp in args.amp.split(","):
+        loops[f"ours_{amp}"] = ours_loop(R, amp)
+        loops[f"floor_{amp}"] = plain_loop(R, amp, floor=True)
+        loops[f"plain_{amp}"] = plain_loop(R, amp, floor=False)
+    for step in loops.values():
+        timed(step, batches, 0, 3)  # warm-up: first-touch pages, oneDNN kernels
+    rounds: dict[str, list[float]] = {k: [] for k in loops}
+    for r in range(args.rounds):
+        for k, step in loops.items():
+            rounds[k].append(timed(step, batches, r * args.block, args.block))
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in rounds.items()), flush=True)
+    res: dict = {k: {"samples_per_s": float(np.median(v)), "rounds": v} for k, v in rounds.items()}
+    print("\n| precision | ours | floor | plain | ours / floor | ours / plain |\n|---|---|---|---|---|---|")
+    for amp in args.amp.split(","):
+        o, f, p = (rounds[f"{k}_{amp}"] for k in ("ours", "floor", "plain"))
+        for name, base in (("floor", f), ("plain", p)):
+            ratios = [a / b for a, b in zip(o, base)]
+            res[f"{amp}_ours_vs_{name}_rounds"] = ratios
+            res[f"{amp}_ours_vs_{name}"] = float(np.median(ratios))
+        print(
+            f"| {amp} | {np.median(o):,.0f} | {np.median(f):,.0f} | {np.median(p):,.0f} | "
+            f"**{res[f'{amp}_ours_vs_floor']:.2f}x** | {res[f'{amp}_ours_vs_plain']:.2f}x |"
+        )
+    setup = {**vars(args), "fields": FIELDS, "dense": DENSE, "dim": DIM, "hidden": list(HIDDEN)}
+    setup["threads"] = torch.get_num_threads()
+    path = write_result("pctr_cpu_floor", {"benchmark": "pctr_cpu_floor", "setup": setup, "results": res})
+    print(f"results in {path}")
+
+
+if __name__ == "__main__":
+    main()
