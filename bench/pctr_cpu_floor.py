@@ -17,16 +17,14 @@ load change hits both sides of a round alike.
 - ``plain``: the floor's model with the table trained (``sparse=True`` gradient + ``torch.optim.Adagrad``
   at 0.05): the like-for-like plain loop, for reference.
 
-Ids follow a Zipf(``--zipf``) law per field (the CLI bench's generator). Output: one table (median
-samples/s, median of per-round ratios ours / floor and ours / plain per precision) and
-``bench/results/pctr_cpu_floor-cpu.json``.
-
-    .venv/bin/python bench/pctr_cpu_floor.py --rounds 15 --block 5
+Ids follow a Zipf(``--zipf``) law per field (the CLI bench's generator). Run through
+``bench/pctr_throughput.py --target`` (one table: median samples/s, the median of the per-round ratios
+ours / floor and ours / plain per precision; then a per-operator breakdown of a bf16 step of ours and of
+the floor; ``bench/results/pctr_throughput-cpu.json``).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -38,13 +36,13 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import write_result  # noqa: E402
 from mariana.apps.pctr.configs import PctrConfig  # noqa: E402
 from mariana.apps.pctr.data import Batch, Schema  # noqa: E402
 from mariana.apps.pctr.step import make_local_step  # noqa: E402
 from mariana.platform.ps.shard import TableSpec  # noqa: E402
 
 FIELDS, DENSE, DIM, HIDDEN = 39, 13, 16, (256, 128)
+PRECISION = {"off": "fp32", "bf16": "bf16"}  # --amp value -> the results' name
 
 
 def make_batches(R: int, B: int, n: int, zipf: float, seed: int = 0) -> list[Batch]:
@@ -132,46 +130,52 @@ def timed(step, batches, start: int, steps: int) -> float:
     return steps * len(batches[0].labels) / (time.perf_counter() - t0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows-per-field", type=int, default=100_000, help="table rows per field (39 fields)")
-    ap.add_argument("--batch", type=int, default=2048)
-    ap.add_argument("--zipf", type=float, default=1.2, help="power-law exponent of the ids")
-    ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds")
-    ap.add_argument("--block", type=int, default=5, help="timed steps of each loop per round")
-    ap.add_argument("--amp", default="off,bf16", help="precisions to run, comma-separated")
-    args = ap.parse_args()
-    R, B = args.rows_per_field, args.batch
-    batches = make_batches(R, B, 16, args.zipf)
+def target_rounds(R: int, B: int, zipf: float, rounds: int, block: int, amps: list[str]) -> dict:
+    """The loops of each precision in ``amps`` ("off", "bf16") interleaved over ``rounds`` rounds of
+    ``block`` steps each: {loop: {samples_per_s (median), rounds}, fp32|bf16_ours_vs_{floor,plain}(_rounds):
+    the median of the per-round ratios (and the ratios)}. Prints a line per round and the table."""
+    batches = make_batches(R, B, 16, zipf)
     loops = {}
-    for amp in args.amp.split(","):
-        loops[f"ours_{amp}"] = ours_loop(R, amp)
-        loops[f"floor_{amp}"] = plain_loop(R, amp, floor=True)
-        loops[f"plain_{amp}"] = plain_loop(R, amp, floor=False)
+    for amp in amps:
+        p = PRECISION[amp]
+        loops[f"ours_{p}"] = ours_loop(R, amp)
+        loops[f"floor_{p}"] = plain_loop(R, amp, floor=True)
+        loops[f"plain_{p}"] = plain_loop(R, amp, floor=False)
     for step in loops.values():
         timed(step, batches, 0, 3)  # warm-up: first-touch pages, oneDNN kernels
-    rounds: dict[str, list[float]] = {k: [] for k in loops}
-    for r in range(args.rounds):
+    per: dict[str, list[float]] = {k: [] for k in loops}
+    for r in range(rounds):
         for k, step in loops.items():
-            rounds[k].append(timed(step, batches, r * args.block, args.block))
-        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in rounds.items()), flush=True)
-    res: dict = {k: {"samples_per_s": float(np.median(v)), "rounds": v} for k, v in rounds.items()}
+            per[k].append(timed(step, batches, r * block, block))
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in per.items()), flush=True)
+    res: dict = {k: {"samples_per_s": float(np.median(v)), "rounds": v} for k, v in per.items()}
     print("\n| precision | ours | floor | plain | ours / floor | ours / plain |\n|---|---|---|---|---|---|")
-    for amp in args.amp.split(","):
-        o, f, p = (rounds[f"{k}_{amp}"] for k in ("ours", "floor", "plain"))
+    for prec in (PRECISION[a] for a in amps):
+        o, f, p = (per[f"{k}_{prec}"] for k in ("ours", "floor", "plain"))
         for name, base in (("floor", f), ("plain", p)):
             ratios = [a / b for a, b in zip(o, base)]
-            res[f"{amp}_ours_vs_{name}_rounds"] = ratios
-            res[f"{amp}_ours_vs_{name}"] = float(np.median(ratios))
+            res[f"{prec}_ours_vs_{name}_rounds"] = ratios
+            res[f"{prec}_ours_vs_{name}"] = float(np.median(ratios))
         print(
-            f"| {amp} | {np.median(o):,.0f} | {np.median(f):,.0f} | {np.median(p):,.0f} | "
-            f"**{res[f'{amp}_ours_vs_floor']:.2f}x** | {res[f'{amp}_ours_vs_plain']:.2f}x |"
+            f"| {prec} | {np.median(o):,.0f} | {np.median(f):,.0f} | {np.median(p):,.0f} | "
+            f"**{res[f'{prec}_ours_vs_floor']:.2f}x** | {res[f'{prec}_ours_vs_plain']:.2f}x |"
         )
-    setup = {**vars(args), "fields": FIELDS, "dense": DENSE, "dim": DIM, "hidden": list(HIDDEN)}
-    setup["threads"] = torch.get_num_threads()
-    path = write_result("pctr_cpu_floor", {"benchmark": "pctr_cpu_floor", "setup": setup, "results": res})
-    print(f"results in {path}")
+    return res
 
 
-if __name__ == "__main__":
-    main()
+def breakdown(R: int, B: int, zipf: float, amp: str, steps: int = 8, top: int = 8) -> dict:
+    """Where a step goes (``torch.profiler``, self CPU time per operator, ms per step) for ours and the
+    floor at ``amp``, profiled in turn over ``steps`` steps each: {loop: {"ms_per_step": total,
+    "ops": [[name, ms per step], ...] (the ``top`` largest)}}."""
+    batches = make_batches(R, B, steps, zipf, seed=1)
+    out = {}
+    for name, step in (("ours", ours_loop(R, amp)), ("floor", plain_loop(R, amp, floor=True))):
+        timed(step, batches, 0, 3)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            timed(step, batches, 0, steps)
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in ops) / 1e3 / steps
+        rows = [[e.key, round(e.self_cpu_time_total / 1e3 / steps, 2)] for e in ops[:top]]
+        out[name] = {"ms_per_step": round(total, 2), "ops": rows}
+        print(f"{name} {amp}: {total:.1f} ms/step of operators; " + ", ".join(f"{k} {v}" for k, v in rows))
+    return out

@@ -23,8 +23,8 @@
 5. ``ps``: `mariana pctr train --servers 1 --workers W` for W = 1 and 2 (sum of the workers' samples/s).
 
 Usage: ``.venv/bin/python bench/pctr_throughput.py`` -> bench/results/pctr_throughput-cpu.json (about 5
-minutes on 2 cores; needs ~8 GB of memory at 1M rows per field). ``--target --rounds 5``: only our rows
-and the floor rows, interleaved, with the median of the per-round ratios ours / floor (the CPU target).
+minutes on 2 cores; needs ~8 GB of memory at 1M rows per field). ``--target --rounds 15``: only the CPU
+target, in one process (`pctr_cpu_floor.py`): the median of the per-round ratios ours / floor.
 """
 
 from __future__ import annotations
@@ -233,35 +233,6 @@ def ours(path: Path, out: Path, R: int, batch: int, epochs: int, amp: str) -> di
     }
 
 
-def target_rounds(path: Path, R: int, args) -> dict:
-    """``--target``: only the rows of the CPU target, interleaved over ``--rounds`` rounds: our steady rate
-    (cached epochs, the CLI) and the floor (dense layers alone), in fp32 and bf16. Each round's ratio is
-    ours / floor of that round; the target is read on the median of those ratios."""
-    cats, _, y = load_cats(path, R)
-    runs: dict[str, list[dict]] = {"ours": [], "ours_fp32": [], "floor": [], "floor_bf16": []}
-    for r in range(args.rounds):
-        runs["ours_fp32"].append(ours(path, path.parent / "ours-fp32", R, args.batch, args.epochs, "off"))
-        runs["floor"].append(plain_loop(cats, y, R, 16, args.batch, args.plain_steps, rows="none"))
-        runs["ours"].append(ours(path, path.parent / "ours", R, args.batch, args.epochs, "bf16"))
-        runs["floor_bf16"].append(plain_loop(cats, y, R, 16, args.batch, args.plain_steps, True, "none"))
-        print(
-            f"round {r}: " + ", ".join(f"{k} {v[-1]['samples_per_s']:.0f}" for k, v in runs.items()),
-            flush=True,
-        )
-    res: dict = {k: median_round(v, "samples_per_s") for k, v in runs.items()}
-    for prec, o, f in (("fp32", "ours_fp32", "floor"), ("bf16", "ours", "floor_bf16")):
-        ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(runs[o], runs[f])]
-        res[f"{prec}_ours_vs_floor_rounds"] = ratios
-        res[f"{prec}_ours_vs_floor"] = float(np.median(ratios))
-        print(
-            f"ours / floor, {prec}: median {np.median(ratios):.2f}x of rounds {[round(x, 2) for x in ratios]}"
-        )
-    res["rows_run"] = (
-        "target only (--target): ours, ours_fp32, floor, floor_bf16; the plain loops, DeepCTR and PS were not run"
-    )
-    return res
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="runs/bench-criteo-1m/criteo_synth.tsv", help="generated file")
@@ -282,8 +253,10 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--target",
         action="store_true",
-        help="only the CPU target's rows (ours and the dense-layers floor, fp32 and bf16, per-round ratios)",
+        help="only the CPU target (bench/pctr_cpu_floor.py: our CLI step vs the dense-layers floor and the "
+        "plain loop in one process, blocks of --block steps interleaved over --rounds rounds, fp32 and bf16)",
     )
+    ap.add_argument("--block", type=int, default=5, help="--target: timed steps of each loop per round")
     ap.add_argument("--device", default="cpu", help="cuda: the in-process comparison of bench/pctr_device.py")
     ap.add_argument("--in-process", action="store_true", help="bench/pctr_device.py's comparison on --device")
     ap.add_argument("--dim", type=int, default=16, help="--in-process: embedding dim")
@@ -299,19 +272,23 @@ def main(argv=None) -> int:
         print(f"results in {out}")
         return 0
     torch.set_num_threads(2)
+    if args.target:
+        from pctr_cpu_floor import breakdown, target_rounds
+
+        R = args.rows_per_field
+        res = target_rounds(R, args.batch, args.zipf, args.rounds, args.block, ["off", "bf16"])
+        res["breakdown_bf16"] = breakdown(R, args.batch, args.zipf, "bf16")
+        out = write_result(
+            "pctr_throughput", {"benchmark": "pctr_throughput", "setup": vars(args), "results": res}
+        )
+        print(f"results in {out}")
+        return 0
     path = Path(args.data)
     path.parent.mkdir(parents=True, exist_ok=True)
     R = args.rows_per_field
     if not path.is_file():
         print(f"generating {args.rows} lines into {path} ...", flush=True)
         generate(path, args.rows, R, args.zipf)
-    if args.target:
-        res = target_rounds(path, R, args)
-        out = write_result(
-            "pctr_throughput", {"benchmark": "pctr_throughput", "setup": vars(args), "results": res}
-        )
-        print(f"results in {out}")
-        return 0
     res: dict = {}
     rows = [("ours (bf16 autocast)", "ours"), ("ours (fp32)", "ours_fp32")]
     # our runs interleaved over --rounds rounds too, each reported by its median round
