@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from ..core.rundir import RunDir
 from .dense import flatten, unflatten_into
 from .protocol import TABLE, SparseBatch, SparseModel
+from .rowopt import sum_rows
 from .sparse_step import FixedShapeStep, clip_
 from .worker import LocalClient
 
@@ -112,7 +113,7 @@ def train_step(
     so that its L2 norm is at most ``clip_grad``.
 
     The batch's looked-up rows enter autograd as two leaves, ``w [B, F]`` and ``e [B, F, dim]``; their
-    gradients are summed per unique row with one ``index_add_`` into ``[U, 1 + dim]`` (cheaper on CPU than
+    gradients are summed per unique row (`rowopt.sum_rows`) into ``[U, 1 + dim]`` (cheaper on CPU than
     the embedding backward over a ``[U, K]`` leaf). ``autocast`` (a context factory) wraps the forward."""
     if isinstance(client, LocalClient) and not remote_dense and pulled is None:  # the fixed-shape step
         loss, _ = local_step(model, client.shard, batch, dense_opt, autocast, clip_grad, l2_emb, weight_decay)
@@ -136,7 +137,7 @@ def train_step(
     def per_row(g, width):  # [B, F(, d)] -> [U, width], summed over repeats (zeros if unused)
         if g is None:
             return rows.new_zeros(U, width)
-        return rows.new_zeros(U, width).index_add_(0, flat_inv, g.reshape(flat_inv.numel(), width))
+        return sum_rows(g.reshape(flat_inv.numel(), width), flat_inv, U)
 
     row_grad = torch.cat([per_row(w.grad, 1), per_row(e.grad, rows.shape[1] - 1)], 1)
     if l2_emb > 0:

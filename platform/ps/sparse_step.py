@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value
 
-from .rowopt import RowOptConfig, apply_rows
+from .rowopt import RowOptConfig, apply_rows, sum_rows
 
 
 class Slots(NamedTuple):
@@ -175,7 +175,7 @@ class FixedShapeStep:
         rows, valid = slots.rows, slots.valid
         if self.trim:  # the U distinct rows only (see the class docstring)
             N = rows.numel()
-        row_grad = weight.new_zeros(N, K).index_add_(0, slots.pos.reshape(-1), g)  # zeros past U
+        row_grad = sum_rows(g, slots.pos.reshape(-1), N)  # [N, K], zeros past U
         if self.l2_emb > 0:  # once per distinct row: the padding slots add nothing here
             current = weight.index_select(0, rows)  # [N, K]
             row_grad.add_(current if valid is None else current * valid.unsqueeze(1), alpha=self.l2_emb)
