@@ -55,10 +55,11 @@ def evaluate_run(
     device: str = "cpu",
     out: str | Path | None = None,
 ) -> dict:
-    """Score ``data`` (a file, a comma-separated list, a folder or its resolved `DataSources`; the ``split`` of it, by row order, cut with the fractions the run was trained with:
-    its ``RUN/config.toml`` ``split``) with the run's exported model. Returns the result dict and writes it
-    to ``out`` (default: ``eval_result_path(run_dir, data, split)``). MarianaError for a split the run does
-    not have (a zero fraction, a stream run, a run without config.toml)."""
+    """Score ``data`` (a file, a comma-separated list, a folder, or its `DataSources` already resolved; the
+    ``split`` of it, by row order, cut with the fractions the run was trained with: its ``RUN/config.toml``
+    ``split``) with the run's exported model, read through one `reader.ClickSource`. Returns the result
+    dict and writes it to ``out`` (default: ``eval_result_path(run_dir, data, split)``). MarianaError for a
+    split the run does not have (a zero fraction, a stream run, a run without config.toml)."""
     pred = load_predictor(run_dir, device)
     if pred.image is not None:  # offline scoring shares the training run's image feature cache
         pred.image.use_cache(pred.meta["image"].get("cache") or None)

@@ -102,10 +102,6 @@ class ClickSource:
         """Line ranges ``[start, stop)`` of the splits ('train', 'val', 'test', 'all'), by row order."""
         return split_bounds(self.lines, self.fractions)
 
-    def where(self, lineno: int) -> str:
-        """``FILE line L`` of a global 1-based line number."""
-        return self.sources.where(lineno)
-
     def chunks(
         self, start: int = 0, stop: int | None = None, stats: ReadStats | None = None, chunk: int = 65536
     ) -> Iterator[Batch]:
