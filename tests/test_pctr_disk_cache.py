@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-import mariana.apps.pctr.train as train_mod
+import mariana.apps.pctr.reader as reader_mod
 import numpy as np
 import pytest
 import torch
@@ -214,7 +214,7 @@ def test_killed_run_resumes_exactly_from_its_shards(small, reference, monkeypatc
     def no_parse(*a, **k):
         raise AssertionError("the resumed run parsed the file again")
 
-    monkeypatch.setattr(train_mod, "iter_chunks", no_parse)
+    monkeypatch.setattr(reader_mod, "iter_chunks", no_parse)  # what `WorkerData` parses with
     _run(small, out, cache_gb=1e-6, ckpt_every=5, resume=True)
     a, b = load_file(small / "disk" / "model.safetensors"), load_file(out / "model.safetensors")
     for k in a:

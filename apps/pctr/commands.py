@@ -21,6 +21,7 @@ from .configs import PRESETS, PctrConfig
 from .drift import generate
 from .evaluate import evaluate_run
 from .ps import run_ps_process
+from .reader import ClickSource
 from .sources import absolute_list, resolve_sources, result_name
 from .stream import run_stream
 from .stream_config import STREAM_PRESETS, StreamConfig
@@ -56,12 +57,12 @@ def train(args, argv) -> int:
     """``mariana pctr train``: one process (``--servers 0``) or S servers + W workers under torchrun."""
     cfg = resolve_config(PctrConfig, args, PRESETS)
     cfg = replace(cfg, data=absolute_list(cfg.data))
-    resolve_sources(cfg.data)  # a file, a comma-separated list of files or a folder of partitions
+    sources = resolve_sources(cfg.data)  # a file, a comma-separated list of files or a folder of partitions
     if cfg.servers > 0 and in_worker():
-        return run_ps_process(cfg)
+        return run_ps_process(cfg, sources)
     _check_run_dir(cfg)
     # Input errors are found here, once, not by S + W processes and every torchrun restart after them.
-    setup = Setup(cfg)
+    setup = Setup(cfg, ClickSource.from_config(cfg, sources))
     setup.check_batch_size()
     if cfg.servers == 0:
         final = train_local(cfg, setup)
@@ -90,10 +91,10 @@ def train(args, argv) -> int:
 def evaluate(args, argv) -> int:
     """``mariana pctr eval``: AUC/logloss of a trained run on (a split of) data; writes RUN/eval/*.json."""
     cfg = resolve_config(PctrEvalConfig, args)
-    resolve_sources(cfg.data)
+    sources = resolve_sources(cfg.data)
     check_data_path(cfg.model, "--model")
     out = eval_result_path(cfg.model, result_name(cfg.data), cfg.split)
-    r = evaluate_run(cfg.model, cfg.data, cfg.format, cfg.split, cfg.device, out)
+    r = evaluate_run(cfg.model, sources, cfg.format, cfg.split, cfg.device, out)
     warn_skipped(cfg.data, r["skipped"], r["skipped_examples"])
     print(
         f"AUC {r['auc']:.4f} logloss {r['logloss']:.4f} on {cfg.data} ({cfg.split} split, {r['rows']} rows)"

@@ -14,10 +14,12 @@ from mariana.platform.core.config import read_config_values
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.rundir import eval_result_path
-from mariana.platform.data.splits import split_bounds
 
-from .data import ReadStats, count_lines, iter_chunks, parse_split
+from .configs import parse_split
+from .data import ReadStats
 from .predict import load_predictor
+from .reader import ALL_ROWS, ClickSource
+from .sources import DataSources
 
 
 def run_split(run_dir: str | Path, split: str) -> str:
@@ -47,32 +49,35 @@ def run_split(run_dir: str | Path, split: str) -> str:
 
 def evaluate_run(
     run_dir: str,
-    data: str,
+    data: str | DataSources,
     fmt: str | None = None,
     split: str = "all",
     device: str = "cpu",
     out: str | Path | None = None,
 ) -> dict:
-    """Score ``data`` (the ``split`` of it, by row order, cut with the fractions the run was trained with:
-    its ``RUN/config.toml`` ``split``) with the run's exported model. Returns the result dict and writes it
-    to ``out`` (default: ``eval_result_path(run_dir, data, split)``). MarianaError for a split the run does
-    not have (a zero fraction, a stream run, a run without config.toml)."""
+    """Score ``data`` (a file, a comma-separated list, a folder, or its `DataSources` already resolved; the
+    ``split`` of it, by row order, cut with the fractions the run was trained with: its ``RUN/config.toml``
+    ``split``) with the run's exported model, read through one `reader.ClickSource`. Returns the result
+    dict and writes it to ``out`` (default: ``eval_result_path(run_dir, data, split)``). MarianaError for a
+    split the run does not have (a zero fraction, a stream run, a run without config.toml)."""
     pred = load_predictor(run_dir, device)
     if pred.image is not None:  # offline scoring shares the training run's image feature cache
         pred.image.use_cache(pred.meta["image"].get("cache") or None)
     if fmt and fmt != pred.format:
         raise MarianaError(f"--format {fmt} but the model in {run_dir} was trained on {pred.format} data")
-    a, b = (0, None)
-    if split != "all":
-        fractions = run_split(run_dir, split)
-        a, b = split_bounds(count_lines(data), parse_split(fractions))[split]
+    a, b = (0, None)  # --split all: the whole source, read without counting its lines first
+    fractions = run_split(run_dir, split) if split != "all" else None
+    source = ClickSource(data, pred.encoder, parse_split(fractions) if fractions else ALL_ROWS)
+    data = str(source)
+    if fractions:
+        a, b = source.bounds[split]
         if b <= a:
             raise MarianaError(
                 f"--split {split}: no rows of {data} fall in the run's {split} split (--split {fractions})"
             )
     stats = ReadStats()
     labels, probs = [], []
-    for chunk in iter_chunks(data, pred.encoder, a, b, stats=stats):
+    for chunk in source.chunks(a, b, stats=stats):
         labels.append(chunk.labels.numpy())
         probs.append(pred.predict(chunk))
     if not labels:

@@ -438,10 +438,12 @@ def scan_values(path, fmt: str, field: str, start: int, stop: int) -> list[str]:
     return sorted(vals)
 
 
-def setup_image_features(cfg, schema, encoder, train: tuple[int, int]) -> ImageFeatures:
+def setup_image_features(cfg, source) -> ImageFeatures:
     """``--image-features``: the CNN, its features of the training split's images (cached) and the
     projection (fitted here, or taken from ``--init-from``'s export so the dense weights keep their
-    meaning); appends the projected dimensions to ``schema.num_dense`` and attaches to ``encoder``."""
+    meaning); appends the projected dimensions to the schema's ``num_dense`` and attaches to the encoder
+    of ``source`` (the run's `reader.ClickSource`)."""
+    schema, encoder = source.schema, source.encoder
     cache = cfg.image_cache or default_cache_dir()
     if not Path(cfg.images).is_dir():
         raise DataError(f"--images {cfg.images}: no such folder")
@@ -458,7 +460,7 @@ def setup_image_features(cfg, schema, encoder, train: tuple[int, int]) -> ImageF
         feats.proj_mean, feats.proj = prev["mean"], prev["proj"]
         info = {"dims": feats.dims, "from": cfg.init_from}
     else:
-        values = scan_values(cfg.data, schema.format, cfg.image_field, *train)
+        values = scan_values(source.sources, schema.format, cfg.image_field, *source.bounds["train"])
         log.info("image features: %d distinct images in the training split", len(values))
         info = feats.fit(values, cfg.image_dims)
     log.info(

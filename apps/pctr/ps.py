@@ -29,16 +29,19 @@ from .configs import PctrConfig
 from .idmap import FrozenIdMap
 from .model import build_model
 from .optim import row_config
+from .reader import ClickSource
+from .sources import DataSources
 from .step import build_dense_only, idmap_for, make_worker_step
-from .train import Setup, WorkerData, export, make_trainer
+from .train import Setup, export, make_trainer
 
 log = logging.getLogger("mariana")
 
 
-def run_ps_process(cfg: PctrConfig) -> int:
-    """Body of one torchrun process of a parameter-server job (role from RANK)."""
+def run_ps_process(cfg: PctrConfig, sources: DataSources | None = None) -> int:
+    """Body of one torchrun process of a parameter-server job (role from RANK); ``sources``: its
+    ``--data`` resolved. Servers build the schema and never count lines; workers count them once."""
     role, run = start_process(cfg.servers, cfg.workers, cfg.out)
-    st = Setup(cfg)
+    st = Setup(cfg, ClickSource.from_config(cfg, sources))
     if role.kind == "server":
         server, restored = make_server(cfg, role, run, st)
         return serve(server, role, run, restored, cfg.timeout)
@@ -70,11 +73,9 @@ def assemble(cfg: PctrConfig, st: Setup, client, step: PSWorkerStep):
 
 def _work(cfg: PctrConfig, role, run, st: Setup) -> int:
     """A worker: train its share with the platform `Trainer`; worker 0 then finishes the job."""
-    a, b = st.bounds["train"]
-    data = WorkerData(
-        st.sources, st.encoder, a, b, cfg.batch_size, role.index, role.num_workers, cfg.seed, cfg.shuffle,
-        cache_gb=cfg.cache_gb, cache_dir=run.path / "row-cache" / f"worker-{role.index}",
-    )  # fmt: skip
+    data = st.worker_data(
+        role.index, role.num_workers, cache_dir=run.path / "row-cache" / f"worker-{role.index}"
+    )
     total = st.total_steps(data.steps_per_epoch)
     cpu = torch.device("cpu")
     val, val_labels = st.val_batches(cpu)

@@ -66,6 +66,7 @@ from mariana.platform.ps.pull import predict_batches
 from mariana.platform.runtime.dist import DistContext, resolve_device
 
 from .folder import LogFile, read_unit, scan
+from .reader import ClickSource
 from .step import make_local_step
 from .stream_config import STREAM_PRESETS, StreamConfig, parse_export_every  # noqa: F401 (their old home)
 from .stream_records import StreamRecords
@@ -96,17 +97,15 @@ def file_trainer(cfg, step, loader, ctx, run: RunDir) -> Trainer:
 
 
 def stream_setup(cfg: StreamConfig, first: LogFile | None):
-    """`train.Setup` for a stream: built by its own constructor on a probe file (the first file for libFM
-    without --num-fields, else an empty file: a stream has no line counts or splits), then pointed at the
-    stream's config."""
+    """`train.Setup` for a stream: its `ClickSource` made on a probe file (the first file for libFM
+    without --num-fields, else an empty file), which gives the schema and encoder; a stream has no
+    splits, so its lines are never counted."""
     with tempfile.TemporaryDirectory(prefix="mariana-stream-") as tmp:
         probe = Path(tmp) / "empty.txt"
         probe.touch()
         if first is not None and first.paths:
             probe = first.paths[0]
-        st = Setup(dataclasses.replace(cfg, data=str(probe)))
-    st.cfg = cfg
-    return st
+        return Setup(cfg, ClickSource.from_config(cfg, probe))
 
 
 class Streamer(StreamRecords):

@@ -4,172 +4,51 @@ The step (`step.LocalStep`) pulls the unique rows of a batch from the local tabl
 pushes exactly those rows' gradients to the row optimiser; dense parameters use a torch optimiser. The
 parameter-server mode runs the same step math in `ps.py`.
 
-Data: the training split is streamed in row order in epoch 1 (parsed by a background thread ahead of the
-step) and kept, already encoded, in memory; later epochs read that cache (shuffled batch order). Worker w
-of W takes global batches g with g % W == w. By default the model is evaluated on the validation split at
-the end of every epoch, training stops once validation AUC has not improved for ``--early-stop``
-evaluations (``--epochs`` is the cap), and the best model is exported.
+Data: the run's input is one `reader.ClickSource` (``Setup.source``: files, schema, encoder, line count
+and splits, each made once). The training split is streamed in row order in epoch 1 (parsed by a
+background thread ahead of the step) and kept, already encoded, in memory; later epochs read that cache
+(shuffled batch order). Worker w of W takes the w-th contiguous part of the training lines
+(`WorkerData`). By default the model is evaluated on the validation split at the end of every epoch,
+training stops once validation AUC has not improved for ``--early-stop`` evaluations (``--epochs`` is the
+cap), and the best model is exported.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
-from mariana.platform.core.errors import DataError, MarianaError
+from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.evaluator import evaluator_from
 from mariana.platform.core.export import export_model
 from mariana.platform.core.loop import Trainer
 from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.prefetch import Prefetcher
 from mariana.platform.core.rundir import RunDir, setup_logging
-from mariana.platform.core.tiers import host_budget_gb
 from mariana.platform.core.warmstart import load_init
-from mariana.platform.data.shards import BatchStore
 from mariana.platform.ps.loader import PullAheadLoader
 from mariana.platform.ps.local import LocalStep
 from mariana.platform.ps.memory import keep_freed_memory
 from mariana.platform.ps.protocol import TABLE
 from mariana.platform.ps.pull import predict_batches
-from mariana.platform.ps.shard import TableSpec, contiguous_part
+from mariana.platform.ps.shard import TableSpec
 from mariana.platform.runtime.dist import DistContext, resolve_device
 
 from .configs import PctrConfig
-from .data import (
-    Batch,
-    Encoder,
-    ReadStats,
-    count_lines,
-    infer_schema,
-    iter_batches,
-    iter_chunks,
-    load_split,
-    parse_split,
-    split_bounds,
-)
+from .data import Batch, ReadStats
 from .images import setup_image_features
 from .model import CTRModel
-from .sources import resolve_sources
+from .reader import ClickSource, WorkerData, encoding_key, shard_lines  # noqa: F401  (their old home)
 from .step import make_local_step
 
 log = logging.getLogger("mariana")
 
 
 # --------------------------------------------------------------------------- data
-def shard_lines(start: int, stop: int, worker: int, num_workers: int) -> tuple[int, int]:
-    """Worker ``worker`` of ``num_workers``'s contiguous part ``[lo, hi)`` of lines ``[start, stop)``:
-    the parts are disjoint, cover the range, and differ in length by at most one line."""
-    lo, hi = contiguous_part(stop - start, worker, num_workers)
-    return start + lo, start + hi
-
-
-def encoding_key(encoder: Encoder) -> dict:
-    """What turns lines into rows (the schema; with --image-features the CNN and the fitted projection):
-    part of the fingerprint of cached rows, so a changed encoding never reads rows of the old one."""
-    image = None
-    if encoder.image is not None:
-        img = encoder.image
-        proj = [t.detach().cpu().numpy().tobytes() for t in (img.proj_mean, img.proj) if t is not None]
-        image = {**img.meta(), "projection": hashlib.sha256(b"".join(proj)).hexdigest()}
-    return {"schema": encoder.schema.to_dict(), "image": image}
-
-
-class WorkerData:
-    """Worker ``w`` of ``W``'s share of the training rows ``[start, stop)`` in batches of ``batch_size``.
-
-    The share is a contiguous range of lines, the ``w``-th of ``W`` near-equal parts, so workers parse
-    disjoint parts of the file (the lines before a share are only counted, never parsed). Every worker
-    runs the same ``steps_per_epoch`` (what bulk-synchronous training needs); with shuffling, a share's
-    whole batches beyond ``steps_per_epoch`` are cached and take turns in later epochs. ``batches(epoch, skip)``
-    yields ``steps_per_epoch`` batches; epoch 0 streams the share (and fills the cache), later epochs come
-    from the cache (on ``cache_device``)."""
-
-    def __init__(
-        self,
-        path,
-        encoder: Encoder,
-        start: int,
-        stop: int,
-        batch_size: int,
-        worker: int = 0,
-        num_workers: int = 1,
-        seed: int = 0,
-        shuffle: bool = True,
-        cache_device="cpu",
-        cache_gb: float | None = None,
-        cache_dir=None,
-    ):
-        self.path, self.encoder = path, encoder
-        self.bs, self.w, self.W, self.seed, self.shuffle = batch_size, worker, num_workers, seed, shuffle
-        self.stats = ReadStats()
-        self.steps_per_epoch = max(1, ((stop - start) // batch_size) // num_workers)
-        self.lo, self.hi = shard_lines(start, stop, worker, num_workers)
-        # the encoded rows: on the device / in RAM up to --cache-gb, else memory-mapped shards in cache_dir
-        # (reused by a resumed run when source and encoding are unchanged; `close` deletes them)
-        key = {"encoding": encoding_key(encoder), "lines": [self.lo, self.hi], "batch": batch_size}
-        self.cache = BatchStore(
-            cache_dir, ("ids", "vals", "dense", "labels"), Batch, resolve_sources(path).paths, key,
-            self.hi - self.lo, host_budget_gb(cache_gb), cache_device,
-        )  # fmt: skip
-        if self.cache.complete:  # a whole store from an earlier attempt of this run: its read statistics
-            log.info("worker %d: %d encoded batches reused from %s", worker, len(self.cache), cache_dir)
-            s = self.cache.extra["stats"]
-            self.stats = ReadStats(s["rows"], s["skipped"], {int(k): v for k, v in s["errors"].items()})
-
-    def _stream(self) -> Iterator[Batch]:
-        chunks = iter_chunks(self.path, self.encoder, self.lo, self.hi, stats=self.stats)
-        for b in iter_batches(chunks, self.bs, drop_last=True):
-            yield self.cache.append(b)
-        self.cache.finish({"stats": dataclasses.asdict(self.stats)})
-        log.info("worker %d: %d encoded batches kept (%s tier)", self.w, len(self.cache), self.cache.tier)
-        if not len(self.cache):
-            raise DataError(
-                f"{self.path}: no valid rows for worker {self.w} in lines {self.lo + 1}-{self.hi}"
-            )
-
-    def batches(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
-        n = self.steps_per_epoch
-        if epoch == 0 and not self.cache.complete:
-            self.cache.clear()
-            k = 0
-            for b in self._stream():
-                if k >= n:
-                    continue  # keep caching the rest of this worker's rows
-                if k >= skip:
-                    yield b
-                k += 1
-            # malformed lines may leave fewer batches than planned: top up from the cache
-            while k < n:
-                if k >= skip:
-                    yield self.cache[k % len(self.cache)]
-                k += 1
-            return
-        if not self.cache.complete:
-            for _ in self._stream():
-                pass
-        m = len(self.cache)
-        order = np.arange(max(n, m)) % m
-        if self.shuffle and epoch > 0:  # epoch 0 from a reused store: the order streaming yields
-            order = np.random.default_rng(self.seed * 1009 + epoch).permutation(order)
-        for k in range(skip, n):
-            yield self.cache[order[k]]
-
-    def close(self) -> None:
-        """The run is over: drop the cached rows and delete their shards (and their parent folder, once
-        every worker's is gone)."""
-        folder = self.cache.folder
-        self.cache.close()
-        if folder is not None:
-            with contextlib.suppress(OSError):
-                folder.parent.rmdir()
-
-
 class PctrLoader:
     """`BatchLoader` over `WorkerData`: epoch 1 is parsed by a background thread (`Prefetcher`)."""
 
@@ -186,25 +65,32 @@ class PctrLoader:
 
 # --------------------------------------------------------------------------- shared set-up
 class Setup:
-    def __init__(self, cfg: PctrConfig):
+    """A run's pieces built once from its config: the input (``source``, a `ClickSource`: files, schema,
+    encoder, line count and splits), the image features, the table's spec. ``source``: one already made
+    from ``cfg`` (e.g. by the command line, which checks the input before processes start)."""
+
+    def __init__(self, cfg: PctrConfig, source: ClickSource | None = None):
         self.cfg = cfg
-        self.schema = infer_schema(cfg.data, cfg.format, cfg.rows_per_field, cfg.num_fields)
-        self.schema.ids = getattr(cfg, "ids", "hash")  # "dynamic": the encoder emits keys (idmap.py)
+        self.source = source or ClickSource.from_config(cfg)
+        self.schema, self.encoder = self.source.schema, self.source.encoder
         self.idmap = None  # `--ids dynamic`: the trainer's `idmap.IdMap` (set by LocalStep; exported)
-        self.encoder = Encoder(self.schema)
-        # --data: a file, a comma-separated list or a folder of partitions, read as one sequence of lines
-        self.sources = resolve_sources(cfg.data)
-        self.lines = count_lines(self.sources)
-        self.bounds = split_bounds(self.lines, parse_split(cfg.split))
         # `--image-features`: images.ImageFeatures; adds to schema.num_dense (and num_fields with
         # --image-cross), so before the table's spec
         self.image = None
         if getattr(cfg, "image_features", ""):
-            self.image = setup_image_features(cfg, self.schema, self.encoder, self.bounds["train"])
+            self.image = setup_image_features(cfg, self.source)
         self.spec = TableSpec(
             TABLE, self.schema.num_rows, 1 + (0 if cfg.model == "lr" else cfg.dim), cfg.init_std
         )
         self.val_stats = ReadStats()
+
+    @property
+    def lines(self) -> int:
+        return self.source.lines
+
+    @property
+    def bounds(self) -> dict[str, tuple[int, int]]:
+        return self.source.bounds
 
     def check_batch_size(self) -> None:
         """Every worker gets at least one full batch per epoch from the training split, or MarianaError."""
@@ -218,14 +104,24 @@ class Setup:
             )
 
     def val_batches(self, device) -> tuple[list[Batch], np.ndarray]:
-        a, b = self.bounds["val"]
-        if self.cfg.val_rows:
-            b = min(b, a + self.cfg.val_rows)
-        self.val_stats = ReadStats()
-        val = load_split(self.sources, self.encoder, a, b, stats=self.val_stats)
-        bs = 8192
-        batches = [val.slice(i, i + bs).to(device) for i in range(0, len(val), bs)]
-        return batches, val.labels.numpy()
+        """The validation split on ``device`` (`ClickSource.val_set`, at most ``--val-rows``) and its labels;
+        its read statistics in ``val_stats``."""
+        batches, labels, self.val_stats = self.source.val_set(device, self.cfg.val_rows)
+        return batches, labels
+
+    def worker_data(self, worker: int = 0, num_workers: int = 1, **cache) -> WorkerData:
+        """This worker's share of the training split in batches of ``--batch-size`` (``cache``: the
+        row cache's device, budget and folder)."""
+        cfg = self.cfg
+        return self.source.worker_data(
+            cfg.batch_size,
+            worker,
+            num_workers,
+            seed=cfg.seed,
+            shuffle=cfg.shuffle,
+            cache_gb=cfg.cache_gb,
+            **cache,
+        )
 
     def total_steps(self, steps_per_epoch: int) -> int:
         return self.cfg.max_steps if self.cfg.max_steps > 0 else self.cfg.epochs * steps_per_epoch
@@ -409,11 +305,7 @@ def train_local(cfg: PctrConfig, setup: Setup | None = None) -> dict:
     step = make_local_step(cfg, st, device)
     if cfg.init_from and not (cfg.resume and run.has_checkpoint()):
         warm_start(step, st, cfg)
-    a, b = st.bounds["train"]
-    data = WorkerData(
-        st.sources, st.encoder, a, b, cfg.batch_size, seed=cfg.seed, shuffle=cfg.shuffle, cache_device=device,
-        cache_gb=cfg.cache_gb, cache_dir=run.path / "row-cache" / "worker-0",
-    )  # fmt: skip
+    data = st.worker_data(cache_device=device, cache_dir=run.path / "row-cache" / "worker-0")
     val, val_labels = st.val_batches(device)
     total = st.total_steps(data.steps_per_epoch)
     log.info(
