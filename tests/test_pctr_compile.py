@@ -57,9 +57,10 @@ def batches(n: int, B: int = 32, seed: int = 0, device="cpu") -> list[Batch]:
 def local_step(device: str, steps: int, **kw) -> LocalStep:
     """A `LocalStep` of DeepFM over F_ fields of R_ rows on ``device`` as `make_local_step` builds it, for
     ``steps`` steps of a cosine schedule (both learning rates change every step); ``kw`` over the settings."""
+    kw = {"amp": "off", **kw}
     cfg = with_defaults(
         model="deepfm", dim=4, hidden="16,8", rows_per_field=R_, schedule="cosine",
-        clip_grad=5.0, weight_decay=1e-4, amp="off", device=str(device), **kw,
+        clip_grad=5.0, weight_decay=1e-4, device=str(device), **kw,
     )  # fmt: skip
     schema = SimpleNamespace(num_rows=F_ * R_, num_fields=F_, num_dense=D_)
     spec = TableSpec(TABLE, F_ * R_, 1 + cfg.dim, cfg.init_std)
@@ -117,10 +118,10 @@ def test_changing_learning_rates_reach_one_compiled_graph_and_train_the_eager_mo
 
 
 def test_a_float_learning_rate_recompiles_the_step(monkeypatch):
-    # The fault the tensor learning rate removes, planted: apply_rows drops the tensor and reads the float
-    # row_opt.lr, which the graph then guards on: the second learning rate recompiles.
-    real = sparse_step.apply_rows
-    monkeypatch.setattr(sparse_step, "apply_rows", lambda *a, lr=None, **kw: real(*a, **kw))
+    # The fault the tensor learning rate removes, planted: the row update drops the tensor and reads the
+    # float row_opt.lr, which the graph then guards on: the second learning rate recompiles.
+    real = sparse_step.apply_slots
+    monkeypatch.setattr(sparse_step, "apply_slots", lambda *a, lr=None, **kw: real(*a, **kw))
     torch._dynamo.reset()
     step = local_step("cpu", 3, compile="on", compile_backend="aot_eager")
     data = batches(3)

@@ -111,6 +111,48 @@ def _apply_rows_lr_tensor(weight, state, rows, g, cfg: RowOptConfig, lr: torch.T
         raise ValueError(f"unknown row optimiser {cfg.rule!r}")
 
 
+@torch.no_grad()
+def apply_slots(
+    weight: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    rows: torch.Tensor,
+    grad: torch.Tensor,
+    valid: torch.Tensor,
+    cfg: RowOptConfig,
+    lr: torch.Tensor | None = None,
+) -> None:
+    """`apply_rows` over fixed-shape slots: ``rows`` [N] holds each distinct row once where ``valid`` [N]
+    (bool) is true; the other slots (padding, ``grad`` 0 there) may repeat rows. Every write is an
+    ``index_add_`` of a change that is exactly 0 on a padding slot, so the result does not depend on the
+    order in which slots read and write a repeated row: a compiler may fuse each read into the write (inductor
+    does: a read-modify-write ``index_copy_`` with repeated rows then updates a row more than once).
+    ``lr``: as in `apply_rows`. Equals `apply_rows` on the valid slots within rounding (``w + (new - w)``
+    for ``new``)."""
+    g = grad.to(weight.dtype)
+    lr = cfg.lr if lr is None else lr
+    if cfg.rule == "sgd":
+        weight.index_add_(0, rows, g * -lr)
+    elif cfg.rule == "adagrad":
+        acc = state["acc"]
+        a = acc.index_select(0, rows) + g * g
+        acc.index_add_(0, rows, g * g)
+        weight.index_add_(0, rows, g / (a.sqrt() + cfg.eps) * -lr)
+    elif cfg.rule == "ftrl":
+        z_all, n_all = state["z"], state["n"]
+        w, n, z = (t.index_select(0, rows) for t in (weight, n_all, z_all))
+        n_new = n + g * g
+        z_new = z + g - (n_new.sqrt() - n.sqrt()) / lr * w
+        denom = (cfg.ftrl_beta + n_new.sqrt()) / lr + cfg.ftrl_l2
+        w_new = -(z_new - torch.sign(z_new) * cfg.ftrl_l1) / denom
+        w_new = torch.where(z_new.abs() <= cfg.ftrl_l1, torch.zeros_like(w_new), w_new)
+        keep = valid.unsqueeze(1)  # a padding slot's closed-form w_new is not its row's weight
+        z_all.index_add_(0, rows, torch.where(keep, z_new - z, 0.0))
+        n_all.index_add_(0, rows, g * g)
+        weight.index_add_(0, rows, torch.where(keep, w_new - w, 0.0))
+    else:
+        raise ValueError(f"unknown row optimiser {cfg.rule!r}")
+
+
 def coalesce(rows: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the gradients of repeated rows: ``(unique rows [U], summed grad [U, K])``."""
     uniq, inv = torch.unique(rows, return_inverse=True)

@@ -6,10 +6,12 @@ a shape fixed by ``(B, F, K)``, so the whole step (one gather, forward and backw
 ``torch.func``, the per-row gradient sum, the row optimiser's read-modify-write) compiles with
 ``torch.compile(fullgraph=True)`` and can be captured in a CUDA graph.
 
-The padding slots point at a real row of the batch (slot 0's) and carry slot 0's gradient, so their
-read-modify-write writes exactly the value slot 0 writes: duplicate indices in ``index_copy_`` are then
-harmless and the new table equals the one the unique-row step (``torch.unique`` + ``apply_rows``) gives,
-bit for bit (the gradient sums run over the same positions in the same order).
+The padding slots carry a zero gradient and the row optimiser adds their change (exactly 0) with
+``index_add_`` (`rowopt.apply_slots`) at rows spread over the table (slot ``s`` -> row ``s mod R``: no hot
+spot of atomic adds): a compiler that fuses each slot's read of a row into its write (inductor does) then
+cannot update a row twice, whatever order the slots run in. The new table equals the one the unique-row
+step (``torch.unique`` + ``apply_rows``) gives within rounding (``w + (new - w)`` against ``new``; the
+gradient sums run over the same positions in the same order).
 
 The model is any object with ``forward_parts(w [B, F], e [B, F, K - 1], vals [B, F] or None,
 dense [B, D]) -> logits [B]`` whose dense parameters are ``named_dense`` (the protocol of
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value
 
-from .rowopt import RowOptConfig, apply_rows
+from .rowopt import RowOptConfig, apply_rows, apply_slots
 
 
 class Slots(NamedTuple):
@@ -232,9 +234,10 @@ class FixedShapeStep:
                     dense_grads[i].add_(p, alpha=self.weight_decay)
         if self.clip_grad > 0:
             clip_([row_grad, *(g for g in dense_grads if g is not None)], self.clip_grad)
-        # the padding slots repeat slot 0's row: give them its gradient so they write what it writes
-        if valid is not None:
-            row_grad = torch.where(valid.unsqueeze(1), row_grad, row_grad[:1])
-        apply_rows(weight, self.state, rows, row_grad, row_opt, lr=lr)
+        if valid is None:  # the U distinct rows
+            apply_rows(weight, self.state, rows, row_grad, row_opt, lr=lr)
+        else:  # padding slots (gradient 0) spread over the table's rows: see the module docstring
+            spread = torch.where(valid, rows, torch.arange(N, device=rows.device) % weight.shape[0])
+            apply_slots(weight, self.state, spread, row_grad, valid, row_opt, lr=lr)
         self.seen.index_fill_(0, rows, True)
         return loss.detach(), dense_grads
