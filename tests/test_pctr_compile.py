@@ -170,7 +170,7 @@ def test_default_cuda_step_is_compiled_graph_replayed_sync_free_and_trains_the_e
     # (torch.cuda.set_sync_debug_mode("error")), no CUDA-graph skip and a graph recorded.
     torch._dynamo.reset()
     counters.clear()
-    n, warm = 8, 3
+    n, warm = 9, 4
     data = batches(n, B=256, device="cuda")
     eager, default = local_step("cuda", n), local_step("cuda", n)
     assert default.compiled == ("inductor", "reduce-overhead") and default.fixed.graphs

@@ -135,8 +135,10 @@ def apply_slots(
     elif cfg.rule == "adagrad":
         acc = state["acc"]
         a = acc.index_select(0, rows) + g * g
-        acc.index_add_(0, rows, g * g)
         weight.index_add_(0, rows, g / (a.sqrt() + cfg.eps) * -lr)
+        # acc last: with its update before the weight's, inductor copies the whole accumulator every step
+        # (the read behind ``a`` is consumed after the write); in this order it updates it in place
+        acc.index_add_(0, rows, g * g)
     elif cfg.rule == "ftrl":
         z_all, n_all = state["z"], state["n"]
         w, n, z = (t.index_select(0, rows) for t in (weight, n_all, z_all))
