@@ -3,7 +3,8 @@
 # device call of at most ~200 s on one H200, from the repository root with .gpu/ packed (as wave3c.sh):
 #   MARIANA_COMMIT=<hash> bash scripts/gpu/wave3d.sh        (it sources .gpu/setup.sh itself)
 # (a) the gpu-marked tests: tests/test_pctr_compile.py (the default CUDA step = compiled + CUDA graphs: the
-#     eager step's model, no recompile, no host sync, no CUDA-graph skip) and tests/test_host_reads.py;
+#     eager step's model, no recompile, no host sync, no CUDA-graph skip), then after (b)
+#     tests/test_host_reads.py (the ASR step, unchanged here: lower priority);
 # (b) the pCTR device bench at the issue's sizes: `ours` (what `pctr train --device cuda` runs by default),
 #     `ours_eager` (--compile off) and the plain loop, interleaved rounds -> $OUT/pctr_device.json;
 # (c) if time is left, `mariana pctr train --device cuda` (the CLI path, default compile) on a generated
@@ -27,14 +28,18 @@ step() { local n=$1 t=$2; shift 2; say ">>> $n (cap ${t}s): $*"; timeout -k 5 "$
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 say "commit $MARIANA_COMMIT, device $DEVICE, $($PY -c 'import torch; print(torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA")')"
 
-# (a) -rP: the gpu test prints its CUDA-graph counters and the compiled-vs-eager differences
-step pytest_gpu 80 $PY -m pytest -q -p no:cacheprovider -m gpu -rsP tests/test_pctr_compile.py tests/test_host_reads.py
+# (a) the new gpu test first (-rP: it prints its CUDA-graph counters and the compiled-vs-eager differences)
+step pytest_pctr_compile 50 $PY -m pytest -q -p no:cacheprovider -m gpu -rsP tests/test_pctr_compile.py
 
 # (b) bench/results/pctr_device-{gpu,cpu}.json is the run's result; copied to $OUT
 tag=$($PY -c 'import torch; print("gpu" if torch.cuda.is_available() else "cpu")')
 step pctr_bench 95 $PY bench/pctr_throughput.py --in-process --device "$DEVICE" --rows-per-field "$ROWS" \
   --batch "$BATCH" --dim 16 --hidden 512,256 --steps "$STEPS" --rounds 5 \
   && cp "bench/results/pctr_device-$tag.json" "$OUT/pctr_device.json"
+
+# (a') the host-read tests' gpu cases (the ASR step under torch.cuda.set_sync_debug_mode("error"))
+cap=$(left); [ "$cap" -gt 45 ] && cap=45
+[ "$cap" -ge 10 ] && step pytest_host_reads "$cap" $PY -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_host_reads.py
 
 # (c) the CLI path, if at least 30 s are left
 if [ "$(left)" -ge 30 ]; then
@@ -47,7 +52,9 @@ generate(Path('$TMP/criteo.tsv'), $CLI_ROWS, $CLI_RPF, 1.2)" && say "generated $
     --out "$TMP/run" $CLI_EXTRA
   cp "$TMP"/run/metrics.json "$TMP"/run/metrics.jsonl "$TMP"/run/*.log "$OUT/cli/" 2>/dev/null
   [ -f "$TMP/run/metrics.json" ] && $PY -c "import json; m = json.load(open('$TMP/run/metrics.json')); \
-print({k: m.get(k) for k in ('steps', 'device', 'val_auc', 'val_logloss', 'train_time_s', 'samples_per_s')})" | tee -a "$L"
+print({k: m.get(k) for k in ('steps', 'device', 'val_auc', 'val_logloss', 'wall_time_s', 'samples_per_s')}); \
+r = [json.loads(x) for x in open('$TMP/run/metrics.jsonl') if 'step_time_s' in x]; \
+print('log windows (step, samples/s, step_time_s):', [(x['step'], round(x['samples_per_s']), round(x['step_time_s'], 5)) for x in r])" | tee -a "$L"
 else
   say "pctr_cli skipped: $(left) s left of $BUDGET"
 fi
