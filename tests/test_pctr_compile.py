@@ -19,7 +19,9 @@ from mariana.platform.core.export import load_exported
 from mariana.platform.ps import sparse_step
 from mariana.platform.ps.local import LocalStep, compile_mode
 from mariana.platform.ps.protocol import TABLE
+from mariana.platform.ps.rowopt import RULES, RowOptConfig, apply_rows, apply_slots, init_state
 from mariana.platform.ps.shard import TableSpec, init_rows
+from mariana.platform.ps.sparse_step import slots_of
 from torch._dynamo.exc import RecompileError
 from torch._dynamo.utils import counters
 
@@ -161,6 +163,65 @@ def test_pctr_train_compile_on_trains_the_eager_model(tmp_path):
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
     m = [json.loads(x) for x in (tmp_path / "compiled" / "metrics.jsonl").read_text().splitlines()]
     assert len({r["sparse_lr"] for r in m if "sparse_lr" in r}) > 1  # the schedule moved the table's lr
+
+
+def padded_update(rule: str, seed: int = 0):
+    """(table [R, K], its row state, slots of a batch with repeats (rows, valid, U), slot gradients [N, K]
+    zero past U, the row rule) for `apply_slots` against `apply_rows` on the U distinct rows."""
+    g = torch.Generator().manual_seed(seed)
+    s = slots_of((torch.rand(16, 3, generator=g) ** 3 * 40).long())
+    U, K = int(s.count), 3
+    grad = torch.randn(s.rows.numel(), K, generator=g) * s.valid.unsqueeze(1)
+    cfg = RowOptConfig(rule=rule, lr=0.1, ftrl_l1=0.01)
+    w = torch.randn(40, K, generator=g)
+    return w, init_state(rule, w, cfg), s, U, grad, cfg
+
+
+def one_slot_at_a_time(update, w, state, rows, grad, valid) -> None:
+    """``update`` slot by slot: what a compiled kernel that fuses each slot's read of its row into its write
+    does when it runs the slots in order (inductor's CPU loop; a GPU's threads in any order)."""
+    for i in range(rows.numel()):
+        update(w, state, rows[i : i + 1], grad[i : i + 1], valid[i : i + 1])
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_padded_row_update_does_not_depend_on_the_order_of_the_slots(rule):
+    # The padding slots (gradient 0, repeated rows) add exactly 0: the slots applied all at once, one at a
+    # time, or in reverse, give the unique-row update (within rounding: w + (new - w) against new).
+    w0, st0, s, U, grad, cfg = padded_update(rule)
+    want, want_st = w0.clone(), {k: v.clone() for k, v in st0.items()}
+    apply_rows(want, want_st, s.rows[:U], grad[:U], cfg)
+    spread = torch.where(s.valid, s.rows, torch.arange(s.rows.numel()) % len(w0))  # as FixedShapeStep
+    n = s.rows.numel()
+    orders = {"at once": None, "in order": torch.arange(n), "reversed": torch.arange(n).flip(0)}
+    for name, order in orders.items():
+        w, st = w0.clone(), {k: v.clone() for k, v in st0.items()}
+        if order is None:
+            apply_slots(w, st, spread, grad, s.valid, cfg)
+        else:
+            step = lambda w_, st_, r, g_, v: apply_slots(w_, st_, r, g_, v, cfg)  # noqa: E731
+            one_slot_at_a_time(step, w, st, spread[order], grad[order], s.valid[order])
+        torch.testing.assert_close(w, want, rtol=1e-6, atol=1e-7, msg=f"{rule} {name}")
+        for k in st:
+            torch.testing.assert_close(st[k], want_st[k], rtol=1e-6, atol=1e-7, msg=f"{rule} {name} {k}")
+
+
+def test_the_earlier_padded_update_is_caught_when_slots_run_one_at_a_time():
+    # The form this replaced, planted: padding slots repeating slot 0's row and gradient, written with
+    # apply_rows' index_copy_. At once (eager) it equals the unique-row update; slot by slot (inductor's
+    # fused loop) it updates slot 0's row once per padding slot.
+    w0, st0, s, U, grad, cfg = padded_update("adagrad")
+    want, want_st = w0.clone(), {k: v.clone() for k, v in st0.items()}
+    apply_rows(want, want_st, s.rows[:U], grad[:U], cfg)
+    old_grad = torch.where(s.valid.unsqueeze(1), grad, grad[:1])
+    w, st = w0.clone(), {k: v.clone() for k, v in st0.items()}
+    apply_rows(w, st, s.rows, old_grad, cfg)
+    torch.testing.assert_close(w, want)  # at once: right
+    w, st = w0.clone(), {k: v.clone() for k, v in st0.items()}
+    one_slot_at_a_time(
+        lambda w_, st_, r, g_, v: apply_rows(w_, st_, r, g_, cfg), w, st, s.rows, old_grad, s.valid
+    )
+    assert U < s.rows.numel() and not torch.allclose(w, want)  # slot by slot: row rows[0] updated again
 
 
 @pytest.mark.gpu
