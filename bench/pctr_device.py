@@ -5,23 +5,28 @@ Both train DeepFM on the same generated batches, already on the device: 26 field
 ids), 13 dense features, rows of 1 + ``dim`` floats (linear weight + embedding), MLP 429-512-256-1 at the
 issue's sizes, Adagrad rows (lr 0.05) and Adam dense layers (lr 1e-3), fp32:
 
-- ``ours``: `FixedShapeStep` as `pctr train` runs it on a GPU (fixed shapes, no host reads, ``trim`` off);
-- ``ours_compiled`` (``--compile``): the same step through ``torch.compile(fullgraph=True)``;
+- ``ours``: the `LocalStep` `pctr train --device DEVICE` runs by default (``--compile auto``): on CUDA
+  `FixedShapeStep` compiled by inductor and replayed as a CUDA graph, on the CPU eager;
+- ``ours_eager``: the same with ``--compile off`` (fixed shapes, no host reads, ``trim`` off on CUDA);
+- ``ours_compiled_nograph`` (``--compile``, CUDA): compiled by inductor without CUDA graphs;
 - ``plain``: ``nn.EmbeddingBag(sum, sparse=True)`` over all rows + the same FM and MLP,
-  ``torch.optim.Adagrad`` on its sparse gradient + ``Adam``: the plain PyTorch loop.
+  ``torch.optim.Adagrad`` on its sparse gradient + ``Adam`` (fused on CUDA): the plain PyTorch loop at its
+  fastest (sparse gradients cannot be compiled or captured).
 
-``cuda_graph``: whether the compiled step captures into a CUDA graph (``mode="reduce-overhead"``), with
-its rate, or the error. Each loop runs ``--steps`` timed steps per round (after warm-up); the result is
-the median over rounds of the per-round ratio ours / plain.
+``cuda_graph`` (CUDA): whether ``ours`` replays a CUDA graph (`graph_check`). Each loop runs ``--steps``
+timed steps per round (after warm-up, which compiles and records); the result is the median over rounds of
+the per-round ratio ours / plain.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 F_, D_ = 26, 13
 
@@ -34,39 +39,56 @@ def make_data(R: int, B: int, n: int, device, seed: int = 0):
     return cats.to(device), dense.to(device), y.to(device)
 
 
-def ours_step(R: int, dim: int, hidden, device, compile_mode: str | None = None):
-    """(step(cats, dense, y), model) of our fixed-shape step on ``device``."""
-    from mariana.apps.pctr.model import CTRModel
-    from mariana.platform.ps.rowopt import RowOptConfig, init_state
-    from mariana.platform.ps.sparse_step import FixedShapeStep
+@dataclass
+class Batch:
+    """A `mariana.platform.ps.protocol.SparseBatch`, already on the device."""
 
+    ids: torch.Tensor
+    vals: torch.Tensor
+    dense: torch.Tensor
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def to(self, device) -> Batch:
+        return self
+
+
+def ours_step(R: int, dim: int, hidden, device, compile: str = "auto"):
+    """step(cats, dense, y) of the `LocalStep` `pctr train --servers 0` builds on ``device`` with
+    ``--compile compile`` (auto: compiled with CUDA graphs on CUDA, eager on the CPU; "nograph": compiled by
+    inductor without CUDA graphs), fp32 (``--amp off``, as the plain loop), no regulariser the plain loop
+    lacks (``--l2-emb 0``); ``step.local`` is the `LocalStep`."""
+    from mariana.apps.pctr.configs import with_defaults
+    from mariana.apps.pctr.model import CTRModel
+    from mariana.apps.pctr.optim import build_dense, row_config
+    from mariana.platform.ps.local import LocalStep
+    from mariana.platform.ps.protocol import TABLE
+    from mariana.platform.ps.shard import TableSpec
+
+    cfg = with_defaults(
+        model="deepfm", dim=dim, hidden=",".join(map(str, hidden)), rows_per_field=R, sparse_lr=0.05, lr=1e-3,
+        l2_emb=0.0, amp="off", compile="off" if compile == "nograph" else compile, device=str(device),
+    )  # fmt: skip
     torch.manual_seed(0)
     model = CTRModel("deepfm", F_ * R, F_, D_, dim, hidden).to(device)
-    w = model.table.weight.data
-    opt = RowOptConfig("adagrad", 0.05)
-    seen = torch.zeros(F_ * R, dtype=torch.bool, device=device)
-    fx = FixedShapeStep(model, w, init_state("adagrad", w, opt), seen, unit_vals=True, trim=False)
-    dense_opt = torch.optim.Adam(model.dense_parameters(), 1e-3)
+    spec = TableSpec(TABLE, F_ * R, 1 + dim)
+    dense_opt = build_dense(cfg, model.dense_parameters())
+    local = LocalStep(
+        cfg, model, model.table.weight.data, spec, row_config(cfg), dense_opt, device, unit_vals=True
+    )
+    local.setup(1 << 30)
+    if compile == "nograph":
+        local.compiled = ("inductor", None)
+        local.fixed.compile(*local.compiled)
     base = torch.arange(F_, device=device) * R
-    names = fx.names
-    fn = fx.step
-    if compile_mode is not None:
-        if compile_mode == "reduce-overhead":  # tensors the graph updates in place: fixed addresses
-            for t in (w, seen, *fx.state.values()):
-                torch._dynamo.mark_static_address(t)
-        fn = torch.compile(fx.step, fullgraph=True, mode=compile_mode)
     ones = torch.ones(1, F_, device=device)
 
     def step(cats, dense, y):
-        ids = cats + base
-        if fx.used is None:
-            fx.used = fx.used_parameters(ids[:1], ones, dense[:1])
-        params = {f"m.{n}": p.detach() for n, p in model.named_parameters() if n in names}
-        _, grads = fn(params, ids, ones.expand(len(y), F_), dense, y, opt)
-        for p, g in zip(model.dense_parameters(), grads):
-            p.grad = g
-        dense_opt.step()
+        local.train_step([Batch(cats + base, ones.expand(len(y), F_), dense, y)])
 
+    step.local = local
     return step
 
 
@@ -93,9 +115,10 @@ def plain_step(R: int, dim: int, hidden, device):
 
     torch.manual_seed(0)
     m = Plain().to(device)
-    opts = [
+    dense = [p for n, p in m.named_parameters() if not n.startswith("emb")]
+    opts = [  # Adam at its fastest on a GPU (fused, one kernel), as our dense optimiser
         torch.optim.Adagrad([m.emb.weight], lr=0.05),
-        torch.optim.Adam([p for n, p in m.named_parameters() if not n.startswith("emb")], lr=1e-3),
+        torch.optim.Adam(dense, lr=1e-3, fused=device.type == "cuda"),
     ]
 
     def step(cats, dense, y):
@@ -122,17 +145,25 @@ def timed(step, data, B: int, steps: int, device) -> float:
 
 
 def device_rounds(args) -> dict:
-    """The rounds on ``args.device``: {loop: {samples_per_s (median), rounds}, ours_vs_plain(_rounds),
-    cuda_graph}."""
+    """The rounds on ``args.device``: {loop: {samples_per_s (median), rounds}, <loop>_vs_plain(_rounds),
+    cuda_graph}. ``ours``: the step `pctr train` runs by default on the device; ``ours_eager``: with
+    ``--compile off``; ``ours_compiled_nograph`` (``--compile``): inductor without CUDA graphs."""
     device = torch.device(args.device)
     R, B, dim = args.rows_per_field, args.batch, args.dim
     hidden = tuple(int(h) for h in args.hidden.split(","))
     data = make_data(R, B, 8, device)
-    loops = {"ours": ours_step(R, dim, hidden, device), "plain": plain_step(R, dim, hidden, device)}
-    if args.compile:
-        loops["ours_compiled"] = ours_step(R, dim, hidden, device, "default")
+    counters.clear()
+    loops = {
+        "ours": ours_step(R, dim, hidden, device),
+        "ours_eager": ours_step(R, dim, hidden, device, "off"),
+        "plain": plain_step(R, dim, hidden, device),
+    }
+    if args.compile and device.type == "cuda":
+        loops["ours_compiled_nograph"] = ours_step(R, dim, hidden, device, "nograph")
+    t0 = time.perf_counter()
     for s in loops.values():
-        timed(s, data, B, 3, device)  # warm-up (and compilation)
+        timed(s, data, B, 3, device)  # warm-up (and compilation, CUDA-graph recording)
+    print(f"warm-up (compilation included) {time.perf_counter() - t0:.0f} s", flush=True)
     rounds: dict[str, list[float]] = {k: [] for k in loops}
     for r in range(args.rounds):
         for k, s in loops.items():
@@ -143,20 +174,34 @@ def device_rounds(args) -> dict:
         ratios = [a / b for a, b in zip(rounds[k], rounds["plain"])]
         res[f"{k}_vs_plain_rounds"], res[f"{k}_vs_plain"] = ratios, float(np.median(ratios))
         print(f"{k} / plain: median {np.median(ratios):.2f}x of rounds {[round(x, 2) for x in ratios]}")
-    graphs = device.type == "cuda" and args.compile
-    res["cuda_graph"] = cuda_graph_check(R, dim, hidden, data, B, device) if graphs else None
+    res["ours_mode"] = loops["ours"].local.compiled  # (backend, mode) or None: eager
+    res["cuda_graph"] = graph_check(loops["ours"], data, B) if device.type == "cuda" else None
+    print(f"ours runs {res['ours_mode']}; CUDA graphs: {res['cuda_graph']}")
     return res
 
 
-def cuda_graph_check(R, dim, hidden, data, B, device) -> dict:
-    """Whether the compiled step runs under CUDA graphs (``reduce-overhead``), and its rate."""
+def graph_check(ours, data, B: int) -> dict:
+    """Whether ``ours`` replays CUDA graphs: no ``cudagraph_skips`` (inductor counts a graph it runs
+    without capture there; ``cudagraph_recorded_non_static_inputs`` counts the inputs copied into a
+    recorded graph, the batch: not a skip), one compiled graph, and a replay overwrites the previous
+    step's outputs (reading a dense gradient of the step before raises)."""
+    ind = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
+    cats, dense, y = data
+    p = ours.local.model.dense_parameters()[0]
+    ours(cats[:B], dense[:B], y[:B])
+    old = p.grad
+    ours(cats[B : 2 * B], dense[B : 2 * B], y[B : 2 * B])
     try:
-        from torch._dynamo.utils import counters
-
-        step = ours_step(R, dim, hidden, device, "reduce-overhead")
-        timed(step, data, B, 3, device)
-        rate = timed(step, data, B, 20, device)
-        skipped = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k and v}
-        return {"captured": not skipped, "samples_per_s": rate, "cudagraph_counters": skipped}
-    except Exception as e:  # report, not fail: this is a check of the step, the rates stand without it
-        return {"captured": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        float(old.sum())
+        overwritten = False
+    except (
+        RuntimeError
+    ) as e:  # cudagraph trees: "accessing tensor output of CUDAGraphs that has been overwritten"
+        overwritten = "overwritten" in str(e)
+    return {
+        "captured": ind.get("cudagraph_skips", 0) == 0
+        and ind.get("cudagraph_recorded_non_static_inputs", 0) > 0,
+        "replay_overwrites_outputs": overwritten,
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "cudagraph_counters": ind,
+    }

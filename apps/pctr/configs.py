@@ -105,6 +105,20 @@ class Net(Section):
     )
     cross_layers: int = opt(3, "DCN-v2 cross layers", applies=only("model", "dcn"))
     dropout: float = opt(0.0, "MLP dropout", applies=only("model", *MLP_MODELS))
+    compile: str = opt(
+        "auto",
+        "torch.compile the one-process step (one graph; with inductor on a GPU replayed as a CUDA graph): "
+        "auto = on a GPU, where the step is launch-bound, off on the CPU, where the eager step updates only "
+        "the batch's distinct rows (apps/pctr/README.md, GPU)",
+        ["auto", "on", "off"],
+        applies=only("servers", 0),
+    )
+    compile_backend: str = opt(
+        "inductor",
+        "torch.compile backend of the step (aot_eager compiles in seconds and captures no CUDA graph: tests)",
+        ["inductor", "aot_eager"],
+        applies=(only("servers", 0), not_with("compile", "off")),
+    )
 
     def validate(self) -> None:
         at_least_one(self, ("dim",))
@@ -404,6 +418,8 @@ class PctrConfig(PctrMethods, TrainJob, sections=TRAIN_SECTIONS):
         "init_row_state",
         "init_train_state",
         "cache_gb",
+        "compile",
+        "compile_backend",
     }
 
     def check(self) -> None:

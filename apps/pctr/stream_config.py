@@ -116,6 +116,8 @@ class StreamConfig(PctrMethods, TrainJob, sections=STREAM_SECTIONS):
         "pull_ahead",
         "init_row_state",
         "init_train_state",
+        "compile",
+        "compile_backend",
         "export_every",
         "max_files",
         "idle_exit",

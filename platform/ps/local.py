@@ -2,7 +2,8 @@
 
 The table lives in this process (CPU or CUDA) as a one-shard `EmbeddingShard` whose weight the model's
 table adopts; each batch runs `FixedShapeStep` (one gather, the rows' gradient summed per row, the row
-optimiser's update in place); dense parameters use the given torch optimiser. Checkpoints hold everything
+optimiser's update in place), compiled (and on CUDA replayed as a CUDA graph) where `compile_mode` says
+so; dense parameters use the given torch optimiser. Checkpoints hold everything
 the next step depends on. The application builds the model and the optimisers (`protocol.py`).
 """
 
@@ -24,6 +25,18 @@ from .rowopt import RowOptConfig, init_state
 from .shard import EmbeddingShard, TableSpec
 from .sparse_step import FixedShapeStep
 from .worker import LocalClient
+
+
+def compile_mode(cfg: StepConfig, device: torch.device) -> tuple[str, str | None] | None:
+    """How the one-process step runs on ``device``: None (eager) or ``(backend, mode)`` for
+    `FixedShapeStep.compile`. ``cfg.compile`` "on" / "off", or "auto": compiled on CUDA (the step is
+    launch-bound there: one fused graph) and eager on the CPU (where the eager step's unique-row update
+    touches fewer rows). Inductor on CUDA captures the step in a CUDA graph (``reduce-overhead``)."""
+    on = cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda")
+    if not on:
+        return None
+    graphs = device.type == "cuda" and cfg.compile_backend == "inductor"
+    return cfg.compile_backend, "reduce-overhead" if graphs else None
 
 
 class LocalStep:
@@ -71,6 +84,9 @@ class LocalStep:
             l2_emb=cfg.l2_emb_value(),
             weight_decay=cfg.weight_decay,
         )
+        self.compiled = compile_mode(cfg, device)  # (backend, mode), or None: eager
+        if self.compiled is not None:
+            self.fixed.compile(*self.compiled)
 
     def setup(self, total_steps: int) -> None:
         self.total = total_steps

@@ -74,6 +74,8 @@ class StepConfig(Protocol):
     staleness: int
     pull_ahead: bool
     log_every: int
+    compile: str  # the one-process step compiled: on, off or auto (on CUDA only), see `local.compile_mode`
+    compile_backend: str  # torch.compile backend: inductor, or aot_eager (tests: compiles in seconds)
 
     def l2_emb_value(self) -> float: ...
 

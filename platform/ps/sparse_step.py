@@ -6,10 +6,12 @@ a shape fixed by ``(B, F, K)``, so the whole step (one gather, forward and backw
 ``torch.func``, the per-row gradient sum, the row optimiser's read-modify-write) compiles with
 ``torch.compile(fullgraph=True)`` and can be captured in a CUDA graph.
 
-The padding slots point at a real row of the batch (slot 0's) and carry slot 0's gradient, so their
-read-modify-write writes exactly the value slot 0 writes: duplicate indices in ``index_copy_`` are then
-harmless and the new table equals the one the unique-row step (``torch.unique`` + ``apply_rows``) gives,
-bit for bit (the gradient sums run over the same positions in the same order).
+The padding slots carry a zero gradient and the row optimiser adds their change (exactly 0) with
+``index_add_`` (`rowopt.apply_slots`) at rows spread over the table (slot ``s`` -> row ``s mod R``: no hot
+spot of atomic adds): a compiler that fuses each slot's read of a row into its write (inductor does) then
+cannot update a row twice, whatever order the slots run in. The new table equals the one the unique-row
+step (``torch.unique`` + ``apply_rows``) gives within rounding (``w + (new - w)`` against ``new``; the
+gradient sums run over the same positions in the same order).
 
 The model is any object with ``forward_parts(w [B, F], e [B, F, K - 1], vals [B, F] or None,
 dense [B, D]) -> logits [B]`` whose dense parameters are ``named_dense`` (the protocol of
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value
 
-from .rowopt import RowOptConfig, apply_rows, sum_rows
+from .rowopt import RowOptConfig, apply_rows, apply_slots, sum_rows
 
 
 class Slots(NamedTuple):
@@ -118,13 +120,55 @@ class FixedShapeStep:
         self.names = [n for n, p in model.named_parameters() if not n.startswith("table.")]
         self.trim = weight.device.type == "cpu" if trim is None else trim
         self.used: set[str] | None = None  # the dense parameters the forward reaches (first call)
+        self.compiled = None  # `compile`: the step through torch.compile
+        self.graphs = False  # the compiled step replays CUDA graphs
+        self.lr = None  # [] the row optimiser's learning rate as data, when compiled
+        self.params: dict[str, torch.Tensor] = {}  # m.<name> -> the dense parameters, detached
+
+    def compile(self, backend: str = "inductor", mode: str | None = None) -> None:
+        """Run the step through ``torch.compile(fullgraph=True, backend=backend, mode=mode)`` from now on
+        (every shape fixed: ``trim`` off). The learning rate reaches the graph as the 0-d tensor
+        ``self.lr`` (filled before each call), so a schedule does not recompile it.
+
+        ``mode="reduce-overhead"`` (inductor on CUDA): the graph is captured in a CUDA graph and replayed.
+        The tensors it updates in place (table, row-optimiser state, ``seen``), the learning rate and the
+        dense parameters are marked static (fixed addresses: the replay reads and writes them where they
+        are; only the batch is copied in). A replay overwrites the previous call's outputs (loss and dense
+        gradients): the caller consumes them before the next call (`pull.apply_dense` steps the dense
+        optimiser at once), and each call starts a new step (``cudagraph_mark_step_begin``)."""
+        self.trim = False
+        self.lr = torch.zeros((), dtype=self.weight.dtype, device=self.weight.device)
+        self.graphs = mode == "reduce-overhead"
+        if self.graphs:
+            for t in (self.weight, self.seen, self.lr, *self.state.values()):
+                torch._dynamo.mark_static_address(t)
+        self.params = {}
+        self.compiled = torch.compile(self.step, fullgraph=True, backend=backend, mode=mode)
 
     def __call__(self, ids, vals, dense, labels, row_opt: RowOptConfig):
-        named = dict(self.model.named_parameters())
         if self.used is None:
             self.used = self.used_parameters(ids[:1], vals[:1], dense[:1])
-        params = {f"m.{n}": named[n].detach() for n in self.names}
-        return self.step(params, ids, vals, dense, labels, row_opt)
+        params = self.dense_values()
+        if self.compiled is None:
+            return self.step(params, ids, vals, dense, labels, row_opt)
+        self.lr.fill_(row_opt.lr)  # a kernel argument, no host read; the graph reads the tensor
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return self.compiled(params, ids, vals, dense, labels, row_opt, self.lr)
+
+    def dense_values(self) -> dict[str, torch.Tensor]:
+        """``m.<name>`` -> the dense parameters, detached (aliases: the optimiser's in-place updates show
+        through). Kept between calls, so that a compiled step meets the same tensors each time (static
+        addresses under CUDA graphs); made anew if a parameter's storage moved (e.g. ``model.to``)."""
+        named = dict(self.model.named_parameters())
+        if len(self.params) != len(self.names) or any(
+            t.data_ptr() != named[k[2:]].data_ptr() for k, t in self.params.items()
+        ):
+            self.params = {f"m.{n}": named[n].detach() for n in self.names}
+            if self.graphs:
+                for t in self.params.values():
+                    torch._dynamo.mark_static_address(t)
+        return self.params
 
     def used_parameters(self, ids, vals, dense) -> set[str]:
         """The dense parameters the forward reaches (autograd on a one-sample batch, once): the others get
@@ -149,10 +193,11 @@ class FixedShapeStep:
         gw, ge = (torch.zeros_like(t) if g is None else g for g, t in zip(grads[:2], (w, e)))
         return {f"m.{n}": g for n, g in zip(used, grads[2:])}, gw, ge, loss
 
-    def step(self, params: dict[str, torch.Tensor], ids, vals, dense, labels, row_opt: RowOptConfig):
+    def step(self, params: dict[str, torch.Tensor], ids, vals, dense, labels, row_opt: RowOptConfig, lr=None):
         """The whole step as one function of tensors (what ``torch.compile(fullgraph=True)`` takes);
-        ``params``: ``m.<name>`` -> the dense parameters' values. Returns (loss [], dense gradients in
-        ``names`` order, None for a parameter the forward does not reach)."""
+        ``params``: ``m.<name>`` -> the dense parameters' values; ``lr``: None (``row_opt.lr``) or a 0-d
+        tensor on the table's device used instead (see `rowopt.apply_rows`). Returns (loss [], dense
+        gradients in ``names`` order, None for a parameter the forward does not reach)."""
         weight = self.weight
         slots = unique_slots(ids) if self.trim else slots_of(ids)
         N, K = slots.rows.numel(), weight.shape[1]
@@ -189,9 +234,10 @@ class FixedShapeStep:
                     dense_grads[i].add_(p, alpha=self.weight_decay)
         if self.clip_grad > 0:
             clip_([row_grad, *(g for g in dense_grads if g is not None)], self.clip_grad)
-        # the padding slots repeat slot 0's row: give them its gradient so they write what it writes
-        if valid is not None:
-            row_grad = torch.where(valid.unsqueeze(1), row_grad, row_grad[:1])
-        apply_rows(weight, self.state, rows, row_grad, row_opt)
+        if valid is None:  # the U distinct rows
+            apply_rows(weight, self.state, rows, row_grad, row_opt, lr=lr)
+        else:  # padding slots (gradient 0) spread over the table's rows: see the module docstring
+            spread = torch.where(valid, rows, torch.arange(N, device=rows.device) % weight.shape[0])
+            apply_slots(weight, self.state, spread, row_grad, valid, row_opt, lr=lr)
         self.seen.index_fill_(0, rows, True)
         return loss.detach(), dense_grads
