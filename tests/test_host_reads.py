@@ -36,12 +36,9 @@ CASES = {
         ["pctr", "train", "--data", FRAPPE, "--format", "libfm", "--preset", "debug"] + ["--ids", "hash"]
     ),
 }
-MARKS = {
-    "pctr": [pytest.mark.xfail(reason="pCTR step made sync-free in issue 32", strict=False)],
-}
 
 
-@pytest.mark.parametrize("app", [pytest.param(a, marks=MARKS.get(a, [])) for a in CASES])
+@pytest.mark.parametrize("app", list(CASES))
 def test_training_steps_read_nothing_back_outside_log_eval_ckpt_steps(app, tmp_path):
     audit = tmp_path / "audit"
     args = CASES[app](tmp_path)
