@@ -79,3 +79,13 @@ def median_round(results: list[dict], key: str) -> dict:
     count), with ``rounds``: every run's ``key`` in the order they ran."""
     mid = sorted(results, key=lambda r: r[key])[(len(results) - 1) // 2]
     return {**mid, "rounds": [r[key] for r in results]}
+
+
+@torch.no_grad()
+def init_like_ours(weight: torch.Tensor, std: float = 0.01) -> None:
+    """The table as ours starts (`ps.shard.init_rows`): embeddings N(0, 0.01), linear weights 0.
+    ``nn.EmbeddingBag``'s own N(0, 1) saturates the FM term, and the tiny gradients that follow are
+    subnormal floats, which make the fp32 matrix products 4-8x slower on x86: a baseline slowed by its
+    initialisation, not by its work."""
+    weight.normal_(0.0, std)
+    weight[:, 0] = 0.0

@@ -36,6 +36,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import init_like_ours  # noqa: E402
 from mariana.apps.pctr.configs import PctrConfig  # noqa: E402
 from mariana.apps.pctr.data import Batch, Schema  # noqa: E402
 from mariana.apps.pctr.step import make_local_step  # noqa: E402
@@ -73,16 +74,6 @@ def ours_loop(R: int, amp: str):
     step = make_local_step(cfg, SimpleNamespace(schema=schema, spec=spec, image=None), torch.device("cpu"))
     step.setup(10**9)
     return lambda b: step.train_step([b])
-
-
-@torch.no_grad()
-def init_like_ours(weight: torch.Tensor, std: float = 0.01) -> None:
-    """The table as ours starts (`ps.shard.init_rows`): embeddings N(0, 0.01), linear weights 0.
-    ``nn.EmbeddingBag``'s own N(0, 1) saturates the FM term, and the tiny gradients that follow are
-    subnormal floats, which make the fp32 matrix products 4-8x slower on x86: a baseline slowed by its
-    initialisation, not by its work."""
-    weight.normal_(0.0, std)
-    weight[:, 0] = 0.0
 
 
 class Plain(nn.Module):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from common import init_like_ours
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -97,6 +98,7 @@ def plain_step(R: int, dim: int, hidden, device):
         def __init__(self):
             super().__init__()
             self.emb = nn.EmbeddingBag(F_ * R, 1 + dim, mode="sum", sparse=True)
+            init_like_ours(self.emb.weight)
             self.register_buffer("base", torch.arange(F_) * R)
             sizes = [F_ * dim + D_, *hidden]
             layers: list[nn.Module] = []

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_round, write_result  # noqa: E402
+from common import init_like_ours, median_round, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,6 +90,7 @@ def plain_loop(
         def __init__(self):
             super().__init__()
             self.emb = nn.EmbeddingBag(26 * R, 1 + dim, mode="sum", sparse=True)
+            init_like_ours(self.emb.weight)
             self.register_buffer("base", torch.arange(26) * R)
             self.mlp = nn.Sequential(nn.Linear(26 * dim, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU())
             self.head = nn.Linear(128, 1)
