@@ -11,6 +11,8 @@ load change hits both sides of a round alike.
   `FixedShapeStep` with the trimmed unique-row path, Adagrad rows at 0.05, fused Adam on the dense layers
   at 1e-3, ``--amp off|bf16``), DeepFM on Criteo's layout: 13 bucketed-count + 26 categorical fields of
   ``R`` rows each, rows of 1 + 16 floats, 13 dense features, MLP 637-256-128-1 (the CLI's defaults);
+- ``ours_compiled``: the same with ``--compile on`` (inductor: the fixed-shape step as one compiled C++
+  graph; the CLI's ``auto`` compiles on CUDA only, since the CPU compile costs 20-45 s a process);
 - ``floor``: the same shapes as a plain PyTorch model (``nn.EmbeddingBag`` lookup, FM, MLP, dense
   linear) with the table's own work removed (rows looked up, their gradient computed and dropped,
   nothing scattered or updated), fused Adam on the dense layers: what any step of this model costs;
@@ -65,9 +67,11 @@ def make_batches(R: int, B: int, n: int, zipf: float, seed: int = 0) -> list[Bat
     return out
 
 
-def ours_loop(R: int, amp: str):
-    """One training step of ``pctr train --device cpu --amp AMP`` (the CLI's own builder)."""
-    cfg = PctrConfig(model="deepfm", dim=DIM, hidden=",".join(map(str, HIDDEN)), amp=amp, l2_emb=0.0)
+def ours_loop(R: int, amp: str, compile: str = "auto"):
+    """One training step of ``pctr train --device cpu --amp AMP --compile COMPILE`` (the CLI's own
+    builder; ``auto`` is eager on the CPU, ``on`` compiles the fixed-shape step with inductor)."""
+    hidden = ",".join(map(str, HIDDEN))
+    cfg = PctrConfig(model="deepfm", dim=DIM, hidden=hidden, amp=amp, l2_emb=0.0, compile=compile)
     schema = Schema("criteo", FIELDS, R, DENSE)
     spec = TableSpec("table", schema.num_rows, 1 + DIM, cfg.init_std)
     torch.manual_seed(0)
@@ -141,6 +145,7 @@ def target_rounds(R: int, B: int, zipf: float, rounds: int, block: int, amps: li
     for amp in amps:
         p = PRECISION[amp]
         loops[f"ours_{p}"] = ours_loop(R, amp)
+        loops[f"ours_compiled_{p}"] = ours_loop(R, amp, "on")
         loops[f"floor_{p}"] = plain_loop(R, amp, floor=True)
         loops[f"plain_{p}"] = plain_loop(R, amp, floor=False)
     for step in loops.values():
@@ -151,16 +156,21 @@ def target_rounds(R: int, B: int, zipf: float, rounds: int, block: int, amps: li
             per[k].append(timed(step, batches, r * block, block))
         print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in per.items()), flush=True)
     res: dict = {k: {"samples_per_s": float(np.median(v)), "rounds": v} for k, v in per.items()}
-    print("\n| precision | ours | floor | plain | ours / floor | ours / plain |\n|---|---|---|---|---|---|")
+    print(
+        "\n| precision | ours (eager) | ours --compile on | floor | plain | ours / floor | compiled / floor |"
+        " ours / plain |\n|---|---|---|---|---|---|---|---|"
+    )
     for prec in (PRECISION[a] for a in amps):
         o, f, p = (per[f"{k}_{prec}"] for k in ("ours", "floor", "plain"))
-        for name, base in (("floor", f), ("plain", p)):
-            ratios = [a / b for a, b in zip(o, base)]
-            res[f"{prec}_ours_vs_{name}_rounds"] = ratios
-            res[f"{prec}_ours_vs_{name}"] = float(np.median(ratios))
+        c = per[f"ours_compiled_{prec}"]
+        for ours, name, base in (("ours", "floor", f), ("ours", "plain", p), ("ours_compiled", "floor", f)):
+            ratios = [a / b for a, b in zip(per[f"{ours}_{prec}"], base)]
+            res[f"{prec}_{ours}_vs_{name}_rounds"] = ratios
+            res[f"{prec}_{ours}_vs_{name}"] = float(np.median(ratios))
         print(
-            f"| {prec} | {np.median(o):,.0f} | {np.median(f):,.0f} | {np.median(p):,.0f} | "
-            f"**{res[f'{prec}_ours_vs_floor']:.2f}x** | {res[f'{prec}_ours_vs_plain']:.2f}x |"
+            f"| {prec} | {np.median(o):,.0f} | {np.median(c):,.0f} | {np.median(f):,.0f} | {np.median(p):,.0f} | "
+            f"**{res[f'{prec}_ours_vs_floor']:.2f}x** | **{res[f'{prec}_ours_compiled_vs_floor']:.2f}x** | "
+            f"{res[f'{prec}_ours_vs_plain']:.2f}x |"
         )
     return res
 
