@@ -157,12 +157,18 @@ def _dyn(d: dict) -> str:
 
 def _pctr_cpu(d: dict) -> str:
     r = d["results"]
-    out = [f"ours / dense-layers floor: fp32 **{r['fp32_ours_vs_floor']:.2f}x**"]
-    if "bf16_ours_vs_floor" in r:
-        out.append(f"bf16 **{r['bf16_ours_vs_floor']:.2f}x**")
+    parts = []
+    for prec in ("fp32", "bf16"):
+        if f"{prec}_ours_vs_floor" not in r:
+            continue
+        text = f"{prec}: default (eager) **{r[f'{prec}_ours_vs_floor']:.2f}x**"
+        if f"{prec}_ours_compiled_vs_floor" in r:
+            text += f", `--compile on` **{r[f'{prec}_ours_compiled_vs_floor']:.2f}x**"
+        parts.append(text)
     rounds = len(r.get("fp32_ours_vs_floor_rounds", []))
     return (
-        ", ".join(out)
+        "ours / dense-layers floor, "
+        + "; ".join(parts)
         + f" (median of {rounds} interleaved rounds, {d['setup']['rows_per_field']} rows/field)"
     )
 
