@@ -48,9 +48,9 @@ slurm:
 
 # Two pytest workers (pytest-xdist), one test file at a time each: module fixtures (the Slurm cluster, shared
 # services, a trained run) stay in one process, and one file's waits (process start-ups, rendezvous, polling)
-# overlap with the other's work on a 2-core machine.
+# overlap with the other's work on a 2-core machine. Files with slow tests go first (tests/conftest.py).
 test: $(STAMP) browser slurm
-	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile tests
+	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile --no-loadscope-reorder tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
