@@ -46,8 +46,11 @@ slurm:
 	@{ command -v slurmctld || [ -x /usr/sbin/slurmctld ]; } >/dev/null && { command -v munged || [ -x /usr/sbin/munged ]; } >/dev/null || \
 		{ SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); $$SUDO apt-get update && $$SUDO apt-get install -y slurm-wlm munge; }
 
+# Two pytest workers (pytest-xdist), one test file at a time each: module fixtures (the Slurm cluster, shared
+# services, a trained run) stay in one process, and one file's waits (process start-ups, rendezvous, polling)
+# overlap with the other's work on a 2-core machine. Files with slow tests go first (tests/conftest.py).
 test: $(STAMP) browser slurm
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile --no-loadscope-reorder tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

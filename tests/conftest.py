@@ -12,6 +12,12 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
+    # Files holding `slow` tests (training, several processes: up to minutes each) run first, in their
+    # collected order, the many quick files after them: with `make test`'s two xdist workers taking one file
+    # at a time (`--dist loadfile --no-loadscope-reorder`), the quick files then fill in at the end instead of
+    # one worker finishing a minutes-long file alone.
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: each file's own order is kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

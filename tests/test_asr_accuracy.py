@@ -1,23 +1,47 @@
 """ASR accuracy regression, end to end through the CLI with real torchrun workers:
 prepare (4 FSDD speakers train, the fifth held out) -> train preset `small` with 2 data-parallel workers ->
 eval on the held-out speaker (WER <= 20%; each file normalised alone, as `transcribe` does: <= 25%) ->
-transcribe, and the serving API on the exported run."""
+transcribe, and the serving API on the exported run. The first eval is a process of its own; the later evals
+and transcribe go through the same CLI entry point (`cli.main.main`) in this process, which saves a torch
+start-up and a model load each (the CLI's own process behaviour is tested by the first eval and by
+test_asr_transcribe.py)."""
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 
 import pytest
 from helpers import last_line, run_cli
+from mariana.platform.cli.main import main
 from mariana.platform.core.rundir import eval_result_path
 
 HELD_OUT = "jackson"
 
 
+class Done:
+    """What one in-process CLI command left: exit code, stdout, stderr (a CompletedProcess's fields)."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def cli(capsys, args: list, check: bool = False) -> Done:
+    """``mariana <args>`` through the CLI's entry point in this process (parser, config, handler, the exit
+    code it would exit with); its stdout and stderr as captured by ``capsys``."""
+    before = capsys.readouterr()  # the test's own prints so far: given back below, for its report
+    rc = main([str(a) for a in args])
+    out = capsys.readouterr()
+    print(before.out, end="")
+    print(before.err, end="", file=sys.stderr)
+    assert not check or rc == 0, f"mariana {args} exited {rc}\n{out.out[-4000:]}\n{out.err[-8000:]}"
+    return Done(rc, out.out, out.err)
+
+
 @pytest.mark.slow
-def test_small_preset_heldout_speaker_wer(data_dir, tmp_path):
+def test_small_preset_heldout_speaker_wer(data_dir, tmp_path, capsys):
     out, run = tmp_path / "data", tmp_path / "run"
     t0 = time.perf_counter()
     run_cli(
@@ -79,7 +103,7 @@ def test_small_preset_heldout_speaker_wer(data_dir, tmp_path):
     # --tempo 1.15 (speaking-rate normalisation) takes frames every 11.5 ms: 1/1.15 of the frames, cached
     # separately from the 10 ms features; out-of-range factors are refused.
     before = {p.parent for p in (run / "feats").glob("*/index.json")}
-    e = run_cli(["asr", "eval", "--model", run, "--data", out / "test", "--tempo", "1.15"], timeout=300)
+    e = cli(capsys, ["asr", "eval", "--model", run, "--data", out / "test", "--tempo", "1.15"])
     assert e.returncode == 0 and re.fullmatch(r"WER \d+\.\d\d% SER \d+\.\d\d%", last_line(e.stdout))
     assert json.loads(result_path.read_text())["tempo"] == 1.15
     (new,) = {p.parent for p in (run / "feats").glob("*/index.json")} - before
@@ -91,21 +115,21 @@ def test_small_preset_heldout_speaker_wer(data_dir, tmp_path):
     # what a fixed --tempo of that factor scores.
     from mariana.apps.asr.evaluate import TEMPO_GRID
 
-    e = run_cli(["asr", "eval", "--model", run, "--data", out / "test", "--tempo", "auto"], timeout=300)
+    e = cli(capsys, ["asr", "eval", "--model", run, "--data", out / "test", "--tempo", "auto"])
     assert e.returncode == 0, e.stderr
     auto = json.loads(result_path.read_text())
     assert auto["tempo"] == "auto" and set(auto["speaker_tempo"]) == {HELD_OUT}
     chosen = auto["speaker_tempo"][HELD_OUT]
     assert chosen in TEMPO_GRID and f"({HELD_OUT}={chosen:g})" in e.stdout
-    e = run_cli(["asr", "eval", "--model", run, "--data", out / "test", "--tempo", str(chosen)], timeout=300)
+    e = cli(capsys, ["asr", "eval", "--model", run, "--data", out / "test", "--tempo", str(chosen)])
     assert e.returncode == 0 and json.loads(result_path.read_text())["wer"] == auto["wer"]
     print(f"--tempo auto: {HELD_OUT} x{chosen}, WER {auto['wer']:.2f}%")
-    bad = run_cli(["asr", "eval", "--model", run, "--data", out / "test", "--tempo", "5"], timeout=120)
+    bad = cli(capsys, ["asr", "eval", "--model", run, "--data", out / "test", "--tempo", "5"])
     assert bad.returncode != 0 and "--tempo must be in [0.5, 2]" in bad.stderr, bad.stderr
 
     # One file at a time (transcribe, the server) has no speaker statistics: `eval --cmvn file` scores
     # exactly what `transcribe` says, each file normalised alone with the training speakers' prior.
-    e = run_cli(["asr", "eval", "--model", run, "--data", out / "test", "--cmvn", "file"], timeout=300)
+    e = cli(capsys, ["asr", "eval", "--model", run, "--data", out / "test", "--cmvn", "file"])
     assert e.returncode == 0, e.stderr
     per_file = json.loads(result_path.read_text())
     print(f"--cmvn file: WER {per_file['wer']:.2f}%")
@@ -113,7 +137,7 @@ def test_small_preset_heldout_speaker_wer(data_dir, tmp_path):
 
     # transcribe prints one transcript per file; the serving API gives the same words for the same file.
     wavs = dict(ln.split() for ln in (out / "test" / "wav.scp").read_text().splitlines()[:10])
-    t = run_cli(["asr", "transcribe", "--model", run, *wavs.values()], timeout=120, check=True)
+    t = cli(capsys, ["asr", "transcribe", "--model", run, *wavs.values()], check=True)
     said = dict(ln.split("\t") for ln in t.stdout.splitlines()[:-1])
     assert {u: said[p] for u, p in wavs.items()} == {u: per_file["hypotheses"][u] for u in wavs}
     wav_path = next(iter(wavs.values()))
