@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+JOIN_S = 60.0  # the longest `Prefetcher.close` waits for the item in hand (a parse of one block, a decode)
+
 
 class Prefetcher:
     """Iterate ``it`` in a background thread, ``depth`` items ahead of the consumer.
@@ -74,6 +76,11 @@ class Prefetcher:
                     return
         except BaseException as e:  # re-raised in the consumer
             self.err = e
+        finally:
+            if self.stop.is_set():  # closed early: end the source here, in its own thread (its pools, files)
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()
         self._put(self._END)
 
     def __iter__(self):
@@ -92,7 +99,12 @@ class Prefetcher:
         return batch
 
     def close(self) -> None:
+        """Stop the thread and wait for it: it ends after the item in hand (a training that stops before
+        the epoch's end leaves it parsing). A daemon thread still inside torch or numpy when the interpreter
+        exits can abort the process ("terminate called without an active exception", exit -6)."""
         self.stop.set()
+        if self.t is not threading.current_thread():
+            self.t.join(timeout=JOIN_S)
 
 
 def _record_stream(batch, stream) -> None:
