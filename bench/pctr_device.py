@@ -21,11 +21,11 @@ the per-round ratio ours / plain.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from common import init_like_ours
+from mariana.apps.pctr.data import Batch
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -38,22 +38,6 @@ def make_data(R: int, B: int, n: int, device, seed: int = 0):
     dense = torch.randn(n * B, D_, generator=g)
     y = (torch.rand(n * B, generator=g) < 0.25).float()
     return cats.to(device), dense.to(device), y.to(device)
-
-
-@dataclass
-class Batch:
-    """A `mariana.platform.ps.protocol.SparseBatch`, already on the device."""
-
-    ids: torch.Tensor
-    vals: torch.Tensor
-    dense: torch.Tensor
-    labels: torch.Tensor
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def to(self, device) -> Batch:
-        return self
 
 
 def ours_step(R: int, dim: int, hidden, device, compile: str = "auto"):

@@ -6,13 +6,13 @@ eager model with no recompile, no host sync and graphs that replay."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import DATA
 from mariana.apps.pctr.configs import with_defaults
+from mariana.apps.pctr.data import Batch
 from mariana.apps.pctr.model import build_model
 from mariana.apps.pctr.optim import build_dense, row_config
 from mariana.platform.core.export import load_exported
@@ -27,22 +27,6 @@ from torch._dynamo.utils import counters
 
 FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
 F_, D_, R_ = 4, 2, 50
-
-
-@dataclass
-class Batch:
-    """A `SparseBatch`: ids [B, F] rows, vals [B, F], dense [B, D], labels [B]."""
-
-    ids: torch.Tensor
-    vals: torch.Tensor
-    dense: torch.Tensor
-    labels: torch.Tensor
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def to(self, device) -> Batch:
-        return Batch(*(t.to(device) for t in (self.ids, self.vals, self.dense, self.labels)))
 
 
 def batches(n: int, B: int = 32, seed: int = 0, device="cpu") -> list[Batch]:
