@@ -17,6 +17,8 @@ for prefix, folder in FOLDERS.items():
 # The job service's web pages (HTML/CSS/JS, no build step) ship inside the package.
 package_data = {
     "mariana.platform.jobs": ["static/*"],
+    # the CPU step's C loops, built at first use (`mariana.platform.ps.cpu_rows`)
+    "mariana.platform.ps": ["*.c"],
     # `mariana tune` search spaces users start from.
     **{f"mariana.apps.{app}": ["spaces/*.toml"] for app in find_packages("apps") if "." not in app},
 }

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value
 
+from . import cpu_rows
 from .rowopt import RowOptConfig, apply_rows, apply_slots, sum_rows
 
 
@@ -110,7 +111,10 @@ class FixedShapeStep:
     ``trim`` (default: a table on the CPU): the ``U`` distinct rows only (``torch.unique``): on the CPU a
     data-dependent size costs nothing and the row update then touches ``U`` rather than ``B * F`` rows
     (power-law ids: U is a fraction of B * F). On a GPU, and under ``torch.compile``, ``trim=False``:
-    every shape stays fixed. Both give the same numbers (tests/test_ps_fixed_step.py)."""
+    every shape stays fixed. Both give the same numbers (tests/test_ps_fixed_step.py). A trimmed step on a
+    float32 CPU table does its table work (gather, distinct rows + per-row sums, row update) in the C
+    loops of `cpu_rows` when they are built (`cpu_step`; same numbers within Adagrad's square root's
+    rounding, tests/test_cpu_rows.py)."""
 
     def __init__(
         self,
@@ -137,6 +141,7 @@ class FixedShapeStep:
         self.graphs = False  # the compiled step replays CUDA graphs
         self.lr = None  # [] the row optimiser's learning rate as data, when compiled
         self.params: dict[str, torch.Tensor] = {}  # m.<name> -> the dense parameters, detached
+        self.scratch: cpu_rows.Scratch | None = None  # `cpu_step`'s buffers, made at its first call
 
     def compile(self, backend: str = "inductor", mode: str | None = None) -> None:
         """Run the step through ``torch.compile(fullgraph=True, backend=backend, mode=mode)`` from now on
@@ -211,6 +216,12 @@ class FixedShapeStep:
         ``params``: ``m.<name>`` -> the dense parameters' values; ``lr``: None (``row_opt.lr``) or a 0-d
         tensor on the table's device used instead (see `rowopt.apply_rows`). Returns (loss [], dense
         gradients in ``names`` order, None for a parameter the forward does not reach)."""
+        if (
+            self.trim
+            and self.compiled is None
+            and cpu_rows.usable(self.weight, self.seen, *self.state.values())
+        ):
+            return self.cpu_step(params, ids, vals, dense, labels, row_opt)
         weight = self.weight
         slots = unique_slots(ids) if self.trim else slots_of(ids)
         N = slots.rows.numel()
@@ -236,14 +247,7 @@ class FixedShapeStep:
         if self.l2_emb > 0:  # once per distinct row: the padding slots add nothing here
             current = weight.index_select(0, rows)  # [N, K]
             row_grad.add_(current if valid is None else current * valid.unsqueeze(1), alpha=self.l2_emb)
-        dense_grads = [gp.get(f"m.{n}") for n in self.names]
-        if self.weight_decay > 0:
-            for i, n in enumerate(self.names):
-                p = params[f"m.{n}"]
-                if dense_grads[i] is None:
-                    dense_grads[i] = p * self.weight_decay
-                else:
-                    dense_grads[i].add_(p, alpha=self.weight_decay)
+        dense_grads = self.dense_grads(params, gp)
         if self.clip_grad > 0:
             clip_([row_grad, *(g for g in dense_grads if g is not None)], self.clip_grad)
         if valid is None:  # the U distinct rows
@@ -252,4 +256,47 @@ class FixedShapeStep:
             spread = torch.where(valid, rows, torch.arange(N, device=rows.device) % weight.shape[0])
             apply_slots(weight, self.state, spread, row_grad, valid, row_opt, lr=lr)
         self.seen.index_fill_(0, rows, True)
+        return loss.detach(), dense_grads
+
+    def dense_grads(self, params: dict[str, torch.Tensor], gp: dict[str, torch.Tensor]) -> list:
+        """The dense gradients in ``names`` order (None: not reached), ``weight_decay * p`` added."""
+        grads = [gp.get(f"m.{n}") for n in self.names]
+        if self.weight_decay > 0:
+            for i, n in enumerate(self.names):
+                p = params[f"m.{n}"]
+                if grads[i] is None:
+                    grads[i] = p * self.weight_decay
+                else:
+                    grads[i].add_(p, alpha=self.weight_decay)
+        return grads
+
+    def cpu_step(self, params: dict[str, torch.Tensor], ids, vals, dense, labels, row_opt: RowOptConfig):
+        """`step`'s trimmed eager path with the table work in `cpu_rows`' C loops (float32 table on the
+        CPU): gather and split the rows, autograd, the distinct rows in order of first appearance with
+        their summed gradients, ``l2_emb``, clipping, the row update. Same returns as `step`."""
+        weight = self.weight
+        if self.scratch is None:
+            self.scratch = cpu_rows.Scratch(weight.shape[0])
+        # the gathered rows are the backward's leaves: this step's graph is gone when the next reuses them
+        w0, e0 = cpu_rows.gather_split(weight, ids, self.scratch)
+        v = None if self.unit_vals else vals
+        gp, gw, ge, loss = self.autograd_grads(w0, e0, v, dense, labels)
+        rows, row_grad = cpu_rows.unique_sum(ids, gw.to(weight.dtype), ge.to(weight.dtype), self.scratch)
+        dense_grads = self.dense_grads(params, gp)
+        l2 = self.l2_emb
+        if self.clip_grad > 0:  # the norm covers the regularised row gradients: add them first
+            if l2 > 0:
+                row_grad.add_(weight.index_select(0, rows), alpha=l2)
+            l2 = 0.0
+            clip_([row_grad, *(g for g in dense_grads if g is not None)], self.clip_grad)
+        if row_opt.rule in cpu_rows.RULE_CODES:
+            acc = self.state.get("acc", weight)
+            cpu_rows.update_rows(
+                weight, acc, self.seen, rows, row_grad, row_opt.rule, row_opt.lr, row_opt.eps, l2
+            )
+        else:
+            if l2 > 0:
+                row_grad.add_(weight.index_select(0, rows), alpha=l2)
+            apply_rows(weight, self.state, rows, row_grad, row_opt)
+            self.seen.index_fill_(0, rows, True)
         return loss.detach(), dense_grads

@@ -1,0 +1,157 @@
+"""The CPU step's C loops (`mariana.platform.ps.cpu_rows`, `rows.c`) against the torch ops they replace:
+gather and split, distinct rows + per-row gradient sums, the row optimiser; the whole eager step with and
+without them over models x row optimisers; bad ids; the fallback when no library can be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mariana.platform.ps import cpu_rows
+from mariana.platform.ps.rowopt import RowOptConfig, apply_rows, sum_rows
+from test_ps_fixed_step import CASES, hashed_batch, make
+
+
+@pytest.fixture(autouse=True)
+def built():
+    assert cpu_rows.kernels() is not None, (
+        "rows.c did not build: the C compiler is part of the platform's set-up"
+    )
+
+
+def zipf_ids(B=256, F=6, R=500, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return ((torch.rand(B, F, generator=g) ** 4 * R).long() + torch.arange(F) * R), F * R
+
+
+def test_gather_split_equals_embedding_and_its_split():
+    ids, R = zipf_ids()
+    table = torch.randn(R, 9)
+    w0, rest = cpu_rows.gather_split(table, ids)
+    looked = F.embedding(ids, table)
+    assert torch.equal(w0, looked[..., 0]) and torch.equal(rest, looked[..., 1:])
+
+
+def test_unique_sum_equals_unique_and_index_add_bit_for_bit():
+    ids, R = zipf_ids()
+    gw, ge = torch.randn(ids.shape), torch.randn(*ids.shape, 8)
+    gw[0, 0] = -0.0  # a first occurrence of -0.0 sums to +0.0, as index_add_ into zeros gives
+    scratch = cpu_rows.Scratch(R)
+    rows, sums = cpu_rows.unique_sum(ids, gw, ge, scratch)
+    uniq, inv = torch.unique(ids, return_inverse=True)
+    want = torch.cat(
+        [
+            sum_rows(gw.reshape(-1, 1), inv.reshape(-1), len(uniq)),
+            sum_rows(ge.reshape(-1, 8), inv.reshape(-1), len(uniq)),
+        ],
+        1,
+    )
+    order = torch.argsort(rows)
+    assert len(rows) == len(uniq) < ids.numel()  # repeats were merged
+    assert torch.equal(rows[order], uniq) and torch.equal(sums[order], want)
+    assert torch.equal(sums[order].signbit(), want.signbit())
+    first = torch.tensor([int((ids.reshape(-1) == r).nonzero()[0]) for r in rows])
+    assert torch.all(first[1:] > first[:-1])  # in order of first appearance
+    assert torch.all(scratch.slot == -1)  # the scratch is clean for the next step
+
+
+@pytest.mark.parametrize("rule", ["sgd", "adagrad"])
+@pytest.mark.parametrize("l2", [0.0, 0.01])
+def test_update_rows_equals_apply_rows(rule, l2):
+    g = torch.Generator().manual_seed(1)
+    table, acc = torch.randn(300, 9, generator=g) * 0.1, torch.rand(300, 9, generator=g)
+    rows = torch.randperm(300, generator=g)[:120]
+    grad = torch.randn(120, 9, generator=g)
+    cfg = RowOptConfig(rule=rule, lr=0.05)
+    want_w, want_acc = table.clone(), acc.clone()
+    want_grad = grad.clone()
+    if l2 > 0:  # the step's torch path: the regulariser added to the row gradients, then the rule
+        want_grad.add_(want_w.index_select(0, rows), alpha=l2)
+    apply_rows(want_w, {"acc": want_acc}, rows, want_grad, cfg)
+    seen = torch.zeros(300, dtype=torch.bool)
+    cpu_rows.update_rows(table, acc, seen, rows, grad, rule, cfg.lr, cfg.eps, l2)
+    assert torch.equal(grad, want_grad)  # l2 * row added in place, the same bits
+    assert torch.equal(acc, want_acc)  # a + g * g, fused as torch's addcmul_ is
+    if rule == "sgd":
+        assert torch.equal(table, want_w)
+    else:  # sqrt: correctly rounded here, torch's vectorised one may be 1 ulp off
+        torch.testing.assert_close(table, want_w, rtol=1e-6, atol=1e-7)
+        assert (table != want_w).float().mean() < 0.05
+    assert torch.equal(seen, torch.zeros(300, dtype=torch.bool).index_fill_(0, rows, True))
+
+
+@pytest.mark.parametrize("bad", [-1, 3000])
+def test_an_id_outside_the_table_raises_like_embedding(bad):
+    ids, R = zipf_ids()
+    ids[5, 2] = bad
+    with pytest.raises(IndexError, match=f"index {bad} is out of range for a table of {R} rows"):
+        cpu_rows.gather_split(torch.zeros(R, 9), ids)
+    scratch = cpu_rows.Scratch(R)
+    with pytest.raises(IndexError, match=f"index {bad} is out of range"):
+        cpu_rows.unique_sum(ids, torch.zeros(ids.shape), torch.zeros(*ids.shape, 8), scratch)
+    assert torch.all(scratch.slot == -1)
+
+
+@pytest.mark.parametrize("clip", [0.0, 5.0])
+@pytest.mark.parametrize("kind,rule", CASES)
+def test_the_eager_step_gives_the_torch_ops_numbers(kind, rule, clip, monkeypatch):
+    """Three steps of `FixedShapeStep` (l2_emb on; clipping off: l2 is added inside the row update, on:
+    before the norm) with the loops and with torch's ops."""
+    out = {}
+    for name in ("loops", "torch"):
+        if name == "torch":
+            monkeypatch.setattr(cpu_rows, "kernels", lambda: None)
+        model, fixed, opt = make(kind, rule, trim=True)
+        fixed.clip_grad = clip
+        losses = []
+        for seed in range(3):
+            ids, vals, dense, y = hashed_batch(seed=seed)
+            fixed.used = fixed.used_parameters(ids[:1], vals[:1], dense[:1])
+            params = {f"m.{n}": p.detach() for n, p in model.named_parameters() if n in fixed.names}
+            loss, grads = fixed.step(params, ids, vals, dense, y, opt)
+            losses.append(loss)
+            with torch.no_grad():
+                for n, g in zip(fixed.names, grads):
+                    if g is not None:
+                        params[f"m.{n}"].sub_(0.1 * g)
+        assert (fixed.scratch is not None) == (name == "loops")  # each path ran what it names
+        out[name] = (torch.stack(losses), fixed.weight.clone(), dict(fixed.state), fixed.seen.clone())
+    (la, wa, sa, seen_a), (lb, wb, sb, seen_b) = out["loops"], out["torch"]
+    torch.testing.assert_close(la, lb, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(wa, wb, rtol=1e-5, atol=1e-7)
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=1e-7, msg=k)
+    assert torch.equal(seen_a, seen_b) and seen_a.any()
+
+
+def test_without_a_compiler_the_step_keeps_torch_ops(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("MARIANA_KERNEL_CACHE", str(tmp_path / "cache"))
+    cpu_rows.kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert cpu_rows.kernels() is None
+            assert not cpu_rows.usable(torch.zeros(4, 3))
+        assert "C row kernels unavailable" in caplog.text
+        model, fixed, opt = make("deepfm", "adagrad", trim=True)
+        ids, vals, dense, y = hashed_batch()
+        loss, _ = fixed(ids, vals, dense, y, opt)
+        assert torch.isfinite(loss) and fixed.scratch is None and fixed.seen.any()
+    finally:
+        cpu_rows.kernels.cache_clear()
+
+
+def test_the_library_is_built_once_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("MARIANA_KERNEL_CACHE", str(tmp_path))
+    cpu_rows.kernels.cache_clear()
+    try:
+        assert cpu_rows.kernels() is not None
+        built = list(tmp_path.glob("rows-*.so"))
+        assert len(built) == 1 and list(tmp_path.iterdir()) == built  # no temporary left behind
+        stamp = built[0].stat().st_mtime_ns
+        cpu_rows.kernels.cache_clear()
+        assert cpu_rows.kernels() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    finally:
+        cpu_rows.kernels.cache_clear()
