@@ -8,7 +8,7 @@ both sides run in the same process on the same batches, alternating blocks of ``
 load change hits both sides of a round alike.
 
 - ``ours``: the step ``pctr train`` runs on a CPU (`apps/pctr/step.py:make_local_step`: `LocalStep` ->
-  `FixedShapeStep` with the trimmed unique-row path, Adagrad rows at 0.05, fused Adam on the dense layers
+  `FixedShapeStep` with the trimmed unique-row path, its table work in `cpu_rows`' C loops, Adagrad rows at 0.05, fused Adam on the dense layers
   at 1e-3, ``--amp off|bf16``), DeepFM on Criteo's layout: 13 bucketed-count + 26 categorical fields of
   ``R`` rows each, rows of 1 + 16 floats, 13 dense features, MLP 637-256-128-1 (the CLI's defaults);
 - ``ours_compiled``: the same with ``--compile on`` (inductor: the fixed-shape step as one compiled C++
@@ -175,9 +175,10 @@ def target_rounds(R: int, B: int, zipf: float, rounds: int, block: int, amps: li
     return res
 
 
-def breakdown(R: int, B: int, zipf: float, amp: str, steps: int = 8, top: int = 8) -> dict:
+def breakdown(R: int, B: int, zipf: float, amp: str, steps: int = 8, top: int = 10) -> dict:
     """Where a step goes (``torch.profiler``, self CPU time per operator, ms per step) for ours and the
-    floor at ``amp``, profiled in turn over ``steps`` steps each: {loop: {"ms_per_step": total,
+    floor at ``amp``, profiled in turn over ``steps`` steps each (ours' C loops appear as ``mariana::*``
+    ranges): {loop: {"ms_per_step": total,
     "ops": [[name, ms per step], ...] (the ``top`` largest)}}."""
     batches = make_batches(R, B, steps, zipf, seed=1)
     out = {}

@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 log = logging.getLogger(__name__)
 
@@ -139,9 +140,10 @@ def gather_split(
     K = weight.shape[1]
     w0 = _empty(scratch, "w0", ids.shape, weight.dtype)
     rest = _empty(scratch, "rest", (*ids.shape, K - 1), weight.dtype)
-    bad = kernels().mariana_gather_split(
-        _p(weight, _F32), weight.shape[0], K, _p(ids, _I64), ids.numel(), _p(w0, _F32), _p(rest, _F32)
-    )
+    with record_function("mariana::gather_split"):  # torch.profiler's breakdowns show the loops by name
+        bad = kernels().mariana_gather_split(
+            _p(weight, _F32), weight.shape[0], K, _p(ids, _I64), ids.numel(), _p(w0, _F32), _p(rest, _F32)
+        )
     if bad >= 0:  # as F.embedding would
         raise IndexError(
             f"index {int(ids.reshape(-1)[bad])} is out of range for a table of {weight.shape[0]} rows"
@@ -162,17 +164,18 @@ def unique_sum(ids: torch.Tensor, g0: torch.Tensor, grest: torch.Tensor, scratch
     rows = scratch.buf("rows", (N,), torch.int64)
     sums = scratch.buf("sums", (N, K), torch.float32)
     slot = scratch.slot
-    U = kernels().mariana_unique_sum(
-        _p(ids, _I64),
-        N,
-        slot.numel(),
-        _p(g0, _F32),
-        _p(grest, _F32),
-        K,
-        _p(slot, ctypes.POINTER(ctypes.c_int32)),
-        _p(rows, _I64),
-        _p(sums, _F32),
-    )
+    with record_function("mariana::unique_sum"):
+        U = kernels().mariana_unique_sum(
+            _p(ids, _I64),
+            N,
+            slot.numel(),
+            _p(g0, _F32),
+            _p(grest, _F32),
+            K,
+            _p(slot, ctypes.POINTER(ctypes.c_int32)),
+            _p(rows, _I64),
+            _p(sums, _F32),
+        )
     if U < 0:
         raise IndexError(f"index {int(ids[-1 - U])} is out of range for a table of {slot.numel()} rows")
     return rows[:U], sums[:U]
@@ -186,16 +189,17 @@ def update_rows(weight, acc, seen, rows, grad, rule: str, lr: float, eps: float,
     sgd) on the distinct ``rows`` [U] with ``grad`` [U, K] (``l2 * row`` added in place first when
     ``l2 > 0``); ``seen[rows] = True``. ``weight`` [R, K] float32."""
     K = weight.shape[1]
-    kernels().mariana_update_rows(
-        _p(weight, _F32),
-        _p(acc, _F32),
-        _p(seen, ctypes.POINTER(ctypes.c_uint8)),
-        K,
-        _p(rows, _I64),
-        rows.numel(),
-        _p(grad, _F32),
-        RULE_CODES[rule],
-        ctypes.c_float(lr),
-        ctypes.c_float(eps),
-        ctypes.c_float(l2),
-    )
+    with record_function("mariana::update_rows"):
+        kernels().mariana_update_rows(
+            _p(weight, _F32),
+            _p(acc, _F32),
+            _p(seen, ctypes.POINTER(ctypes.c_uint8)),
+            K,
+            _p(rows, _I64),
+            rows.numel(),
+            _p(grad, _F32),
+            RULE_CODES[rule],
+            ctypes.c_float(lr),
+            ctypes.c_float(eps),
+            ctypes.c_float(l2),
+        )
