@@ -1,4 +1,4 @@
-"""Shared bits of the benchmarks: machine/version record and result writing."""
+"""Shared bits of the benchmarks: machine/version record, result writing, the plain pCTR model."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch import nn
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -89,3 +90,50 @@ def init_like_ours(weight: torch.Tensor, std: float = 0.01) -> None:
     initialisation, not by its work."""
     weight.normal_(0.0, std)
     weight[:, 0] = 0.0
+
+
+class PlainDeepFM(nn.Module):
+    """The plain PyTorch DeepFM the pCTR benchmarks compare with: one ``nn.EmbeddingBag(sum,
+    sparse=True)`` over ``fields x R`` rows of ``1 + dim`` floats (column 0 the linear weight; started as
+    ours, `init_like_ours`), FM, an MLP ``fields * dim + num_dense -> hidden... -> 1`` (ReLU) and, with
+    dense features, a linear term on them.
+
+    ``forward(ids [B, fields] int64, dense [B, num_dense] or None) -> logits [B]``; ``offsets``: ids are
+    per field in ``[0, R)`` (field f's rows start at ``f R``), else already table rows. ``floor``: the rows
+    are detached from the table (their gradient is computed, nothing reaches the table): the cost of
+    every step of this model but the table's own work."""
+
+    def __init__(
+        self,
+        fields: int,
+        R: int,
+        dim: int,
+        hidden,
+        num_dense: int = 0,
+        *,
+        offsets: bool = True,
+        floor: bool = False,
+    ):
+        super().__init__()
+        self.fields, self.dim, self.offsets, self.floor = fields, dim, offsets, floor
+        self.emb = nn.EmbeddingBag(fields * R, 1 + dim, mode="sum", sparse=True)
+        init_like_ours(self.emb.weight)
+        self.register_buffer("base", torch.arange(fields) * R)
+        sizes = [fields * dim + num_dense, *hidden]
+        layers: list[nn.Module] = []
+        for a, b in zip(sizes[:-1], sizes[1:]):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        self.mlp, self.head = nn.Sequential(*layers), nn.Linear(sizes[-1], 1)
+        self.dense_linear = nn.Linear(num_dense, 1) if num_dense else None
+
+    def forward(self, ids: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:
+        rows = ids + self.base if self.offsets else ids
+        rows = self.emb(rows.reshape(-1, 1)).view(ids.shape[0], self.fields, 1 + self.dim)
+        if self.floor:
+            rows = rows.detach().requires_grad_()
+        lin, e = rows[..., 0].sum(1), rows[..., 1:]
+        s = e.sum(1)
+        fm = 0.5 * (s * s - (e * e).sum(1)).sum(1)
+        x = e.flatten(1) if self.dense_linear is None else torch.cat([e.flatten(1), dense], 1)
+        out = lin + fm + self.head(self.mlp(x)).squeeze(1)
+        return out if self.dense_linear is None else out + self.dense_linear(dense).squeeze(1)

@@ -38,7 +38,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import init_like_ours  # noqa: E402
+from common import PlainDeepFM  # noqa: E402
 from mariana.apps.pctr.configs import PctrConfig  # noqa: E402
 from mariana.apps.pctr.data import Batch, Schema  # noqa: E402
 from mariana.apps.pctr.step import make_local_step  # noqa: E402
@@ -80,35 +80,9 @@ def ours_loop(R: int, amp: str, compile: str = "auto"):
     return lambda b: step.train_step([b])
 
 
-class Plain(nn.Module):
-    """DeepFM at the same shapes on ``nn.EmbeddingBag``; ``floor``: rows detached from the table."""
-
-    def __init__(self, R: int, floor: bool):
-        super().__init__()
-        self.floor = floor
-        self.emb = nn.EmbeddingBag(FIELDS * R, 1 + DIM, mode="sum", sparse=True)
-        init_like_ours(self.emb.weight)
-        sizes = [FIELDS * DIM + DENSE, *HIDDEN]
-        layers: list[nn.Module] = []
-        for a, b in zip(sizes[:-1], sizes[1:]):
-            layers += [nn.Linear(a, b), nn.ReLU()]
-        self.mlp, self.head = nn.Sequential(*layers), nn.Linear(sizes[-1], 1)
-        self.dense_linear = nn.Linear(DENSE, 1)
-
-    def forward(self, ids, dense):
-        rows = self.emb(ids.reshape(-1, 1)).view(ids.shape[0], FIELDS, 1 + DIM)
-        if self.floor:
-            rows = rows.detach().requires_grad_()
-        lin, e = rows[..., 0].sum(1), rows[..., 1:]
-        s = e.sum(1)
-        fm = 0.5 * (s * s - (e * e).sum(1)).sum(1)
-        deep = self.head(self.mlp(torch.cat([e.flatten(1), dense], 1))).squeeze(1)
-        return lin + self.dense_linear(dense).squeeze(1) + fm + deep
-
-
 def plain_loop(R: int, amp: str, floor: bool):
     torch.manual_seed(0)
-    m = Plain(R, floor)
+    m = PlainDeepFM(FIELDS, R, DIM, HIDDEN, DENSE, offsets=False, floor=floor)
     opts = [
         torch.optim.Adam([p for n, p in m.named_parameters() if not n.startswith("emb")], 1e-3, fused=True)
     ]

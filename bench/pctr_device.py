@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 import torch
-from common import init_like_ours
+from common import PlainDeepFM
 from mariana.apps.pctr.data import Batch
 from torch import nn
 from torch._dynamo.utils import counters
@@ -78,29 +78,8 @@ def ours_step(R: int, dim: int, hidden, device, compile: str = "auto"):
 
 
 def plain_step(R: int, dim: int, hidden, device):
-    class Plain(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.EmbeddingBag(F_ * R, 1 + dim, mode="sum", sparse=True)
-            init_like_ours(self.emb.weight)
-            self.register_buffer("base", torch.arange(F_) * R)
-            sizes = [F_ * dim + D_, *hidden]
-            layers: list[nn.Module] = []
-            for a, b in zip(sizes[:-1], sizes[1:]):
-                layers += [nn.Linear(a, b), nn.ReLU()]
-            self.mlp, self.head = nn.Sequential(*layers), nn.Linear(sizes[-1], 1)
-            self.dense_linear = nn.Linear(D_, 1)
-
-        def forward(self, x, dense):
-            rows = self.emb((x + self.base).reshape(-1, 1)).view(x.shape[0], F_, 1 + dim)
-            lin, e = rows[..., 0].sum(1), rows[..., 1:]
-            s = e.sum(1)
-            fm = 0.5 * (s * s - (e * e).sum(1)).sum(1)
-            deep = self.head(self.mlp(torch.cat([e.flatten(1), dense], 1))).squeeze(1)
-            return lin + self.dense_linear(dense).squeeze(1) + fm + deep
-
     torch.manual_seed(0)
-    m = Plain().to(device)
+    m = PlainDeepFM(F_, R, dim, hidden, D_).to(device)
     dense = [p for n, p in m.named_parameters() if not n.startswith("emb")]
     opts = [  # Adam at its fastest on a GPU (fused, one kernel), as our dense optimiser
         torch.optim.Adagrad([m.emb.weight], lr=0.05),

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import init_like_ours, median_round, write_result  # noqa: E402
+from common import PlainDeepFM, median_round, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,28 +84,7 @@ def plain_loop(
     these shapes, everything but the table's own work (rows are looked up and their gradient is computed,
     but it is not scattered into the table and no row is updated)."""
 
-    class Plain(nn.Module):
-        """One EmbeddingBag over the 26 fields' rows (per-field offsets), column 0 = linear weight."""
-
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.EmbeddingBag(26 * R, 1 + dim, mode="sum", sparse=True)
-            init_like_ours(self.emb.weight)
-            self.register_buffer("base", torch.arange(26) * R)
-            self.mlp = nn.Sequential(nn.Linear(26 * dim, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU())
-            self.head = nn.Linear(128, 1)
-
-        def forward(self, x):
-            rows = self.emb((x + self.base).reshape(-1, 1)).view(x.shape[0], 26, 1 + dim)
-            if floor:
-                rows = rows.detach().requires_grad_()
-            lin, e = rows[..., 0].sum(1), rows[..., 1:]
-            s = e.sum(1)
-            fm = 0.5 * (s * s - (e * e).sum(1)).sum(1)
-            return lin + fm + self.head(self.mlp(e.flatten(1))).squeeze(1)
-
-    floor = rows == "none"
-    m = Plain()
+    m = PlainDeepFM(26, R, dim, (256, 128), floor=rows == "none")
     sparse_p = [m.emb.weight]
     dense_p = [p for n, p in m.named_parameters() if not n.startswith("emb")]
     opts = [torch.optim.Adam(dense_p, lr=1e-3)]
