@@ -126,20 +126,35 @@ def test_the_eager_step_gives_the_torch_ops_numbers(kind, rule, clip, monkeypatc
     assert torch.equal(seen_a, seen_b) and seen_a.any()
 
 
-def test_without_a_compiler_the_step_keeps_torch_ops(tmp_path, monkeypatch, caplog):
+class Records(logging.Handler):
+    """The records of the platform's logger (its own handler: the logger does not propagate to the root
+    once a CLI in this process has set it up)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.seen: list[str] = []
+
+    def emit(self, record):
+        self.seen.append(record.getMessage())
+
+
+def test_without_a_compiler_the_step_keeps_torch_ops(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("MARIANA_KERNEL_CACHE", str(tmp_path / "cache"))
     cpu_rows.kernels.cache_clear()
+    records = Records()
+    cpu_rows.log.addHandler(records)
     try:
-        with caplog.at_level(logging.WARNING):
-            assert cpu_rows.kernels() is None
-            assert not cpu_rows.usable(torch.zeros(4, 3))
-        assert "C row kernels unavailable" in caplog.text
+        assert cpu_rows.kernels() is None
+        assert not cpu_rows.usable(torch.zeros(4, 3))
+        assert len(records.seen) == 1 and "C row kernels unavailable" in records.seen[0]
+        assert "no-such-cc" in records.seen[0]  # the reason, named
         model, fixed, opt = make("deepfm", "adagrad", trim=True)
         ids, vals, dense, y = hashed_batch()
         loss, _ = fixed(ids, vals, dense, y, opt)
         assert torch.isfinite(loss) and fixed.scratch is None and fixed.seen.any()
     finally:
+        cpu_rows.log.removeHandler(records)
         cpu_rows.kernels.cache_clear()
 
 
@@ -153,5 +168,19 @@ def test_the_library_is_built_once_and_reused(tmp_path, monkeypatch):
         stamp = built[0].stat().st_mtime_ns
         cpu_rows.kernels.cache_clear()
         assert cpu_rows.kernels() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    finally:
+        cpu_rows.kernels.cache_clear()
+
+
+def test_a_cache_folder_that_cannot_be_written_falls_back_to_the_temporary_one(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("MARIANA_KERNEL_CACHE", str(blocked / "kernels"))
+    monkeypatch.setattr(cpu_rows.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    cpu_rows.kernels.cache_clear()
+    try:
+        assert cpu_rows.kernels() is not None
+        assert len(list((tmp_path / "tmp").glob("mariana-kernels-*/rows-*.so"))) == 1
     finally:
         cpu_rows.kernels.cache_clear()

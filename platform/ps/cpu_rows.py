@@ -9,8 +9,8 @@ in one pass each (same operations per element, same order of additions per row: 
 for Adagrad's square root, correctly rounded here, see `tests/test_cpu_rows.py`).
 
 `kernels()` builds `rows.c` with the system C compiler (``$CC``, else ``cc``) the first time, into
-``$MARIANA_KERNEL_CACHE`` (default ``~/.cache/mariana/kernels``), one file per source, flags and
-machine, written atomically; later processes load it. No compiler, a failed build, or
+``$MARIANA_KERNEL_CACHE`` (default ``~/.cache/mariana/kernels``; the temporary directory if that cannot
+be written), one file per source, flags and machine, written atomically; later processes load it. No compiler, a failed build, or
 ``MARIANA_CPU_KERNELS=off``: None, and the step keeps its torch ops (one warning line per process).
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("mariana")
 
 SOURCE = Path(__file__).with_name("rows.c")
 # -ffp-contract=off: no multiply-add the source does not write (fmaf where torch's kernels fuse)
@@ -38,8 +38,19 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-share
 _I64, _F32 = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_float)
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("MARIANA_KERNEL_CACHE") or Path.home() / ".cache" / "mariana" / "kernels")
+def _cache_dirs() -> list[Path]:
+    """Where the library may live: ``$MARIANA_KERNEL_CACHE`` or ``~/.cache/mariana/kernels``, then (a
+    home that cannot be written) the temporary directory."""
+    first = os.environ.get("MARIANA_KERNEL_CACHE") or Path.home() / ".cache" / "mariana" / "kernels"
+    return [Path(first), Path(tempfile.gettempdir()) / f"mariana-kernels-{os.getuid()}"]
+
+
+def _private(folder: Path) -> bool:
+    """``folder`` is ours to load code from: made now (mode 0700) or already owned by this user and
+    writable by nobody else (a shared temporary directory could hold another user's folder)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = folder.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _build(cc: str) -> Path:
@@ -47,11 +58,26 @@ def _build(cc: str) -> Path:
     text = SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), version.encode(), _cpu_id()]))
-    out = _cache_dir() / f"rows-{key.hexdigest()[:16]}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    name = f"rows-{key.hexdigest()[:16]}.so"
+    folders = []
+    for folder in _cache_dirs():
+        try:
+            if _private(folder):
+                folders.append(folder)
+        except OSError:
+            continue
+    for folder in folders:
+        if (folder / name).exists():
+            return folder / name
+    for folder in folders:
+        try:
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+            break
+        except OSError:
+            continue
+    else:
+        raise OSError(f"no writable folder for the library among {', '.join(map(str, _cache_dirs()))}")
+    out = folder / name
     os.close(fd)
     try:
         subprocess.run(
