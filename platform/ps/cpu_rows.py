@@ -1,17 +1,19 @@
 """The CPU step's table work as three C loops (`rows.c`): gather, distinct rows + per-row sums, row update.
 
-On the CPU the eager step's table side is a chain of torch ops: ``torch.unique`` (a sort), an
+On the CPU the eager step's table side was a chain of torch ops: ``torch.unique`` (a sort), an
 ``index_add_`` per part, and a gather and a scatter per tensor of the row optimiser. At Criteo's shapes
-(batch 2048 x 39 fields, rows of 17 floats) they took 9-11 ms of a 34 ms step on 2 cores, the step
-that must come within 0.8x of the dense layers alone (issue 32). FBGEMM's fused CPU kernels, the field's
+(batch 2048 x 39 fields, rows of 17 floats) they took 11.2 of the 32.2 ms of operator time of a bf16 step
+on 2 cores (`torch.profiler`, `bench/pctr_cpu_floor.py`'s breakdown at af10d07), the step that must come
+within 0.8x of the dense layers alone (issue 32); these loops take 4-5 ms together. FBGEMM's fused CPU kernels, the field's
 library for this, measured 0.53x our step (`bench/pctr_fbgemm.py`). These loops do the same arithmetic
 in one pass each (same operations per element, same order of additions per row: the same numbers but
 for Adagrad's square root, correctly rounded here, see `tests/test_cpu_rows.py`).
 
 `kernels()` builds `rows.c` with the system C compiler (``$CC``, else ``cc``) the first time, into
-``$MARIANA_KERNEL_CACHE`` (default ``~/.cache/mariana/kernels``; the temporary directory if that cannot
-be written), one file per source, flags and machine, written atomically; later processes load it. No compiler, a failed build, or
-``MARIANA_CPU_KERNELS=off``: None, and the step keeps its torch ops (one warning line per process).
+``$MARIANA_KERNEL_CACHE`` (default ``~/.cache/mariana/kernels``; a per-user temporary folder if that
+cannot be written), one file per source, flags and machine, written atomically; later processes load
+it. No compiler, a failed build, or ``MARIANA_CPU_KERNELS=off``: None, and the step keeps its torch ops
+(one warning line per process).
 """
 
 from __future__ import annotations
@@ -59,24 +61,20 @@ def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), version.encode(), _cpu_id()]))
     name = f"rows-{key.hexdigest()[:16]}.so"
-    folders = []
     for folder in _cache_dirs():
         try:
-            if _private(folder):
-                folders.append(folder)
-        except OSError:
-            continue
-    for folder in folders:
-        if (folder / name).exists():
-            return folder / name
-    for folder in folders:
-        try:
+            if not _private(folder):
+                continue
+            if (folder / name).exists():
+                return folder / name
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
             break
         except OSError:
             continue
     else:
-        raise OSError(f"no writable folder for the library among {', '.join(map(str, _cache_dirs()))}")
+        raise OSError(
+            f"no writable private folder for the library among {', '.join(map(str, _cache_dirs()))}"
+        )
     out = folder / name
     os.close(fd)
     try:
@@ -114,9 +112,7 @@ def kernels() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(_build(cc)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        log.warning(
-            "mariana: C row kernels unavailable (%s); the CPU step uses torch ops", detail.strip()[:200]
-        )
+        log.warning("C row kernels unavailable (%s); the CPU step uses torch ops", detail.strip()[:200])
         return None
     lib.mariana_unique_sum.restype = lib.mariana_gather_split.restype = ctypes.c_int64
     return lib
@@ -139,8 +135,9 @@ def _p(t: torch.Tensor, kind):
 class Scratch:
     """What the loops reuse from step to step for a table of ``num_rows`` rows: ``slot`` [R] int32 (-1
     between calls) and output buffers by name, made anew only when a shape changes. A fresh buffer of
-    a few MB each step costs its page faults (about 1,300 of them for a 5 MB tensor: ~1 ms a step on this
-    VM). A buffer's contents live until the next step asks for the same name."""
+    a few MB each step costs its page faults (1,280 for a 5 MB tensor); reusing them took an fp32 step at
+    Criteo's shapes from 29.7 to 26.0 ms (20 steps, 2026-11-27). A buffer's contents live until the next
+    step asks for the same name."""
 
     def __init__(self, num_rows: int):
         self.slot = torch.full((num_rows,), -1, dtype=torch.int32)
@@ -153,19 +150,15 @@ class Scratch:
         return t
 
 
-def _empty(scratch: Scratch | None, name: str, shape, dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype) if scratch is None else scratch.buf(name, tuple(shape), dtype)
-
-
 def gather_split(
-    weight: torch.Tensor, ids: torch.Tensor, scratch: Scratch | None = None
+    weight: torch.Tensor, ids: torch.Tensor, scratch: Scratch
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weight[ids, 0] [*ids.shape], weight[ids, 1:] [*ids.shape, K - 1])``, both contiguous (in
-    ``scratch``'s buffers when given); IndexError for an id outside the table."""
+    """``(weight[ids, 0] [*ids.shape], weight[ids, 1:] [*ids.shape, K - 1])``, both contiguous, in
+    ``scratch``'s buffers; IndexError for an id outside the table."""
     ids = ids.to(torch.int64).contiguous()
     K = weight.shape[1]
-    w0 = _empty(scratch, "w0", ids.shape, weight.dtype)
-    rest = _empty(scratch, "rest", (*ids.shape, K - 1), weight.dtype)
+    w0 = scratch.buf("w0", tuple(ids.shape), weight.dtype)
+    rest = scratch.buf("rest", (*ids.shape, K - 1), weight.dtype)
     with record_function("mariana::gather_split"):  # torch.profiler's breakdowns show the loops by name
         bad = kernels().mariana_gather_split(
             _p(weight, _F32), weight.shape[0], K, _p(ids, _I64), ids.numel(), _p(w0, _F32), _p(rest, _F32)

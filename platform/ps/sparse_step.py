@@ -283,20 +283,19 @@ class FixedShapeStep:
         gp, gw, ge, loss = self.autograd_grads(w0, e0, v, dense, labels)
         rows, row_grad = cpu_rows.unique_sum(ids, gw.to(weight.dtype), ge.to(weight.dtype), self.scratch)
         dense_grads = self.dense_grads(params, gp)
-        l2 = self.l2_emb
-        if self.clip_grad > 0:  # the norm covers the regularised row gradients: add them first
-            if l2 > 0:
-                row_grad.add_(weight.index_select(0, rows), alpha=l2)
-            l2 = 0.0
+        # l2_emb inside the C update, unless clipping's norm must include it first or the rule is not in C
+        fused_l2 = row_opt.rule in cpu_rows.RULE_CODES and self.clip_grad == 0
+        if self.l2_emb > 0 and not fused_l2:
+            row_grad.add_(weight.index_select(0, rows), alpha=self.l2_emb)
+        if self.clip_grad > 0:
             clip_([row_grad, *(g for g in dense_grads if g is not None)], self.clip_grad)
         if row_opt.rule in cpu_rows.RULE_CODES:
-            acc = self.state.get("acc", weight)
+            acc = self.state.get("acc", weight)  # sgd has no accumulator: any float32 [R, K] tensor
+            l2 = self.l2_emb if fused_l2 else 0.0
             cpu_rows.update_rows(
                 weight, acc, self.seen, rows, row_grad, row_opt.rule, row_opt.lr, row_opt.eps, l2
             )
         else:
-            if l2 > 0:
-                row_grad.add_(weight.index_select(0, rows), alpha=l2)
             apply_rows(weight, self.state, rows, row_grad, row_opt)
             self.seen.index_fill_(0, rows, True)
         return loss.detach(), dense_grads
