@@ -19,19 +19,19 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.listen import LOOPBACK
 from mariana.platform.core.registry import serving_apps
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .batcher import MicroBatcher, Overloaded
-from .context import AppContext, error
+from .context import AppContext, ServeConfig, error
 from .metrics import Registry
 from .models import ModelSlot, serving_spec, watch
 
@@ -39,41 +39,6 @@ log = logging.getLogger("mariana.serving")
 
 SMALL_BODY = 64 * 1024  # routes without a payload (health, metrics, admin)
 GENERIC_PATHS = ("/healthz", "/metrics", "/v1/admin/reload")
-LOOPBACK = {"127.0.0.1", "::1", "testclient"}
-
-
-@dataclass
-class ServeConfig:
-    """Everything ``mariana serve`` passes to the app (also JSON-serialisable for ``--workers N``)."""
-
-    models: dict[str, str] = field(default_factory=dict)  # app name -> run directory
-    max_batch: int = 2048  # instances per model call
-    max_wait_ms: float = 1.0  # longest a queued request waits for requests already in the server
-    max_instances: int = 10_000  # per request
-    max_body_bytes: int = 16 * 1024 * 1024  # JSON prediction bodies
-    max_upload_bytes: int = 16 * 1024 * 1024  # file uploads (audio, images)
-    max_queue: int = 200_000  # instances waiting before requests are refused with 429
-    inline_max: int = 64  # micro-batches up to this size run on the event loop thread (no thread hop)
-    threads: int = 0  # torch intra-op threads; 0 = cores / workers
-    workers: int = 1
-    watch: bool = False
-    watch_interval_s: float = 2.0
-    # POST /v1/admin/reload may switch only to run dirs inside these folders (symlinks resolved); empty:
-    # the folders holding the run dirs served at start (runs/day1 -> any run under runs/)
-    reload_roots: list[str] = field(default_factory=list)
-    token: str | None = None  # bearer token: needed by /v1/admin/* always, by anything from off loopback
-
-    def roots(self) -> list[Path]:
-        """The resolved folders ``/v1/admin/reload`` may take a run dir from."""
-        dirs = self.reload_roots or [str(Path(d).resolve().parent) for d in self.models.values()]
-        return [Path(d).resolve() for d in dirs]
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> "ServeConfig":
-        return cls(**json.loads(text))
 
 
 def set_threads(cfg: ServeConfig) -> int:

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import uvicorn
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.listen import bind, check_host
 from mariana.platform.core.registry import serving_apps
 from mariana.platform.jobs.client import read_token
 from uvicorn.supervisors import Multiprocess
 
-from .app import ServeConfig, create_app
+from .app import create_app
 from .cli import app_dest
+from .context import ServeConfig
 from .models import load_model
-
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def serve(args: argparse.Namespace, argv: list[str]) -> int:
@@ -32,6 +32,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     if cfg.watch:
         wait_for_exports(cfg.models, cfg.watch_interval_s)
     sock = bind(args.host, args.port)
+    sock.set_inheritable(True)  # shared with uvicorn's worker processes
     host, port = args.host, sock.getsockname()[1]  # --port 0: the port the kernel picked
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     common = dict(
@@ -86,11 +87,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         raise MarianaError(f"nothing to serve: give at least one of {flags}")
     _check_limits(args)
     token = read_token(args.token_file) if args.token_file else None
-    if args.host not in _LOOPBACK and not token:
-        raise MarianaError(
-            f"--host {args.host} is reachable from other machines: give --token-file FILE (a secret that "
-            "requests from other hosts and every /v1/admin request must present), or bind 127.0.0.1"
-        )
+    check_host(args.host, token, "requests from other hosts and every /v1/admin request")
     for root in args.reload_root or []:
         if not os.path.isdir(root):
             raise MarianaError(f"--reload-root {root}: no such directory")
@@ -146,20 +143,3 @@ def wait_for_exports(models: dict[str, str], interval_s: float) -> None:
         print(f"waiting for the first exported model of {runs} (--watch)", flush=True)
     while any(not (p / "model.safetensors").is_file() for p in waiting.values()):
         time.sleep(interval_s)
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (port 0: any free port), shared with uvicorn's workers; a port in
-    use or an address that is not this machine's is a one-line error."""
-    # proto IPPROTO_TCP, as asyncio's own listening sockets: asyncio sets TCP_NODELAY only on accepted
-    # sockets of that proto, and without it small responses wait for the client's delayed ACK (Nagle)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise MarianaError(f"--host {host} --port {port}: cannot bind ({e.strerror or e})") from None
-    sock.set_inheritable(True)
-    return sock

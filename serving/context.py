@@ -1,17 +1,22 @@
-"""What an app's REST routes get from the server: `AppContext`, plus the JSON error reply every route uses.
+"""What an app's REST routes get from the server: `AppContext`, the server's `ServeConfig`, and the JSON
+error reply every route uses.
 
 ``mariana serve`` calls each servable app's ``AppSpec.routes`` function with one `AppContext` and mounts
 the `fastapi.APIRouter` it returns. The context holds the app's `ModelSlot` (None when the command line gave
 no model of that app: the routes then answer `not_served`), the server config and metrics, and the app's
 inference thread; the routes declare through it how large their request bodies may be and which of them
-are micro-batched, which the server's middleware enforces and its lifespan starts and stops.
+are micro-batched, which the server's middleware enforces and its lifespan starts and stops. `ServeConfig`
+lives here rather than in `app` so that this module, which `app` imports, imports nothing back from it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse
@@ -19,9 +24,42 @@ from fastapi.responses import JSONResponse
 from .batcher import MicroBatcher
 
 if TYPE_CHECKING:
-    from .app import ServeConfig
     from .metrics import Registry
     from .models import ModelSlot
+
+
+@dataclass
+class ServeConfig:
+    """Everything ``mariana serve`` passes to the app (also JSON-serialisable for ``--workers N``)."""
+
+    models: dict[str, str] = field(default_factory=dict)  # app name -> run directory
+    max_batch: int = 2048  # instances per model call
+    max_wait_ms: float = 1.0  # longest a queued request waits for requests already in the server
+    max_instances: int = 10_000  # per request
+    max_body_bytes: int = 16 * 1024 * 1024  # JSON prediction bodies
+    max_upload_bytes: int = 16 * 1024 * 1024  # file uploads (audio, images)
+    max_queue: int = 200_000  # instances waiting before requests are refused with 429
+    inline_max: int = 64  # micro-batches up to this size run on the event loop thread (no thread hop)
+    threads: int = 0  # torch intra-op threads; 0 = cores / workers
+    workers: int = 1
+    watch: bool = False
+    watch_interval_s: float = 2.0
+    # POST /v1/admin/reload may switch only to run dirs inside these folders (symlinks resolved); empty:
+    # the folders holding the run dirs served at start (runs/day1 -> any run under runs/)
+    reload_roots: list[str] = field(default_factory=list)
+    token: str | None = None  # bearer token: needed by /v1/admin/* always, by anything from off loopback
+
+    def roots(self) -> list[Path]:
+        """The resolved folders ``/v1/admin/reload`` may take a run dir from."""
+        dirs = self.reload_roots or [str(Path(d).resolve().parent) for d in self.models.values()]
+        return [Path(d).resolve() for d in dirs]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ServeConfig:
+        return cls(**json.loads(text))
 
 
 def error(status: int, message: str, **extra) -> JSONResponse:

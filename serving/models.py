@@ -68,24 +68,23 @@ def serving_spec(app: str) -> AppSpec:
     return spec
 
 
-def load_model(app: str, run_dir: str | Path, loader: Callable[[str], Any] | None = None) -> Loaded:
-    """Load ``app``'s model from ``run_dir`` with the app's serving loader (or ``loader``); raises
-    MarianaError (naming the run dir) when it cannot."""
-    spec = serving_spec(app) if loader is None else find_app(app)
-    load = loader or spec.load
+def load_model(app: str, run_dir: str | Path) -> Loaded:
+    """Load ``app``'s model from ``run_dir`` with the app's serving loader; raises MarianaError (naming the
+    run dir) when it cannot."""
+    spec = serving_spec(app)
     run_dir = str(run_dir)
     if not Path(run_dir).exists():
         raise MarianaError(f"--{app} {run_dir}: no such run directory")
     sig = files_signature(run_dir)  # before loading: a change during the load triggers another reload
     try:
-        obj = load(run_dir)
+        obj = spec.load(run_dir)
     except MarianaError as e:
         raise MarianaError(f"--{app} {run_dir}: {e}") from None
     except ModuleNotFoundError as e:
         raise MarianaError(f"--{app}: this build has no {app} inference module ({e.name})") from None
     except Exception as e:  # noqa: BLE001  -- any loader failure means "refuse this model"
         raise MarianaError(f"--{app} {run_dir}: model failed to load: {type(e).__name__}: {e}") from None
-    missing = [m for m in (spec.requires if spec else ()) if not callable(getattr(obj, m, None))]
+    missing = [m for m in spec.requires if not callable(getattr(obj, m, None))]
     if missing:
         raise MarianaError(f"--{app} {run_dir}: loaded object lacks {', '.join(missing)}()")
     version = getattr(obj, "version", None)
@@ -101,11 +100,10 @@ class ModelSlot:
         self,
         app: str,
         run_dir: str,
-        loader: Callable[[str], Any] | None = None,
         on_change: Callable[[Loaded], None] | None = None,
         on_reload: Callable[[str], None] | None = None,
     ):
-        self.app, self.loader, self.on_change, self.on_reload = app, loader, on_change, on_reload
+        self.app, self.on_change, self.on_reload = app, on_change, on_reload
         self._reload_lock = threading.Lock()  # one reload at a time; serving never takes it
         self.current: Loaded = self._load(run_dir)
         self._last_failed_sig: tuple | None = None
@@ -113,7 +111,7 @@ class ModelSlot:
             on_change(self.current)
 
     def _load(self, run_dir: str) -> Loaded:
-        return load_model(self.app, run_dir, self.loader)
+        return load_model(self.app, run_dir)
 
     def reload_sync(self, run_dir: str | None = None) -> tuple[Loaded, Loaded]:
         """Load ``run_dir`` (default: the current run dir) and swap it in; returns (old, new).

@@ -9,7 +9,13 @@ import re
 
 import pytest
 from cliwalk import leaf_parsers, run_main
-from mariana.platform.cli.outputs import MARKER, output_actions
+from mariana.platform.cli.outputs import MARKER
+
+
+def output_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The actions of ``parser`` marked by `mark_output` (which sets their ``output``)."""
+    return [a for a in parser._actions if getattr(a, "output", None)]
+
 
 OUTPUTS = [(path, a) for path, p in leaf_parsers() for a in output_actions(p)]
 # flags that name a path written into but are not guarded, with why

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from mariana.platform.core.faults import FaultInjector
+from mariana.platform.core import faults
 from mariana.platform.core.loop import Trainer
 from mariana.platform.core.rundir import RunDir
 from mariana.platform.core.steps import ModuleStep
@@ -55,31 +55,43 @@ def test_train_now_file_by_file_equals_one_fit_over_all_batches(tmp_path):
     )
 
 
-def test_the_loops_fault_hook_fires_before_the_given_step(tmp_path):
-    """``Trainer(faults=...)``: a planted ``raise`` before step 3 stops the run after exactly 2 steps."""
+@pytest.fixture
+def fault_env(monkeypatch):
+    """Sets ``MARIANA_FAULT`` for this process (rank 0, a first attempt, no role until the test names one)."""
+    for name in ("RANK", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(faults, "_roles", {})
+    return lambda spec: monkeypatch.setenv(faults.ENV, spec)
+
+
+def test_the_loops_fault_hook_fires_before_the_given_step(tmp_path, fault_env):
+    """The Trainer's injection point: ``MARIANA_FAULT=raise:rank=0:step=3`` stops the run after exactly 2
+    steps."""
+    fault_env("raise:rank=0:step=3")
     cfg = cfg_(tmp_path, max_steps=5, log_every=1)
     torch.manual_seed(0)
     model, ctx = torch.nn.Linear(4, 1), DistContext()
-    faults = FaultInjector.at_events({3: "raise"})
-    trainer = Trainer(
-        cfg, ModuleStep(cfg, model, mse, ctx), Loader(5, 8), ctx, RunDir(tmp_path), faults=faults
-    )
+    trainer = Trainer(cfg, ModuleStep(cfg, model, mse, ctx), Loader(5, 8), ctx, RunDir(tmp_path))
     with pytest.raises(ValueError, match="injected fault before step 3"):
         trainer.fit()
     assert trainer.step == 2
 
 
-def test_the_servers_fault_hook_fires_before_the_given_push():
-    """``ParamServer(faults=...)``: the 2nd push raises before it is applied; the 1st was applied."""
+def test_the_servers_fault_hook_fires_before_the_given_push(fault_env):
+    """The server's injection point: with ``MARIANA_FAULT=raise:server=0:push=2`` in server 0's process,
+    the 2nd push raises before it is applied; the 1st was applied. A malformed kind is refused."""
+    fault_env("raise:server=0:push=2")
+    faults.set_role("server", 0)
     spec = TableSpec("t", 4, 2)
     shard = EmbeddingShard([spec], 0, 1, RowOptConfig(rule="sgd", lr=1.0), seed=0)
     before = shard.weight["t"].clone()
-    server = ParamServer(0, 1, 1, shard, None, faults=FaultInjector.at_events({2: "raise"}, "push"))
+    server = ParamServer(0, 1, 1, shard, None)
     grad = [("t", torch.tensor([1]), torch.ones(1, 2))]
     server.push(grad, None, worker=0, step=0)
     with pytest.raises(ValueError, match="injected fault before push 2"):
         server.push(grad, None, worker=0, step=1)
     assert server.counters["pushes"] == 1
     torch.testing.assert_close(shard.weight["t"][1], before[1] - 1.0)
-    with pytest.raises(ValueError, match="fault kinds"):
-        FaultInjector.at_events({1: "explode"})
+    fault_env("explode:server=0:push=1")
+    with pytest.raises(ValueError, match="KIND one of kill, raise, hang"):
+        faults.FaultInjector("push")

@@ -69,11 +69,6 @@ def command_of(args: argparse.Namespace, dest: str = "out") -> tuple[str, str]:
     return (spec[1], spec[2]) if spec else ("", "run")
 
 
-def output_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    """The actions of ``parser`` marked by `mark_output`."""
-    return [a for a in parser._actions if getattr(a, "output", None)]
-
-
 def owner(folder: Path) -> str | None:
     """The command named by ``folder``'s marker, or None (no marker, or an unreadable one)."""
     try:

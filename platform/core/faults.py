@@ -23,16 +23,13 @@ finish. Examples::
 A malformed entry raises ``ValueError`` naming it (a typo must not silently test nothing). Unset in normal
 use; checked with one dict lookup per step or push.
 
-Injection points: the components that offer one take a `FaultInjector` as a constructor argument
-(default: one read from ``MARIANA_FAULT``) and call ``maybe_fire(n)`` at their event; nothing replaces
-their methods at run time.
+Injection points: each holds a `FaultInjector` read from ``MARIANA_FAULT`` when it is built and calls
+``maybe_fire(n)`` at its event; nothing replaces their methods at run time.
 
-- `mariana.platform.core.loop.Trainer` (``faults=``): ``step`` events, before each optimizer step (``n``:
-  the 1-based step about to run), in `Trainer.fit` and `Trainer.train_now`;
-- `mariana.platform.ps.server.ParamServer` (``faults=``): ``push`` events, before the server applies its
-  ``n``-th push (replays included).
-
-A test may pass its own injector instead of the environment, e.g. ``FaultInjector.at_events({3: "raise"})``.
+- `mariana.platform.core.loop.Trainer`: ``step`` events, before each optimizer step (``n``: the 1-based
+  step about to run), in `Trainer.fit` and `Trainer.train_now`;
+- `mariana.platform.ps.server.ParamServer`: ``push`` events, before the server applies its ``n``-th push
+  (replays included).
 """
 
 from __future__ import annotations
@@ -85,16 +82,6 @@ def _this_process() -> dict[str, int]:
 class FaultInjector:
     """The faults of this process for one kind of event (``"step"`` or ``"push"``): ``at`` maps the
     1-based event number to the fault's kind."""
-
-    @classmethod
-    def at_events(cls, at: dict[int, str], event: str = "step") -> FaultInjector:
-        """An injector with the given faults (``{n: kind}``), whatever ``MARIANA_FAULT`` says."""
-        bad = {k for k in at.values() if k not in KINDS}
-        if bad:
-            raise ValueError(f"fault kinds must be among {', '.join(KINDS)}, got {sorted(bad)}")
-        inj = cls.__new__(cls)
-        inj.event, inj.at = event, dict(at)
-        return inj
 
     def __init__(self, event: str = "step"):
         if event not in WHEN:

@@ -19,9 +19,8 @@ def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter]) -> t
     """The optimizer named by ``cfg.optimizer`` (sgd | adam | adamw) over the trainable ``params``.
 
     Uses PyTorch's fused kernels (one pass over each parameter instead of one per arithmetic op) when every
-    parameter is a floating-point CPU or CUDA tensor: a plain training loop of the 50.7M-parameter ASR DNN
-    on 2 CPU cores steps in 0.920 s with fused AdamW vs 1.031 s with the default multi-tensor kernels
-    (`bench/asr_throughput.py --preset mariana --steps 12 --warmup 3`, its two plain rows)."""
+    parameter is a floating-point CPU or CUDA tensor, which steps faster than the default multi-tensor
+    kernels (`platform/README.md`, "Measured choices")."""
     params = [p for p in params if p.requires_grad]
     kw = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
     if fused_supported(params):

@@ -4,41 +4,22 @@ a socket bound here, so a bad --host/--port is one clear line before anything st
 from __future__ import annotations
 
 import os
-import socket
 
 import uvicorn
 from mariana.platform.cli.main import build_parser
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.listen import bind, check_host
 from sqlalchemy.exc import ArgumentError, OperationalError
 
 from .client import read_token
 from .service import create_app
 from .slurm import executor_from_args
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (0: a free port), or `MarianaError` naming the flags."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        raise MarianaError(f"--host {host} --port {port}: cannot bind ({e.strerror})") from None
-    sock.listen(128)
-    return sock
-
 
 def serve(args, argv) -> int:
     """``mariana jobs serve``: the job service on ``--host --port`` until interrupted."""
     token = read_token(args.token_file) if args.token_file else None
-    if args.host not in LOOPBACK_HOSTS and not token:
-        raise MarianaError(
-            f"--host {args.host} is reachable from other machines: give --token-file FILE (a secret that "
-            "every mutating request must present), or bind 127.0.0.1"
-        )
+    check_host(args.host, token, "every mutating request")
     if args.slots is not None and args.slots < 1:
         raise MarianaError(f"--slots {args.slots}: expected >= 1")
     if not 0 <= args.port <= 65535:
@@ -48,7 +29,8 @@ def serve(args, argv) -> int:
         os.makedirs(home, exist_ok=True)
     except OSError as e:
         raise MarianaError(f"--home {args.home}: {e.strerror}") from None
-    sock = _listen(args.host, args.port)
+    sock = bind(args.host, args.port)
+    sock.listen(128)  # connections wait in the backlog while the service starts
     port = sock.getsockname()[1]
     executor = None
     if args.executor == "slurm":

@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.listen import LOOPBACK
 
 from . import routes
 from .db import Database, default_url
@@ -35,7 +36,6 @@ from .modelservers import ModelServers
 from .scheduler import Scheduler
 from .ui import mount_ui
 
-LOOPBACK = {"127.0.0.1", "::1", "localhost", "testclient"}
 MAX_BODY = 1 << 20  # bytes of one request body (a job's argv and options; files are never uploaded)
 
 

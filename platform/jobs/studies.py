@@ -17,11 +17,10 @@ import threading
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Request
+from mariana.platform.core.listen import LOOPBACK
 
 from .db import Database
 from .trials import trial_row
-
-LOOPBACK = {"127.0.0.1", "::1", "localhost", "testclient"}
 
 router = APIRouter()
 

@@ -1,11 +1,9 @@
 """The CPU step's table work as three C loops (`rows.c`): gather, distinct rows + per-row sums, row update.
 
 On the CPU the eager step's table side was a chain of torch ops: ``torch.unique`` (a sort), an
-``index_add_`` per part, and a gather and a scatter per tensor of the row optimiser. At Criteo's shapes
-(batch 2048 x 39 fields, rows of 17 floats) they took 11.2 of the 32.2 ms of operator time of a bf16 step
-on 2 cores (`torch.profiler`, `bench/pctr_cpu_floor.py`'s breakdown at af10d07), the step that must come
-within 0.8x of the dense layers alone (issue 32); these loops take 4-5 ms together. FBGEMM's fused CPU kernels, the field's
-library for this, measured 0.53x our step (`bench/pctr_fbgemm.py`). These loops do the same arithmetic
+``index_add_`` per part, and a gather and a scatter per tensor of the row optimiser, a large share of a bf16
+step's operator time at Criteo's shapes; FBGEMM's fused CPU kernels, the field's library for this, were
+slower than our step (figures: `platform/README.md`, "Measured choices"). These loops do the same arithmetic
 in one pass each (same operations per element, same order of additions per row: the same numbers but
 for Adagrad's square root, correctly rounded here, see `tests/test_cpu_rows.py`).
 
@@ -134,10 +132,9 @@ def _p(t: torch.Tensor, kind):
 
 class Scratch:
     """What the loops reuse from step to step for a table of ``num_rows`` rows: ``slot`` [R] int32 (-1
-    between calls) and output buffers by name, made anew only when a shape changes. A fresh buffer of
-    a few MB each step costs its page faults (1,280 for a 5 MB tensor); reusing them took an fp32 step at
-    Criteo's shapes from 29.7 to 26.0 ms (20 steps, 2026-11-27). A buffer's contents live until the next
-    step asks for the same name."""
+    between calls) and output buffers by name, made anew only when a shape changes: a fresh buffer of
+    a few MB each step costs its page faults (one per 4 KiB page; what reusing them saves: `platform/README.md`,
+    "Measured choices"). A buffer's contents live until the next step asks for the same name."""
 
     def __init__(self, num_rows: int):
         self.slot = torch.full((num_rows,), -1, dtype=torch.int32)

@@ -159,8 +159,8 @@ def sum_rows(grad: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Te
     """``out [num_rows, K]`` with ``out[r] = sum of grad[i] over i with index[i] == r``, added in the order
     of ``i`` (zeros for rows no index names). ``grad`` [N, K], ``index`` [N] int64 in ``[0, num_rows)``.
 
-    One ``index_add_``. (The embedding backward's CPU kernel gives the same bits but measured 1.4x
-    ``index_add_``'s CPU time at 1 thread and 1.2x at 2 threads, 2026-11-26: not used.)"""
+    One ``index_add_``. (The embedding backward's CPU kernel gives the same bits but is slower on the CPU:
+    `platform/README.md`, "Measured choices".)"""
     return grad.new_zeros(num_rows, grad.shape[1]).index_add_(0, index, grad)
 
 

@@ -23,8 +23,8 @@ RPC: each server process serves its `ParamServer` by name (`install`); a worker 
 (`remote_handle`) and calls the server's methods through it (``handle.rpc_async().pull(...)``), so every
 public method of `ParamServer` is an RPC entry point, with no forwarding functions.
 
-Fault injection: ``faults`` (a `FaultInjector` of the ``push`` event, by default from ``MARIANA_FAULT``)
-fires before the N-th push is applied (platform/core/faults.py).
+Fault injection: ``faults``, a `FaultInjector` of the ``push`` event read from ``MARIANA_FAULT``
+(``KIND:server=S:push=N``), fires before the N-th push is applied (platform/core/faults.py).
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ class ParamServer:
         staleness: int = -1,
         ckpt_dir: str | Path | None = None,
         keep: int = 2,
-        faults: FaultInjector | None = None,
     ):
         self.index, self.num_servers, self.num_workers = index, num_servers, num_workers
         self.shard, self.dense, self.staleness = shard, dense, staleness
@@ -79,7 +78,7 @@ class ParamServer:
         self.keymap = None  # optional key -> row map (see the module docstring); set before `install`
         self.keymap_lock = threading.Lock()
         self.assigned: dict[int, dict[int, tuple]] = {}  # worker -> step -> (rows, evicted), the last few
-        self.faults = faults if faults is not None else FaultInjector("push")  # MARIANA_FAULT server=S:push=N
+        self.faults = FaultInjector("push")  # MARIANA_FAULT server=S:push=N
         self._peers: list | None = None  # RRefs to servers 1.. (server 0 coordinates their checkpoints)
 
     # ----------------------------------------------------------------- pull / push

@@ -36,7 +36,7 @@ def row_sums(gw: torch.Tensor, ge: torch.Tensor, pos: torch.Tensor, n: int, dtyp
     """The rows' gradients ``[n, K]`` from the batch's ``gw [B, F]`` (linear weights) and ``ge [B, F, K - 1]``
     (embeddings), summed per slot ``pos [B * F]``. Eager: each part summed on its own, then the ``[n, K]``
     sums joined (the PS worker's order of work, the same numbers): joining the ``[B, F, K]`` gradients first
-    costs a strided copy of every position, 3-4 ms a step of the CPU's ~60 at Criteo's shapes. Compiled:
+    costs a strided copy of every position (`platform/README.md`, "Measured choices"). Compiled:
     one sum over the joined gradients (inductor fuses the join into it)."""
     if torch.compiler.is_compiling():
         g = torch.cat([gw.unsqueeze(-1), ge], -1).reshape(pos.numel(), -1).to(dtype)
