@@ -81,9 +81,6 @@ class Counter(_Metric):
         with self._lock:
             self._values[k] = self._values.get(k, 0.0) + amount
 
-    def get(self, labels: dict[str, str] | None = None) -> float:
-        return self._values.get(self._key(labels), 0.0)
-
     def lines(self) -> list[str]:
         with self._lock:
             items = sorted(self._values.items())
@@ -134,10 +131,6 @@ class Histogram(_Metric):
             d[0][i] += 1
             d[1] += value
 
-    def count(self, labels: dict[str, str] | None = None) -> int:
-        d = self._data.get(self._key(labels))
-        return sum(d[0]) if d else 0
-
     def lines(self) -> list[str]:
         with self._lock:
             items = sorted((k, (list(d[0]), d[1])) for k, d in self._data.items())
@@ -181,16 +174,7 @@ class Registry:
         self.reloads = Counter(
             "mariana_model_reloads_total", "model reload attempts by result (ok|failed)", ("app", "result")
         )
-        self.all = [
-            self.requests,
-            self.latency,
-            self.batch_size,
-            self.batch_latency,
-            self.queue_depth,
-            self.instances,
-            self.model_info,
-            self.reloads,
-        ]
+        self.all = [m for m in vars(self).values() if isinstance(m, _Metric)]  # in the order above
 
     def render(self) -> str:
         out: list[str] = []
