@@ -133,8 +133,9 @@ def _p(t: torch.Tensor, kind):
 class Scratch:
     """What the loops reuse from step to step for a table of ``num_rows`` rows: ``slot`` [R] int32 (-1
     between calls) and output buffers by name, made anew only when a shape changes: a fresh buffer of
-    a few MB each step costs its page faults (one per 4 KiB page; what reusing them saves: `platform/README.md`,
-    "Measured choices"). A buffer's contents live until the next step asks for the same name."""
+    a few MB each step costs its page faults (one per 4 KiB page; what reusing them saves:
+    `platform/README.md`, "Measured choices"). A buffer's contents live until the next step asks for the
+    same name."""
 
     def __init__(self, num_rows: int):
         self.slot = torch.full((num_rows,), -1, dtype=torch.int32)
