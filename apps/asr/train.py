@@ -174,13 +174,14 @@ def compile_model(model: torch.nn.Module, acoustic: AsrModel) -> torch.nn.Module
     return torch.compile(model, backend=acoustic.compile_backend)
 
 
-def compile_cache_file(cfg: AsrConfig, n_units: int, device: torch.device) -> Path | None:
-    """Where this model's compiled artifacts are kept between runs (`compilecache`); None if not compiled."""
-    if not compiles(cfg, device):
+def compile_cache_file(acoustic: AsrModel, config: dict, n_units: int, device: torch.device) -> Path | None:
+    """Where the model's compiled artifacts are kept between runs (`compilecache`; keyed by the run's
+    values ``config``); None if it is not compiled."""
+    if not compiles(acoustic, device):
         return None
     fields = ("arch", "features", "num_mel_bins", "num_ceps", "context", "hidden", "layers", "output_units")
     fields += ("activation", "dropout", "norm", "batch_size", "amp", "compile_backend", "workers")
-    key = json.dumps({f: getattr(cfg, f) for f in fields} | {"units": n_units}, sort_keys=True)
+    key = json.dumps({f: config[f] for f in fields} | {"units": n_units}, sort_keys=True)
     return compilecache.cache_path(key, torch.device(device))
 
 
@@ -261,10 +262,10 @@ def acoustic_model(data: AsrData, feats: AsrFeatures, acoustic: AsrModel, log) -
     return model
 
 
-def compiled(model, data: AsrData, cfg: AsrConfig, run, dp, acoustic: AsrModel, ctx, app, log):
+def compiled(module, data: AsrData, config: dict, run, dp, acoustic: AsrModel, ctx, app, log):
     """`data_parallel`'s model compiled, with an earlier run's compiled artifacts loaded (`compilecache`)."""
-    model = compile_model(data_parallel(model, run, dp, ctx, app), acoustic)
-    cached = compile_cache_file(cfg, len(data.vocab), ctx.device)
+    model = compile_model(data_parallel(module, run, dp, ctx, app), acoustic)
+    cached = compile_cache_file(acoustic, config, len(data.vocab), ctx.device)
     if cached is not None and compilecache.load(cached):
         log.info("compiled artifacts loaded from %s", cached)
     return model
@@ -302,9 +303,9 @@ def export_keys(data: AsrData, acoustic: AsrModel) -> dict:
     return {"arch": f"{acoustic.arch}-ctc", "extra": meta}
 
 
-def save_compiled(cfg: AsrConfig, data: AsrData, ctx, log) -> None:
+def save_compiled(acoustic: AsrModel, config: dict, data: AsrData, ctx, log) -> None:
     """After training: rank 0 keeps the compiled artifacts for the next run of this model."""
-    cached = compile_cache_file(cfg, len(data.vocab), ctx.device)
+    cached = compile_cache_file(acoustic, config, len(data.vocab), ctx.device)
     if cached is not None and ctx.is_main and compilecache.save(cached):
         log.info("compiled artifacts saved to %s (the next run of this model starts faster)", cached)
 
@@ -313,10 +314,10 @@ SPEC = TrainSpec(
     "asr",
     "wer",
     data=load_sets,
-    model=acoustic_model,
-    parallel=compiled,
+    module=acoustic_model,
+    model=compiled,
     loader=batches,
-    loss=make_step_fn,
+    loss_fn=make_step_fn,
     evaluate=dev_decoder,
     export=export_keys,
     finish=save_compiled,

@@ -47,10 +47,10 @@ SPEC = TrainSpec(
     "mlp",
     "auc",
     data=read_rows,
-    model=lambda net: ClickMLP(net.buckets, net.embed_dim, net.hidden, net.layers),
-    parallel=data_parallel,
+    module=lambda net: ClickMLP(net.buckets, net.embed_dim, net.hidden, net.layers),
+    model=data_parallel,
     loader=batches,
-    loss=lambda: step_fn,
+    loss_fn=lambda: step_fn,
     evaluate=lambda data: lambda m: metrics(m, data[1]),
     export=lambda: {"arch": "click-mlp"},
 )

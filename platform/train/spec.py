@@ -4,8 +4,9 @@ that builds the platform `Trainer` from it (`build_trainer`; `train_job` runs it
 A spec's fields after ``app`` and ``monitor`` are builders, called in field order; each one's result is
 the piece of its name. A builder's parameters name what it takes: a config section by its ``NAME`` (given
 as its typed dataclass: ``run``, ``input``, ``optim``, ...) or a piece: ``ctx`` (`DistContext`),
-``rundir``, ``log``, ``app``, ``cfg`` (the whole config, for what reads several sections, e.g. the
-step's optimizer) or one built before it (``data``, ``model``, ...). Pieces given to `build_trainer`
+``rundir``, ``log``, ``app``, ``config`` (the resolved values as a dict, what an export records), ``cfg``
+(the whole config, for the platform's step, whose optimizer reads several sections) or one built before
+it (``data``, ``module``, ``model``, ...). Pieces given to `build_trainer`
 are not built (pCTR gives its step, validation and exporter)."""
 
 from __future__ import annotations
@@ -32,21 +33,21 @@ def nothing() -> None:
     """The builder of a piece the app does not have."""
 
 
-def data_parallel(model, run, dp, ctx, app) -> Any:
-    """``model`` warm-started (``--init-from``, weights of an ``app`` model), on ``ctx.device``, in DDP
+def data_parallel(module, run, dp, ctx, app) -> Any:
+    """``module`` warm-started (``--init-from``, weights of an ``app`` model), on ``ctx.device``, in DDP
     when the job has several processes."""
     if run.init_from:
-        warm_start(model, run.init_from, app)
-    return apply_data_parallel(model, ctx, grad_comm=dp.grad_comm)
+        warm_start(module, run.init_from, app)
+    return apply_data_parallel(module, ctx, grad_comm=dp.grad_comm)
 
 
-def weights_exporter(cfg, ctx, rundir, app, parallel, export) -> Callable[[dict, int], None]:
-    """-> ``exporter(metrics, step)``: rank 0 writes the module's weights (`export_model`) with the whole
-    config and ``export``'s keys (``arch``, ``extra``: more of model.json)."""
+def weights_exporter(config, ctx, rundir, app, model, export) -> Callable[[dict, int], None]:
+    """-> ``exporter(metrics, step)``: rank 0 writes the model's weights (`export_model`) with the whole
+    ``config`` and ``export``'s keys (``arch``, ``extra``: more of model.json)."""
 
     def write(metrics: dict, step: int) -> None:
         if ctx.is_main:
-            state, config = unwrap(parallel).state_dict(), dataclasses.asdict(cfg)
+            state = unwrap(model).state_dict()
             export_model(rundir.path, state, app=app, config=config, metrics=metrics, **export)
 
     return write
@@ -59,29 +60,31 @@ class TrainSpec:
     app: str
     monitor: str
     data: Builder = nothing  # -> the app's data (what its other builders take as ``data``)
-    model: Builder = nothing  # -> the network (torch.nn.Module), built on the CPU
-    parallel: Builder = nothing  # -> the model as the parallel strategy runs it (e.g. `data_parallel`)
+    module: Builder = nothing  # -> the network (torch.nn.Module), built on the CPU
+    model: Builder = nothing  # -> the module as the parallel strategy runs it (e.g. `data_parallel`)
     loader: Builder = nothing  # -> this rank's `BatchLoader` of training batches
-    loss: Builder = nothing  # -> loss(model, batch) -> (loss [], samples), for the default step
-    step: Builder = lambda cfg, parallel, loss, ctx: ModuleStep(cfg, parallel, loss, ctx)  # the DP step
+    loss_fn: Builder = nothing  # -> loss_fn(model, batch) -> (loss [], samples), for the default step
+    step: Builder = ModuleStep  # -> the strategy's `TrainStep` (default: one process and DDP)
     evaluate: Builder = nothing  # -> fn(model) -> {metric: value}; None: nothing to evaluate on
     export: Builder = nothing  # -> `weights_exporter`'s keys: {"arch": ..., "extra": {...}}
     exporter: Builder = weights_exporter  # -> exporter(metrics, step), called on every rank
     finish: Builder = nothing  # run after `Trainer.fit`; takes ``trainer`` and ``final`` too
 
-    def call(self, builder: Builder, cfg: Any, pieces: dict[str, Any]) -> Any:
-        names = {s.NAME for s in type(cfg).SECTIONS}
-        params = inspect.signature(builder).parameters
-        return builder(**{p: cfg.section(p) if p in names else pieces[p] for p in params})
+
+def call(builder: Builder, pieces: dict[str, Any]) -> Any:
+    """``builder`` called with the pieces (and sections) its parameters name (its defaults otherwise)."""
+    params = inspect.signature(builder).parameters.values()
+    return builder(**{p.name: pieces[p.name] for p in params if p.name in pieces or p.default is p.empty})
 
 
 def build_trainer(spec: TrainSpec, cfg: Any, ctx, rundir, pieces: dict[str, Any], **kw: Any) -> Trainer:
     """The `Trainer` of ``spec`` on this process; the pieces not in ``pieces`` are built into it.
     ``kw``: the Trainer's own (``total``, ``checkpointer``, ``desc``)."""
-    pieces.update(cfg=cfg, ctx=ctx, rundir=rundir, app=spec.app)
+    pieces.update({s.NAME: cfg.section(s.NAME) for s in type(cfg).SECTIONS})  # each section once
+    pieces.update(cfg=cfg, config=dataclasses.asdict(cfg), ctx=ctx, rundir=rundir, app=spec.app)
     for name in [f.name for f in dataclasses.fields(spec)][2:-1]:  # data ... exporter
         if name not in pieces:
-            pieces[name] = spec.call(getattr(spec, name), cfg, pieces)
+            pieces[name] = call(getattr(spec, name), pieces)
     evaluator = evaluator_from(cfg, pieces["evaluate"], spec.monitor)
     return Trainer(cfg, pieces["step"], pieces["loader"], ctx, rundir, evaluator, pieces["exporter"], **kw)
 
@@ -94,7 +97,7 @@ def train_job(spec: TrainSpec, cfg: Any) -> dict[str, Any]:
         pieces: dict[str, Any] = {"log": log}
         trainer = build_trainer(spec, cfg, ctx, rundir, pieces)
         final = trainer.fit()
-        spec.call(spec.finish, cfg, {**pieces, "trainer": trainer, "final": final})
+        call(spec.finish, {**pieces, "trainer": trainer, "final": final})
         return final
     finally:
         teardown(ctx)
