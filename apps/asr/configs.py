@@ -279,8 +279,8 @@ _PLAIN = dict(
 PRESETS = {
     "debug": AsrConfig(**{**_PLAIN, "hidden": 64, "layers": 2, "batch_size": 8, "log_every": 5, "lr": 2e-3}),
     # CPU tests (CI) and the default recipe's training settings: a +-30 frame window (0.6 s; digits are
-    # words), 1.2M parameters, about two minutes of training on 2 quiet cores (600 utterances x 5 speed
-    # copies). Speed perturbation, LayerNorm and dropout are what carry it to an unseen speaker
+    # words), 1.2M parameters, 600 utterances x 5 speed copies (its training time: apps/asr/README.md).
+    # Speed perturbation, LayerNorm and dropout are what carry it to an unseen speaker
     # (tests/test_asr_accuracy.py; numbers in apps/asr/README.md). The default recipe trains the same
     # network on data with synthetic speakers mixed in (`prepare --synth`), twice the audio and time.
     "small": AsrConfig(),

@@ -159,9 +159,9 @@ def make_step_fn(augment: AsrAugment):
 
 def compiles(acoustic: AsrModel, device: torch.device | str) -> bool:
     """Whether training compiles the model on ``device``: ``--compile`` / ``--no-compile`` when given, else
-    on a GPU only. There the default small recipe's eager step is launch-bound (about 300 kernels of a few
-    microseconds each; `bench/asr_throughput.py`), and compiling fuses them; on the CPU the step is
-    compute-bound and compiling would only add start-up."""
+    on a GPU only. There the default small recipe's eager step is launch-bound (many kernels of a few
+    microseconds; `bench/asr_throughput.py` measures it), and compiling fuses them; on the CPU the step
+    is compute-bound and compiling would only add start-up."""
     return acoustic.compile if acoustic.compile is not None else torch.device(device).type == "cuda"
 
 
