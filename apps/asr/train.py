@@ -12,32 +12,19 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from mariana.platform.core import compilecache
 from mariana.platform.core.errors import MarianaError
-from mariana.platform.core.evaluator import evaluator_from
-from mariana.platform.core.export import export_model
-from mariana.platform.core.loop import Trainer
-from mariana.platform.core.rundir import start_run
-from mariana.platform.core.steps import ModuleStep, unwrap
-from mariana.platform.core.warmstart import warm_start
-from mariana.platform.dp.ddp import apply_data_parallel
-from mariana.platform.runtime.dist import init_distributed, teardown
+from mariana.platform.train.spec import TrainSpec, data_parallel, train_job
 
 from .batches import bucket_frames, make_loader
 from .cmvn import FilePrior
-from .configs import AsrConfig
+from .configs import AsrAugment, AsrConfig, AsrDecode, AsrFeatures, AsrInput, AsrModel
 from .decode import BigramLM, decode_set, error_rates
-from .features import (  # noqa: F401  (collate: re-exported for the benchmark)
-    FeatureCache,
-    FeatureSettings,
-    UtteranceSet,
-    cached_features,
-    collate,
-    feature_settings,
-)
+from .features import FeatureCache, FeatureSettings, UtteranceSet, cached_features, feature_settings
 from .model import build_model
 
 BLANK = "<blank>"
@@ -51,14 +38,8 @@ class BucketBatchSampler:
     order is shuffled; rank r takes the r-th slice of each global batch."""
 
     def __init__(self, lengths, batch_size, rank=0, world_size=1, seed=0, pool=50):
-        self.lengths = torch.as_tensor(lengths)
-        self.batch_size, self.rank, self.world, self.seed, self.pool = (
-            batch_size,
-            rank,
-            world_size,
-            seed,
-            pool,
-        )
+        self.lengths, self.batch_size = torch.as_tensor(lengths), batch_size
+        self.rank, self.world, self.seed, self.pool = rank, world_size, seed, pool
         self.batches_per_epoch = len(self.lengths) // (batch_size * world_size)
         if self.batches_per_epoch == 0:
             raise MarianaError(
@@ -85,14 +66,14 @@ class BucketBatchSampler:
         return self.batches_per_epoch
 
 
-def spec_augment(feats: torch.Tensor, cfg: AsrConfig) -> torch.Tensor:
+def spec_augment(feats: torch.Tensor, augment: AsrAugment) -> torch.Tensor:
     """Independent frequency and time masks per utterance (torchaudio), value 0 = the CMVN mean."""
     import torchaudio.transforms as T
 
     x = feats.transpose(1, 2).unsqueeze(1)  # [B, 1, F, T]
-    for _ in range(cfg.num_masks):
-        x = T.FrequencyMasking(cfg.freq_mask, iid_masks=True)(x)
-        x = T.TimeMasking(cfg.time_mask, iid_masks=True)(x)
+    for _ in range(augment.num_masks):
+        x = T.FrequencyMasking(augment.freq_mask, iid_masks=True)(x)
+        x = T.TimeMasking(augment.time_mask, iid_masks=True)(x)
     return x.squeeze(1).transpose(1, 2)
 
 
@@ -146,7 +127,7 @@ def time_stretch(
     return out * mask.unsqueeze(-1), new_len_h
 
 
-def make_step_fn(cfg: AsrConfig):
+def make_step_fn(augment: AsrAugment):
     """One micro-batch's CTC loss -> (loss, utterances). The lengths CTC takes come from the batch's host
     ``sizes`` (`HostSizes`; the model gets the device copy), so the step reads nothing back."""
 
@@ -156,11 +137,11 @@ def make_step_fn(cfg: AsrConfig):
         lengths = sizes.lengths if sizes is not None else batch["lengths"].cpu()
         target_lengths = sizes.target_lengths if sizes is not None else batch["target_lengths"].cpu()
         dev_lengths = batch["lengths"]
-        if cfg.time_stretch != [1.0, 1.0]:
-            feats, lengths = time_stretch(feats, lengths, *cfg.time_stretch, cfg.stretch_segment)
+        if augment.time_stretch != [1.0, 1.0]:
+            feats, lengths = time_stretch(feats, lengths, *augment.time_stretch, augment.stretch_segment)
             dev_lengths = lengths.to(feats.device, non_blocking=True)
-        if cfg.spec_augment:
-            feats = spec_augment(feats, cfg)
+        if augment.spec_augment:
+            feats = spec_augment(feats, augment)
         logp = model(feats, dev_lengths)
         loss = F.ctc_loss(
             logp.transpose(0, 1),
@@ -176,30 +157,31 @@ def make_step_fn(cfg: AsrConfig):
     return step_fn
 
 
-def compiles(cfg: AsrConfig, device: torch.device | str) -> bool:
+def compiles(acoustic: AsrModel, device: torch.device | str) -> bool:
     """Whether training compiles the model on ``device``: ``--compile`` / ``--no-compile`` when given, else
-    on a GPU only. There the default small recipe's eager step is launch-bound (about 300 kernels of a few
-    microseconds each; `bench/asr_throughput.py`), and compiling fuses them; on the CPU the step is
-    compute-bound and compiling would only add start-up."""
-    return cfg.compile if cfg.compile is not None else torch.device(device).type == "cuda"
+    on a GPU only. There the default small recipe's eager step is launch-bound (many kernels of a few
+    microseconds; `bench/asr_throughput.py` measures it), and compiling fuses them; on the CPU the step
+    is compute-bound and compiling would only add start-up."""
+    return acoustic.compile if acoustic.compile is not None else torch.device(device).type == "cuda"
 
 
-def compile_model(model: torch.nn.Module, cfg: AsrConfig) -> torch.nn.Module:
+def compile_model(model: torch.nn.Module, acoustic: AsrModel) -> torch.nn.Module:
     """The model (its parameters on the training device) torch.compiled with ``--compile-backend`` where
     `compiles` says so, else itself; frames come in bucket lengths, so after the first epoch no shape is
     new (tests/test_asr_speed.py checks it)."""
-    if not compiles(cfg, next(model.parameters()).device):
+    if not compiles(acoustic, next(model.parameters()).device):
         return model
-    return torch.compile(model, backend=cfg.compile_backend)
+    return torch.compile(model, backend=acoustic.compile_backend)
 
 
-def compile_cache_file(cfg: AsrConfig, n_units: int, device: torch.device) -> Path | None:
-    """Where this model's compiled artifacts are kept between runs (`compilecache`); None if not compiled."""
-    if not compiles(cfg, device):
+def compile_cache_file(acoustic: AsrModel, config: dict, n_units: int, device: torch.device) -> Path | None:
+    """Where the model's compiled artifacts are kept between runs (`compilecache`; keyed by the run's
+    values ``config``); None if it is not compiled."""
+    if not compiles(acoustic, device):
         return None
     fields = ("arch", "features", "num_mel_bins", "num_ceps", "context", "hidden", "layers", "output_units")
     fields += ("activation", "dropout", "norm", "batch_size", "amp", "compile_backend", "workers")
-    key = json.dumps({f: getattr(cfg, f) for f in fields} | {"units": n_units}, sort_keys=True)
+    key = json.dumps({f: config[f] for f in fields} | {"units": n_units}, sort_keys=True)
     return compilecache.cache_path(key, torch.device(device))
 
 
@@ -216,30 +198,35 @@ def flush_denormals_on_cpu(device) -> None:
         torch.set_flush_denormal(True)
 
 
-def _require_prepared(data: Path) -> None:
-    """Raise `MarianaError` unless ``data`` is the output of ``mariana asr prepare`` (has train/wav.scp)."""
+class AsrData(NamedTuple):
+    """`load_sets`' result: the vocabulary is [BLANK] + sorted words, ``lm`` the transcripts' bigram."""
+
+    cache: FeatureCache
+    train: UtteranceSet
+    dev: UtteranceSet | None
+    vocab: list[str]
+    lm: BigramLM
+
+
+def load_sets(input: AsrInput, feats: AsrFeatures, augment: AsrAugment, ctx, log) -> AsrData:
+    """Build (rank 0) or read (the other ranks) the feature caches of DATA/train and DATA/dev (the output
+    of ``mariana asr prepare``), denormals flushed on the CPU first (`flush_denormals_on_cpu`)."""
+    flush_denormals_on_cpu(ctx.device)
+    data, jobs, a = Path(input.data), input.feature_jobs, augment
     if not (data / "train" / "wav.scp").is_file():
         raise MarianaError(
             f"--data {data}: no train/wav.scp; expected the output of `mariana asr prepare` (e.g. "
             f"`mariana asr prepare --data {data} --out {data.name}-prepared`, then --data {data.name}-prepared)"
         )
-
-
-def _load_sets(cfg: AsrConfig, ctx, log):
-    """Build (rank 0) or read (the other ranks) the feature caches of DATA/train and DATA/dev.
-
-    -> (train cache, train UtteranceSet, dev UtteranceSet or None, vocab = [BLANK] + sorted words, the
-    training transcripts' word bigram)."""
-    data = Path(cfg.data)
     train_dir, dev_dir = data / "train", data / "dev"
-    s = feature_settings(cfg)
-    speeds, warps, pitches = tuple(cfg.speed_perturb), tuple(cfg.vtln_perturb), tuple(cfg.pitch_perturb)
+    s = feature_settings(feats)
+    speeds, warps, pitches = tuple(a.speed_perturb), tuple(a.vtln_perturb), tuple(a.pitch_perturb)
     has_dev = (dev_dir / "wav.scp").is_file() and (dev_dir / "wav.scp").stat().st_size > 0
-    root = (lambda split: Path(cfg.cache) / split) if cfg.cache else (lambda split: None)
+    root = (lambda split: Path(input.cache) / split) if input.cache else (lambda split: None)
     if ctx.is_main:  # one process computes the caches; the others wait and read them
-        cache = cached_features(train_dir, s, cfg.feature_jobs, speeds, root("train"), warps, pitches=pitches)
+        cache = cached_features(train_dir, s, jobs, speeds, root("train"), warps, pitches=pitches)
         if has_dev:
-            cached_features(dev_dir, s, cfg.feature_jobs, (1.0,), root("dev"), prior=_prior(cache, s))
+            cached_features(dev_dir, s, jobs, (1.0,), root("dev"), prior=_prior(cache, s))
     ctx.barrier()
     cache = cached_features(train_dir, s, 1, speeds, root("train"), warps, pitches=pitches)
     if cache.skipped and ctx.is_main:
@@ -265,76 +252,78 @@ def _load_sets(cfg: AsrConfig, ctx, log):
         len(vocab) - 1,
         ctx.world_size,
     )
-    return cache, train_set, dev_set, vocab, lm
+    return AsrData(cache, train_set, dev_set, vocab, lm)
 
 
-def _make_model(cfg: AsrConfig, n_units: int, ctx, log):
-    """The acoustic model for ``n_units`` outputs (warm-started with --init-from), wrapped for data
-    parallelism and compiled; -> (model, the compile-cache file or None)."""
-    model = build_model(dataclasses.asdict(cfg), n_units)
+def acoustic_model(data: AsrData, feats: AsrFeatures, acoustic: AsrModel, log) -> torch.nn.Module:
+    """The acoustic model of ``data``'s vocabulary (`build_model` reads the config's dict)."""
+    model = build_model(dataclasses.asdict(feats) | dataclasses.asdict(acoustic), len(data.vocab))
     log.info("model: %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
-    if cfg.init_from:
-        warm_start(model, cfg.init_from, "asr")
-    model = compile_model(apply_data_parallel(model, ctx, grad_comm=cfg.grad_comm), cfg)
-    cached = compile_cache_file(cfg, n_units, ctx.device)
+    return model
+
+
+def compiled(module, data: AsrData, config: dict, run, dp, acoustic: AsrModel, ctx, app, log):
+    """`data_parallel`'s model compiled, with an earlier run's compiled artifacts loaded (`compilecache`)."""
+    model = compile_model(data_parallel(module, run, dp, ctx, app), acoustic)
+    cached = compile_cache_file(acoustic, config, len(data.vocab), ctx.device)
     if cached is not None and compilecache.load(cached):
         log.info("compiled artifacts loaded from %s", cached)
-    return model, cached
+    return model
 
 
-def _exporter(cfg: AsrConfig, ctx, run, model, cache: FeatureCache, vocab: list[str], lm: BigramLM):
-    """-> ``export(eval_metrics, step)`` for the Trainer: rank 0 writes the export (weights, vocab, the
-    bigram, the training frames and the CMVN prior single files are normalised with)."""
+def batches(data: AsrData, cfg: AsrConfig, optim, run, ctx, log):
+    """Length-bucketed batches from the cache tier ``--cache-gb`` picks (`make_loader`)."""
+    sampler = BucketBatchSampler(data.train.lengths, optim.batch_size, ctx.rank, ctx.world_size, run.seed)
+    loader, tier = make_loader(cfg, data.train, sampler, ctx.device)
+    log.info("feature cache tier: %s (--cache-gb %g)", tier, cfg.cache_gb)
+    return loader
 
-    def export(eval_metrics: dict, step: int) -> None:
-        if not ctx.is_main:
-            return
-        meta = {"vocab": vocab, "train_frames": sum(cache.lengths), "lm": lm.to_dict()}
-        if cache.speaker_stats:  # what single files are normalised with (`transcribe`, serving)
-            meta["cmvn_prior"] = FilePrior.from_speaker_stats(cache.speaker_stats).to_dict()
-        export_model(
-            run.path,
-            unwrap(model).state_dict(),
-            app="asr",
-            arch=f"{cfg.arch}-ctc",
-            config=dataclasses.asdict(cfg),
-            metrics=eval_metrics,
-            extra=meta,
+
+def dev_decoder(data: AsrData, decode: AsrDecode):
+    """-> the dev set's WER/SER as a function of the model, or None without DATA/dev."""
+    d = decode
+    if data.dev is None:
+        return None
+
+    def eval_fn(m):
+        r = error_rates(
+            *decode_set(m, data.dev, data.vocab, d.beam, None, data.lm, d.lm_weight, d.word_bonus)
         )
+        return {"wer": r["wer"], "ser": r["ser"]}
 
-    return export
+    return eval_fn
+
+
+def export_keys(data: AsrData, acoustic: AsrModel) -> dict:
+    """The export's arch and extra keys: vocab, the bigram, the training frames and the CMVN prior single
+    files are normalised with (`transcribe`, serving)."""
+    meta = {"vocab": data.vocab, "train_frames": sum(data.cache.lengths), "lm": data.lm.to_dict()}
+    if data.cache.speaker_stats:
+        meta["cmvn_prior"] = FilePrior.from_speaker_stats(data.cache.speaker_stats).to_dict()
+    return {"arch": f"{acoustic.arch}-ctc", "extra": meta}
+
+
+def save_compiled(acoustic: AsrModel, config: dict, data: AsrData, ctx, log) -> None:
+    """After training: rank 0 keeps the compiled artifacts for the next run of this model."""
+    cached = compile_cache_file(acoustic, config, len(data.vocab), ctx.device)
+    if cached is not None and ctx.is_main and compilecache.save(cached):
+        log.info("compiled artifacts saved to %s (the next run of this model starts faster)", cached)
+
+
+SPEC = TrainSpec(
+    "asr",
+    "wer",
+    data=load_sets,
+    module=acoustic_model,
+    model=compiled,
+    loader=batches,
+    loss_fn=make_step_fn,
+    evaluate=dev_decoder,
+    export=export_keys,
+    finish=save_compiled,
+)
 
 
 def train(cfg: AsrConfig) -> dict:
     """Train on cfg.data (a prepared folder) -> the Trainer's final metrics (dev WER/SER when DATA/dev exists)."""
-    ctx = init_distributed(cfg.device, cfg.timeout)
-    try:
-        run, log = start_run(cfg, ctx.rank, ctx.is_main)
-        flush_denormals_on_cpu(ctx.device)
-        _require_prepared(Path(cfg.data))
-        cache, train_set, dev_set, vocab, lm = _load_sets(cfg, ctx, log)
-        model, cached = _make_model(cfg, len(vocab), ctx, log)
-        sampler = BucketBatchSampler(train_set.lengths, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
-        loader, tier = make_loader(cfg, train_set, sampler, ctx.device)
-        log.info("feature cache tier: %s (--cache-gb %g)", tier, cfg.cache_gb)
-
-        def eval_fn(m):
-            refs, hyps = decode_set(m, dev_set, vocab, cfg.beam, None, lm, cfg.lm_weight, cfg.word_bonus)
-            r = error_rates(refs, hyps)
-            return {"wer": r["wer"], "ser": r["ser"]}
-
-        trainer = Trainer(
-            cfg,
-            ModuleStep(cfg, model, make_step_fn(cfg), ctx),
-            loader,
-            ctx,
-            run,
-            evaluator=evaluator_from(cfg, eval_fn if dev_set else None, "wer"),
-            exporter=_exporter(cfg, ctx, run, model, cache, vocab, lm),
-        )
-        final = trainer.fit()
-        if cached is not None and ctx.is_main and compilecache.save(cached):
-            log.info("compiled artifacts saved to %s (the next run of this model starts faster)", cached)
-        return final
-    finally:
-        teardown(ctx)
+    return train_job(SPEC, cfg)

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from mariana.platform.core.config import (
-    RESUME_MAY_CHANGE,
     Config,
     DataParallelSection,
     DataSection,
@@ -74,7 +73,6 @@ class MlpConfig(TrainJob, sections=MLP_SECTIONS):
     """``mariana mlp train``."""
 
     EVAL_METRICS: ClassVar[tuple[str, ...]] = ("auc", "logloss")
-    RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = RESUME_MAY_CHANGE
 
 
 @dataclass

@@ -1,21 +1,17 @@
-"""``mariana mlp train``: the data-parallel smoke-test job, built the way every app's train.py is."""
+"""``mariana mlp train``: the data-parallel smoke-test job, declared as every app's training is (`SPEC`, a
+`TrainSpec`: the platform builds and runs its Trainer). Each builder takes the config sections it reads."""
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 
 import torch
-from mariana.platform.core.evaluator import evaluator_from
-from mariana.platform.core.export import export_model
-from mariana.platform.core.loop import Trainer
-from mariana.platform.core.rundir import start_run
-from mariana.platform.core.steps import ModuleStep, unwrap
-from mariana.platform.core.warmstart import warm_start
-from mariana.platform.dp.ddp import apply_data_parallel
+from mariana.platform.core.config import DataParallelSection, OptimSection, RunSection
 from mariana.platform.dp.sampler import IndexBatchLoader, ShardedBatchSampler
-from mariana.platform.runtime.dist import init_distributed, teardown
+from mariana.platform.runtime.dist import DistContext
+from mariana.platform.train.spec import TrainSpec, data_parallel, train_job
 
-from .configs import MlpConfig
+from .configs import MlpConfig, MlpData, MlpModel
 from .data import read_libfm, split
 from .evaluate import metrics
 from .model import ClickMLP
@@ -27,47 +23,39 @@ def step_fn(model, batch):
     return loss, batch["label"].shape[0]
 
 
+def read_rows(input: MlpData, net: MlpModel, ctx: DistContext, log: logging.Logger):
+    """-> (train rows, validation rows) of ``--data`` (`split`: by row order, the test rows left out)."""
+    labels, ids, _ = read_libfm(input.data, input.limit)
+    train_rows, val_rows = split(labels, ids, input.val_fraction, net.buckets, input.test_fraction)
+    log.info(
+        "%d training rows, %d validation rows, %d test rows held out, %d worker(s)",
+        len(train_rows),
+        len(val_rows),
+        len(labels) - len(train_rows) - len(val_rows),
+        ctx.world_size,
+    )
+    return train_rows, val_rows
+
+
+def batches(data, optim: OptimSection, dp: DataParallelSection, run: RunSection, ctx: DistContext):
+    """This rank's shard of the training rows in shuffled batches of ``--batch-size``."""
+    sampler = ShardedBatchSampler(len(data[0]), optim.batch_size, ctx.rank, ctx.world_size, run.seed)
+    return IndexBatchLoader(data[0], sampler, num_workers=dp.num_workers)
+
+
+SPEC = TrainSpec(
+    "mlp",
+    "auc",
+    data=read_rows,
+    module=lambda net: ClickMLP(net.buckets, net.embed_dim, net.hidden, net.layers),
+    model=data_parallel,
+    loader=batches,
+    loss_fn=lambda: step_fn,
+    evaluate=lambda data: lambda m: metrics(m, data[1]),
+    export=lambda: {"arch": "click-mlp"},
+)
+
+
 def train(cfg: MlpConfig) -> dict:
-    ctx = init_distributed(cfg.device, cfg.timeout)
-    try:
-        run, log = start_run(cfg, ctx.rank, ctx.is_main)
-        labels, ids, _ = read_libfm(cfg.data, cfg.limit)
-        train_rows, val_rows = split(labels, ids, cfg.val_fraction, cfg.buckets, cfg.test_fraction)
-        log.info(
-            "%d training rows, %d validation rows, %d test rows held out, %d worker(s)",
-            len(train_rows),
-            len(val_rows),
-            len(labels) - len(train_rows) - len(val_rows),
-            ctx.world_size,
-        )
-        net = ClickMLP(cfg.buckets, cfg.embed_dim, cfg.hidden, cfg.layers)
-        if cfg.init_from:
-            warm_start(net, cfg.init_from, "mlp")
-        model = apply_data_parallel(net, ctx, grad_comm=cfg.grad_comm)
-        sampler = ShardedBatchSampler(len(train_rows), cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
-        loader = IndexBatchLoader(train_rows, sampler, num_workers=cfg.num_workers)
-
-        def export(eval_metrics: dict, step: int) -> None:
-            if ctx.is_main:
-                export_model(
-                    run.path,
-                    unwrap(model).state_dict(),
-                    app="mlp",
-                    arch="click-mlp",
-                    config=dataclasses.asdict(cfg),
-                    metrics=eval_metrics,
-                )
-
-        trainer = Trainer(
-            cfg,
-            ModuleStep(cfg, model, step_fn, ctx),
-            loader,
-            ctx,
-            run,
-            evaluator=evaluator_from(cfg, lambda m: metrics(m, val_rows), "auc"),
-            exporter=export,
-        )
-        final = trainer.fit()
-        return final
-    finally:
-        teardown(ctx)
+    """Train ``cfg`` (this rank's part under torchrun) -> the Trainer's final metrics."""
+    return train_job(SPEC, cfg)

@@ -23,9 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from mariana.platform.core.errors import MarianaError
-from mariana.platform.core.evaluator import evaluator_from
 from mariana.platform.core.export import export_model
-from mariana.platform.core.loop import Trainer
 from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.prefetch import Prefetcher
 from mariana.platform.core.rundir import RunDir, setup_logging
@@ -37,6 +35,7 @@ from mariana.platform.ps.protocol import TABLE
 from mariana.platform.ps.pull import predict_batches
 from mariana.platform.ps.shard import TableSpec
 from mariana.platform.runtime.dist import DistContext, resolve_device
+from mariana.platform.train.spec import TrainSpec, build_trainer
 
 from .configs import PctrConfig
 from .data import Batch, ReadStats
@@ -266,6 +265,15 @@ def continue_training_state(step, cfg: PctrConfig) -> int:
     return int(ck.get("step", ck.get("t", 0)))
 
 
+def batches(data: WorkerData, input, step) -> PctrLoader | PullAheadLoader:
+    """This process's `PctrLoader`; a step that pulls rows ahead (parameter servers) wraps it."""
+    loader = PctrLoader(data, input.prefetch)
+    return PullAheadLoader(loader, step) if getattr(step, "pulls_ahead", False) else loader
+
+
+SPEC = TrainSpec("pctr", "auc", loader=batches)  # its step, validation and export come from the mode
+
+
 def make_trainer(cfg, step, data: WorkerData, ctx, run, validate, exporter, total: int, checkpointer=None):
     """The platform `Trainer` over this process's batches; ``validate`` is None without validation rows."""
     if validate is None and cfg.early_stop:
@@ -273,20 +281,8 @@ def make_trainer(cfg, step, data: WorkerData, ctx, run, validate, exporter, tota
         # on, so the run makes its --epochs passes and exports the final model.
         log.info("no validation rows: no early stopping; the final model is exported")
         cfg = dataclasses.replace(cfg, early_stop=0)
-    loader = PctrLoader(data, cfg.prefetch)
-    if getattr(step, "pulls_ahead", False):
-        loader = PullAheadLoader(loader, step)
-    return Trainer(
-        cfg,
-        step,
-        loader,
-        ctx,
-        run,
-        evaluator=evaluator_from(cfg, validate, "auc"),
-        exporter=exporter,
-        checkpointer=checkpointer,
-        total=total,
-    )
+    given = {"step": step, "data": data, "evaluate": validate, "exporter": exporter}
+    return build_trainer(SPEC, cfg, ctx, run, given, checkpointer=checkpointer, total=total)
 
 
 def train_local(cfg: PctrConfig, setup: Setup | None = None) -> dict:

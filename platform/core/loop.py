@@ -112,13 +112,9 @@ class MetricsLogger:
             mininterval=1.0,
             file=sys.stderr,
         )
-        self.begin(ctx.device)
-
-    # --- the interval between two train records -------------------------------------------------------
-    def begin(self, device: torch.device) -> None:
-        """Start counting: the interval's loss sum (on ``device``: no host read per step), samples, steps,
-        input wait; the run's samples logged so far and the last logged loss."""
-        self.loss_sum = torch.zeros((), device=device)
+        # the interval's loss sum (on the device: no host read per step), samples, steps, input wait; the
+        # run's samples logged so far and the last logged loss
+        self.loss_sum = torch.zeros((), device=ctx.device)
         self.interval_samples, self.interval_steps, self.interval_wait = 0, 0, 0.0
         self.last_log = time.perf_counter()
         self.run_samples, self.last_loss = 0, float("nan")
@@ -154,7 +150,7 @@ class MetricsLogger:
             **step_obj.lrs(),
         }
         self.write(record)
-        self.postfix(loss=f"{self.last_loss:.4f}", sps=f"{record['samples_per_s']:.0f}")
+        self.bar.set_postfix(loss=f"{self.last_loss:.4f}", sps=f"{record['samples_per_s']:.0f}")
         self.loss_sum.zero_()
         self.interval_samples, self.interval_steps, self.interval_wait = 0, 0, 0.0
         self.last_log = time.perf_counter()
@@ -168,9 +164,6 @@ class MetricsLogger:
     def write(self, record: dict[str, Any]) -> None:
         if self.ctx.is_main:
             self.run.log_metrics(record)
-
-    def postfix(self, **kw) -> None:
-        self.bar.set_postfix(**kw)
 
     def redirect(self):
         """Console log lines print above the bar, not through it."""

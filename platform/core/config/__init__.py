@@ -47,11 +47,9 @@ the composition. The CLI side: `add_config_args` (flag groups), `resolve_config`
 """
 
 from .fields import (
-    Clause,
     _base_type,
     at_least,
     check_choice,
-    check_choices,
     coerce,
     default_of,
     flag,
@@ -62,23 +60,16 @@ from .fields import (
     when,
 )
 from .files import (
-    config_toml,
     flatten,
     load_toml,
     read_config_values,
     save_config,
     sectioned_toml,
-    to_toml,
 )
 from .resolve import (
-    DEPRECATED_FLAT,
-    absolute_paths,
     add_config_args,
     applicable_values,
-    apply_values,
-    check_applies,
     load_config,
-    read_config_file,
     resolve_config,
     saved_run_values,
 )
@@ -98,15 +89,12 @@ from .train import (
     at_least_one,
     finite_non_negative,
     non_negative,
-    several_workers,
 )
 
 __all__ = [
-    "DEPRECATED_FLAT",
     "MAX_FIELDS",
     "RESUME_MAY_CHANGE",
     "TRAIN_SECTIONS",
-    "Clause",
     "Config",
     "DataParallelSection",
     "DataSection",
@@ -119,17 +107,12 @@ __all__ = [
     "TrainConfig",
     "TrainJob",
     "_base_type",
-    "absolute_paths",
     "add_config_args",
     "applicable_values",
-    "apply_values",
     "at_least",
     "at_least_one",
-    "check_applies",
     "check_choice",
-    "check_choices",
     "coerce",
-    "config_toml",
     "default_of",
     "finite_non_negative",
     "flag",
@@ -141,14 +124,11 @@ __all__ = [
     "not_with",
     "only",
     "opt",
-    "read_config_file",
     "read_config_values",
     "resolve_config",
     "save_config",
     "saved_run_values",
     "sectioned_toml",
-    "several_workers",
-    "to_toml",
     "when",
     "witnesses",
 ]

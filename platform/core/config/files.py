@@ -89,15 +89,8 @@ def to_toml(values: dict[str, Any]) -> str:
 
 def sectioned_toml(cls: type, values: dict[str, Any]) -> str:
     """Flat ``{field: value}`` of composed config ``cls`` -> TOML text with one table per section (in the
-    composition's order; fields ``cls`` lacks are dropped; None values omitted). Fields a subclass of a
-    composition adds outside its sections (an app not yet converted to sections) come first, flat."""
-    section_of = getattr(cls, "SECTION_OF", {})
-    loose = {
-        f.name: values[f.name]
-        for f in dataclasses.fields(cls)
-        if f.name not in section_of and f.name in values
-    }
-    parts = [to_toml(loose)] if loose else []
+    composition's order; fields ``cls`` lacks are dropped; None values omitted)."""
+    parts = []
     for s in getattr(cls, "SECTIONS", ()):
         body = {f.name: values[f.name] for f in dataclasses.fields(s) if f.name in values}
         text = to_toml(body)

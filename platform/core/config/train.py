@@ -229,7 +229,10 @@ class OptimSection(OptimBase):
 
 class TrainJob(Config):
     """Base of the training compositions: `check` refuses a ``--monitor`` the evaluation does not report
-    (``EVAL_METRICS``; empty: only the name's direction is checked, by `LoopSection`)."""
+    (``EVAL_METRICS``; empty: only the name's direction is checked, by `LoopSection`). A composition
+    extends ``RESUME_MAY_CHANGE``: ``RESUME_MAY_CHANGE = RESUME_MAY_CHANGE | {"eval_data"}``."""
+
+    RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = RESUME_MAY_CHANGE
 
     def check(self) -> None:
         monitor, reported = getattr(self, "monitor", ""), type(self).EVAL_METRICS
@@ -245,7 +248,4 @@ TRAIN_SECTIONS = (RunSection, DataSection, LaunchSection, DataParallelSection, L
 
 class TrainConfig(TrainJob, sections=TRAIN_SECTIONS):
     """Every platform section: the config of a plain data-parallel training job (and of the trainer's
-    tests). ``RESUME_MAY_CHANGE``: see the module constant; a composition extends it:
-    ``RESUME_MAY_CHANGE = RESUME_MAY_CHANGE | {"eval_data"}``."""
-
-    RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = RESUME_MAY_CHANGE
+    tests)."""
