@@ -107,7 +107,7 @@ def evaluate_cached(
 
 def pipeline_eval_fn(data: DecodedImages, prepare: Prepare, micro_batches: int, device) -> Callable:
     """-> ``eval_fn(pipeline) -> {top1, top5, images}``: the first stage feeds ``data`` in (through
-    ``prepare``) in batches of at least ``micro_batches``, the last counts the hits, summed over every rank."""
+    ``prepare``) in batches of at least ``micro_batches``, the last counts the hits, summed over all ranks."""
 
     def eval_fn(p) -> dict[str, float]:
         bs = max(micro_batches, 250)

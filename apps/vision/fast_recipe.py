@@ -35,7 +35,7 @@ from torch import nn
 
 from .data import DecodedImages, ImageSource, decode_all, normalize
 
-# ----------------------------------------------------------------------------------------- 1. hyperparameters
+# ---------------------------------------------------------------------------------------- 1. hyperparameters
 WIDTHS = (64, 256, 256)  # channels of the three conv groups
 WHITEN_KERNEL = 2  # the whitening layer's filters are WHITEN_KERNEL x WHITEN_KERNEL
 WHITEN_EPS = 5e-4  # added to each patch-covariance eigenvalue before dividing by its square root
@@ -45,11 +45,8 @@ HEAD_SCALE = 1 / 9  # the logits' scale
 TRANSLATE = 2  # random translation of up to this many pixels (reflect padding)
 BIAS_LR_SCALE = 64.0  # BN biases: lr x this, weight decay / this (the same decay per step)
 WHITEN_BIAS_EPOCHS = 3  # the whitening bias trains this many epochs, then its lr is 0
-LR_START, LR_PEAK_AT, LR_END = (
-    0.2,
-    0.23,
-    0.07,
-)  # triangular lr (x --lr): 0.2 -> 1 at 23 % of the steps -> 0.07
+# triangular lr (x --lr): LR_START -> 1 over the first LR_PEAK_AT of the steps, then down to LR_END
+LR_START, LR_PEAK_AT, LR_END = 0.2, 0.23, 0.07
 LOOKAHEAD_EVERY = 5  # optimizer steps between Lookahead updates
 LOOKAHEAD_BASE = 0.95**5  # the EMA's decay at the end of training (x (t/T)^3 before)
 TTA_MODES = ("none", "flip", "crops")
