@@ -23,9 +23,9 @@ import time
 import torch
 import torch.nn.functional as F
 from mariana.apps.vision.configs import PRESETS, VisionConfig
-from mariana.apps.vision.data import DecodedImages, decode_all, open_source
+from mariana.apps.vision.data import DecodedImages, decode_all, make_prepare, open_source
+from mariana.apps.vision.loaders import CachedLoader, decode_device
 from mariana.apps.vision.model import build_model
-from mariana.apps.vision.train import CachedLoader, decode_device, make_prepare
 from mariana.platform.core.optim import build_optimizer
 from mariana.platform.core.steps import ModuleStep, autocast_for
 from mariana.platform.dp.sampler import ShardedBatchSampler
@@ -66,7 +66,7 @@ class Ours:
     def __init__(self, cfg: VisionConfig, data: DecodedImages, device: torch.device, classes: int):
         self.device = device
         _, fwd = _model(cfg, device, classes)
-        prepare = make_prepare(cfg, train=True)
+        prepare = make_prepare(cfg.net, train=True)
 
         def step_fn(m, batch):  # `_train_data_parallel`'s step for a decoded set
             x, y = batch
@@ -104,7 +104,7 @@ class Plain:
         self.cfg, self.device, self.data = cfg, device, data
         self.model, self.fwd = _model(cfg, device, classes)
         self.opt = build_optimizer(cfg, self.model.parameters())
-        self.prepare = make_prepare(cfg, train=True)
+        self.prepare = make_prepare(cfg.net, train=True)
         self.perm = torch.randperm(len(data), device=device)
         self.pos = 0
 
@@ -142,7 +142,7 @@ def steady_case(tar: str, preset: str, device: torch.device, steps: int, rounds:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     t0 = time.perf_counter()
     src = open_source(tar)
-    data = decode_all(src, cfg.image_size, decode_device(cfg, device), kw.get("limit", 0))
+    data = decode_all(src, cfg.image_size, decode_device(cfg.decode, device), kw.get("limit", 0))
     data.images, data.labels = data.images.to(device), data.labels.to(device)
     decode_s = time.perf_counter() - t0
     ours, plain = Ours(cfg, data, device, len(src.classes)), Plain(cfg, data, device, len(src.classes))

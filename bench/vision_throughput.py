@@ -113,7 +113,8 @@ def train_steps(fwd, opt, batches, device, amp: bool, channels_last: bool, pad: 
 
 def jpeg_batches(tar: Path, size: int, batch: int, steps: int, device, workers: int):
     """Batches from the tar: (uint8 [B,3,S,S] on device | list of bytes for GPU decode, labels)."""
-    from mariana.apps.vision.data import Prefetcher, StreamingImages, TarSource, collate_stream
+    from mariana.apps.vision.data import StreamingImages, TarSource, collate_stream
+    from mariana.platform.core.prefetch import Prefetcher
 
     src = TarSource(tar)
     gpu = device.type == "cuda"

@@ -191,7 +191,8 @@ def test_train_eval_classify_commands(small_shard, tmp_path):
 def test_raw_bytes_path_decodes_like_the_worker_path(small_shard):
     """The GPU input path (workers read bytes, the prefetch thread decodes batched) run on CPU gives the
     same batch as decoding in the workers, and still drops + reports the corrupt image."""
-    from mariana.apps.vision.data import Prefetcher, gpu_decode_batch
+    from mariana.apps.vision.data import gpu_decode_batch
+    from mariana.platform.core.prefetch import Prefetcher
 
     shard, _ = small_shard
     src = TarSource(shard)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import DATA, last_line, run_cli
-from mariana.apps.vision.fastnet import fastnet, init_whitening, patches, whitening_weights
+from mariana.apps.vision.fast_recipe import fastnet, init_whitening, patches, whitening_weights
 from mariana.apps.vision.predict import Classifier
 
 TEST_TAR = DATA / "cifar10" / "test-dev.tar"
@@ -192,7 +192,7 @@ def test_fast_recipe_steps_read_nothing_from_the_device():
 
     from mariana.apps.vision.configs import PRESETS
     from mariana.apps.vision.data import DecodedImages, normalize
-    from mariana.apps.vision.recipe import DeviceEpochLoader, FastStep
+    from mariana.apps.vision.fast_recipe import DeviceEpochLoader, FastStep
 
     cfg = dataclasses.replace(PRESETS["fast"], batch_size=8, epochs=2, amp="off", device="cpu")
     cpu = torch.device("cpu")
@@ -229,7 +229,7 @@ def test_fast_recipe_resumes_exactly():
 
     from mariana.apps.vision.configs import PRESETS
     from mariana.apps.vision.data import DecodedImages, normalize
-    from mariana.apps.vision.recipe import DeviceEpochLoader, FastStep
+    from mariana.apps.vision.fast_recipe import DeviceEpochLoader, FastStep
 
     cfg = dataclasses.replace(PRESETS["fast"], batch_size=8, epochs=2, amp="off", device="cpu")
     ctx = SimpleNamespace(

@@ -146,7 +146,7 @@ class VisionNet(Section):
     recipe: str = opt(
         "standard",
         "optimizer recipe: standard (--optimizer, --schedule) or fast (model fastnet: Nesterov SGD, BN biases "
-        "at 64x LR, triangular LR, Lookahead weight averaging; apps/vision/recipe.py)",
+        "at 64x LR, triangular LR, Lookahead weight averaging; apps/vision/fast_recipe.py)",
         ["standard", "fast"],
     )
     augment: str = opt(
@@ -347,9 +347,9 @@ PRESETS = {
         compile=True,
         progress=False,
     ),
-    # the GPU default: the airbench paper's methods in our code (fastnet + --recipe fast, apps/vision/
-    # recipe.py); lr and weight decay are the paper's 11.5 and 0.0153 per 1024 images converted to a mean
-    # loss: lr = 11.5 / (1 + 1/(1-0.85)), weight decay (SGD's coupled form) = 0.0153 / 11.5
+    # the GPU default: the fast recipe's flags (the recipe itself, read top to bottom: apps/vision/
+    # fast_recipe.py); lr and weight decay are the paper's 11.5 and 0.0153 per 1024 images converted to a
+    # mean loss: lr = 11.5 / (1 + 1/(1-0.85)), weight decay (SGD's coupled form) = 0.0153 / 11.5
     "fast": VisionConfig(
         model="fastnet",
         recipe="fast",

@@ -17,7 +17,7 @@ Two input paths:
 - ``DecodedImages``: decode every image once (batched ``decode_jpeg``, on the GPU when available) into one
   uint8 tensor ``[N, 3, S, S]``; epochs then only index it. Used when the data set fits in memory
   (CIFAR-10 at 32 px is 150 MB), and it removes JPEG decoding from the per-step cost on a 2-core CPU.
-- ``StreamingImages`` (read by ``train.StreamLoader``): a torch DataLoader whose workers read and decode
+- ``StreamingImages`` (read by ``loaders.StreamLoader``): a torch DataLoader whose workers read and decode
   (``decode_image``, resize/crop to ``S``) and return uint8 batches in pinned memory; the trainer copies
   them with ``non_blocking=True`` and a prefetching iterator overlaps the copy with compute. With
   ``decode='cuda'`` the workers only read bytes and decoding happens batched on the GPU.
@@ -30,19 +30,23 @@ from __future__ import annotations
 import functools
 import os
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from mariana.apps.vision.tarindex import scan_tar
 from mariana.platform.core.errors import DataError
-from mariana.platform.core.prefetch import Prefetcher  # noqa: F401  (re-exported)
+
+if TYPE_CHECKING:
+    from .configs import VisionNet
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".JPG", ".JPEG", ".PNG")
 # ImageNet channel statistics in 0..1 units; CIFAR's differ by < 0.03, not worth a second set.
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
+Prepare = Callable[[torch.Tensor], torch.Tensor]  # a uint8 batch on the device -> the model's float input
 
 
 # ----------------------------------------------------------------------------------------------- sources
@@ -307,8 +311,8 @@ class StreamingImages(torch.utils.data.Dataset):
     """Per-sample dataset for data too large to decode once: item ``i`` -> ``(uint8 [3,S,S] or None,
     label, path)``; with ``decode=False`` it returns the encoded bytes instead (GPU decoding later)."""
 
-    def __init__(self, src: ImageSource, size: int, decode: bool = True, random_crop: bool = False):
-        self.src, self.size, self.decode, self.random_crop = src, size, decode, random_crop
+    def __init__(self, src: ImageSource, size: int, decode: bool = True):
+        self.src, self.size, self.decode = src, size, decode
 
     def __len__(self) -> int:
         return len(self.src)
@@ -325,13 +329,7 @@ class StreamingImages(torch.utils.data.Dataset):
             img = decode_image(_as_u8(data), mode=ImageReadMode.RGB)
         except (RuntimeError, ValueError):
             return None, label, path
-        if self.random_crop:  # scale augmentation needs the full-resolution image: do it here, on CPU
-            from torchvision.transforms import v2
-
-            img = v2.RandomResizedCrop(self.size, scale=(0.25, 1.0), antialias=True)(img)
-        else:
-            img = fit_size(img, self.size)
-        return img, label, path
+        return fit_size(img, self.size), label, path
 
 
 def collate_stream(items):
@@ -385,6 +383,19 @@ def augment_batch(x: torch.Tensor, generator: torch.Generator | None = None, pad
     return torch.where(flip.view(b, 1, 1, 1), x.flip(3), x)
 
 
+def make_prepare(net: VisionNet, train: bool) -> Prepare:
+    """-> ``prepare(x)``: uint8 batch ``[B,3,S,S]`` on the device -> float batch, augmented as ``net.augment``
+    says (training only) and normalised (channels-last when ``net.channels_last``)."""
+
+    def prepare(x: torch.Tensor) -> torch.Tensor:
+        # alt-flip-translate runs in the loader (fast_recipe.DeviceEpochLoader): its flips depend on the epoch
+        if train and net.augment not in ("none", "alt-flip-translate"):
+            x = augment_batch(x, pad=net.image_size // 8 if net.augment == "flip-crop" else 0)
+        return normalize(x, channels_last=net.channels_last)
+
+    return prepare
+
+
 # ------------------------------------------------------------------------------------------- prefetching
 def gpu_decode_batch(size: int, device: torch.device):
     """A `Prefetcher` transform: ``(list of encoded images, labels, bad paths)`` -> ``(uint8 [B',3,S,S] on
@@ -409,21 +420,3 @@ def gpu_decode_batch(size: int, device: torch.device):
 def image_bytes_ok(data: bytes) -> bool:
     """Cheap check used by the classifier: does it look like an encoded image torchvision can decode?"""
     return data[:3] == b"\xff\xd8\xff" or data[:8] == b"\x89PNG\r\n\x1a\n" or data[:4] == b"GIF8"
-
-
-__all__ = [
-    "DecodedImages",
-    "DirSource",
-    "ImageSource",
-    "Prefetcher",
-    "StreamingImages",
-    "TarSource",
-    "augment_batch",
-    "collate_stream",
-    "decode_all",
-    "decode_many",
-    "decode_one",
-    "normalize",
-    "open_source",
-    "subset_indices",
-]

@@ -1,11 +1,15 @@
-"""``mariana vision eval``: top-1/top-5 accuracy of an exported run on held-out images."""
+"""Top-1/top-5 accuracy: of an exported run on held-out images (``mariana vision eval``, `evaluate_run`),
+and of the model being trained on the decoded held-out set (`evaluate_cached` in one process or data
+parallel, `pipeline_eval_fn` over pipeline stages)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from mariana.platform.core import jsonfile
 from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import MarianaError
@@ -13,9 +17,9 @@ from mariana.platform.core.metrics import topk_correct
 from mariana.platform.core.rundir import eval_result_path
 from mariana.platform.runtime.dist import resolve_device
 
-from .data import StreamingImages, collate_stream, open_source
+from .data import DecodedImages, Prepare, StreamingImages, collate_stream, open_source
+from .fast_recipe import tta_mode, tta_probabilities
 from .predict import load_classifier
-from .tta import tta_mode
 
 
 def evaluate_run(
@@ -73,3 +77,49 @@ def evaluate_run(
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, jsonfile.dumps(result, indent=2) + "\n")
     return result
+
+
+def _summed(c1: float, c5: float, n: float, device, distributed: bool) -> dict[str, float]:
+    """This rank's hit counts summed over every rank (when ``distributed``) -> {top1 %, top5 %, images}."""
+    counts = torch.tensor([c1, c5, n], dtype=torch.float64, device=device)
+    if distributed:
+        dist.all_reduce(counts)
+    c1, c5, n = counts.tolist()
+    return {"top1": 100.0 * c1 / max(1, n), "top5": 100.0 * c5 / max(1, n), "images": n}
+
+
+def evaluate_cached(
+    model: torch.nn.Module, data: DecodedImages, prepare: Prepare, tta="none", batch_size=500, rank=0, world=1
+) -> dict[str, float]:
+    """top1/top5 (%) of ``model`` on this rank's shard of ``data`` (uint8 images turned into model input by
+    ``prepare``), summed over ranks (all ranks call); ranked by the mean probabilities of ``tta``'s views
+    (`fast_recipe.tta_views`)."""
+    c1 = c5 = n = 0
+    model.eval()
+    with torch.no_grad():
+        for lo in range(rank * batch_size, len(data), batch_size * world):
+            x = prepare(data.images[lo : lo + batch_size])
+            y = data.labels[lo : lo + batch_size]
+            a, b = topk_correct(tta_probabilities(model, x, tta), y)
+            c1, c5, n = c1 + a, c5 + b, n + len(y)
+    return _summed(c1, c5, n, None, world > 1)
+
+
+def pipeline_eval_fn(data: DecodedImages, prepare: Prepare, micro_batches: int, device) -> Callable:
+    """-> ``eval_fn(pipeline) -> {top1, top5, images}``: the first stage feeds ``data`` in (through
+    ``prepare``) in batches of at least ``micro_batches``, the last counts the hits, summed over all ranks."""
+
+    def eval_fn(p) -> dict[str, float]:
+        bs = max(micro_batches, 250)
+        c1 = c5 = n = 0
+        for lo in range(p.dp_index * bs, len(data), bs * p.dp_size):
+            x = data.images[lo : lo + bs]
+            y = data.labels[lo : lo + bs]
+            m = min(micro_batches, len(y))
+            logits = p.schedule.forward(prepare(x) if p.is_first else None, len(y)) if len(y) >= m else None
+            if p.is_last and logits is not None:
+                a, b = topk_correct(logits, y)
+                c1, c5, n = c1 + a, c5 + b, n + len(y)
+        return _summed(c1, c5, n, device, True)
+
+    return eval_fn

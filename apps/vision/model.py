@@ -1,6 +1,13 @@
-"""Vision models: torchvision models by name, ``mariana-cnn`` (the two-column network of Krizhevsky et al.
-2012) and ``cifar-fast`` (a small fast CIFAR net for CPU tests) and ``resnet9`` (the same
-layout at width 64: the DAWNBench CIFAR-10 ResNet-9, the fast GPU recipe).
+"""Vision models by name (`build_model`): the ones registered below and any torchvision model.
+
+Registered (`mariana.platform.core.registry`, app ``vision``):
+
+- ``cifar-fast``: the ResNet-9 layout (`resnet9_layout`) at width 16, the small CPU net of the ``debug`` and
+  ``small`` presets and the demo. Not the ``fast`` recipe's net, despite the name.
+- ``resnet9``: the same layout at width 64 (the DAWNBench CIFAR-10 ResNet-9), the ``gpu94`` preset's net.
+- ``fastnet``: the ``fast`` recipe's net (airbench's layout with a patch-whitening first layer), defined with
+  the rest of that recipe in `mariana.apps.vision.fast_recipe`.
+- ``mariana-cnn`` / ``mariana-cnn-32``: the two-column network of Krizhevsky et al. 2012 at 224 / 32 px.
 
 Every model is a plain single-device ``nn.Module``. For model parallelism the framework needs the model as
 an ordered list of blocks: `as_blocks` returns an ``nn.Sequential`` whose children run one after the other
@@ -26,7 +33,7 @@ from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.registry import create_model, list_models, register_model
 from torch import nn
 
-from .fastnet import fastnet
+from .fast_recipe import Scale, fastnet
 
 
 def conv_bn(cin: int, cout: int, pool: bool = False) -> nn.Sequential:
@@ -34,18 +41,6 @@ def conv_bn(cin: int, cout: int, pool: bool = False) -> nn.Sequential:
     if pool:
         layers.insert(1, nn.MaxPool2d(2))  # pool before BN: 4x fewer positions to normalise
     return nn.Sequential(*layers)
-
-
-class Scale(nn.Module):
-    """``x * factor``: ResNet-9 scales its logits by 1/8 so that the max-pooled features start with
-    small logits (a loss near ln C instead of several times it)."""
-
-    def __init__(self, factor: float):
-        super().__init__()
-        self.factor = factor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.factor
 
 
 class Residual(nn.Module):
@@ -59,10 +54,10 @@ class Residual(nn.Module):
         return x + self.f(x)
 
 
-def cifar_fast(num_classes: int = 10, width: int = 32) -> nn.Sequential:
-    """A small ResNet-ish net for 32 px images (~0.6 M params at width 32): prep conv, three pooling
-    stages (two with a residual pair), global max-pool, linear. Input float ``[B,3,32,32]``, output
-    logits ``[B, num_classes]``. Small enough to train on CIFAR-10 in CPU minutes (apps/vision/README.md)."""
+def resnet9_layout(num_classes: int = 10, width: int = 32) -> nn.Sequential:
+    """The DAWNBench ResNet-9 layout at ``width`` for 32 px images: prep conv, three pooling stages (two
+    with a residual pair), global max-pool, linear, logits x 1/8 (so the max-pooled features start with a
+    loss near ln C). Input float ``[B,3,32,32]``, output logits ``[B, num_classes]``."""
     w = width
     return nn.Sequential(
         OrderedDict(
@@ -159,16 +154,20 @@ def _mariana_cnn_32(num_classes: int, image_size: int = 32, dropout: float = 0.5
 
 @register_model("vision", "cifar-fast")
 def _cifar_fast(num_classes: int, image_size: int = 32, dropout: float = 0.5) -> nn.Module:
-    return cifar_fast(num_classes, width=16)
+    """The small CPU net of the debug/small presets: `resnet9_layout` at width 16 (unrelated to the fast
+    recipe)."""
+    return resnet9_layout(num_classes, width=16)
 
 
 @register_model("vision", "resnet9")
 def _resnet9(num_classes: int, image_size: int = 32, dropout: float = 0.5) -> nn.Module:
-    return cifar_fast(num_classes, width=64)
+    """The DAWNBench ResNet-9 (gpu94 preset): `resnet9_layout` at width 64."""
+    return resnet9_layout(num_classes, width=64)
 
 
 @register_model("vision", "fastnet")
 def _fastnet(num_classes: int, image_size: int = 32, dropout: float = 0.5) -> nn.Module:
+    """The fast recipe's net (`fast_recipe.fastnet`)."""
     return fastnet(num_classes)
 
 
@@ -221,3 +220,21 @@ def as_blocks(model: nn.Module) -> nn.Sequential:
 
 def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def check_input_size(model: nn.Module, name: str, image_size: int) -> None:
+    """One forward pass of a zero image [1,3,S,S] in eval mode (no RNG drawn, no state changed), so that a
+    model that cannot take S px input (e.g. ``alexnet`` at 32 px) fails here with a clear `MarianaError`
+    (naming --model ``name``) instead of a shape error inside the training loop."""
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, 3, image_size, image_size))
+    except RuntimeError as e:
+        raise MarianaError(
+            f"--model {name} cannot take {image_size} px images ({str(e).splitlines()[0][:160]}); "
+            "raise --image-size (224 for ImageNet models) or pick a CIFAR model (cifar-fast, resnet9, mariana-cnn-32)"
+        ) from None
+    finally:
+        model.train(was)

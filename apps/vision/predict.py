@@ -14,14 +14,8 @@ from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import load_exported
 
 from .data import decode_one, image_bytes_ok
+from .fast_recipe import tta_mode, tta_probabilities
 from .model import build_model
-from .tta import tta_mode, tta_probabilities
-
-
-def flip_tta_probabilities(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Normalised images ``x [B, 3, H, W]`` -> ``[B, C]``: the mean of the class probabilities of ``x`` and
-    of ``x`` flipped left-right (one forward pass over both)."""
-    return tta_probabilities(model, x, "flip")
 
 
 class Classifier:
@@ -52,8 +46,8 @@ class Classifier:
     @torch.no_grad()
     def probabilities(self, images: torch.Tensor, tta: bool | str = False) -> torch.Tensor:
         """uint8 ``[B,3,S,S]`` -> class probabilities float ``[B, C]``. ``tta``: test-time augmentation
-        (`tta.tta_views`), the mean of the views' probabilities: ``"flip"`` (or True) the images and their
-        mirror images (2x the compute), ``"crops"`` those plus the images translated by 1 px up-left and
+        (`fast_recipe.tta_views`), the mean of the views' probabilities: ``"flip"`` (or True) the images and
+        their mirror images (2x the compute), ``"crops"`` those plus the images translated by 1 px up-left and
         down-right, each also mirrored (6x); False/``"none"`` the images alone."""
         x = (images.to(self.device).float() - self.mean) / self.std
         return tta_probabilities(self.model, x, tta_mode(tta))

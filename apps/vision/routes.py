@@ -2,9 +2,9 @@
 
 ``POST /v1/vision/classify?k=5`` multipart ``file`` = JPEG/PNG/GIF ->
 ``{"labels": [{"label", "probability"}, ...], "model_version": v, "tta": bool, "tta_mode": m}``;
-``?tta=true|flip|crops`` averages the probabilities of views of the image (`tta.tta_views`).
+``?tta=true|flip|crops`` averages the probabilities of views of the image (`fast_recipe.tta_views`).
 
-Module-level imports are FastAPI only: a server without a vision model never imports the model code.
+Imported only when vision routes are mounted (`AppSpec.router`).
 """
 
 import logging
@@ -13,7 +13,7 @@ from fastapi import APIRouter, File, Query, UploadFile
 from mariana.platform.core.errors import MarianaError
 from mariana.serving.context import error
 
-from .tta import tta_mode
+from .fast_recipe import tta_mode
 
 log = logging.getLogger("mariana.serving")
 

@@ -1,9 +1,8 @@
 """Fast member index of an uncompressed tar: ``(name, data offset, size)`` of each regular file.
 
-``tarfile`` builds a ``TarInfo`` per member in Python (~30-90 us each): 1.5-4 s for CIFAR-10's 50,000
-images, more than decoding them. The common case (plain ustar/GNU headers: regular files and folders, names
-up to 255 bytes) is walked here straight from the 512-byte headers of a memory map (a few us each); any
-other header (PAX or GNU long names, links, sparse files, a bad checksum) returns None and the caller falls
+``tarfile`` builds a Python ``TarInfo`` per member, which for 50,000 small images costs more than decoding
+them (timings: apps/vision/README.md). The common case (plain ustar/GNU headers: regular files and folders,
+names up to 255 bytes) is walked here straight from the 512-byte headers of a memory map; any other header (PAX or GNU long names, links, sparse files, a bad checksum) returns None and the caller falls
 back to ``tarfile``, so the index is the one ``tarfile`` would give or is computed by ``tarfile`` itself.
 """
 

@@ -1,0 +1,138 @@
+"""The training input of ``mariana vision train``: where JPEGs are decoded, whether the set is decoded once,
+and the `BatchLoader` the platform's `Trainer` reads (one process or data parallel).
+
+When the decoded set fits in ``--cache-gb`` every image is decoded once (batched ``decode_jpeg``, on the GPU
+when training there) into one uint8 tensor kept on the training device (`load_decoded`, `CachedLoader`);
+otherwise DataLoader workers read and decode each step (``--num-workers``) into pinned memory and a prefetch
+thread copies batches ahead with ``non_blocking=True`` (`StreamLoader`). Augmentation and normalisation run
+on the batch on the training device (`data.make_prepare`), except the fast recipe's, which its loader does
+(`fast_recipe.DeviceEpochLoader`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from mariana.platform.cli.console import warn_skipped
+from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.prefetch import Prefetcher
+from mariana.platform.dp.sampler import IndexBatchLoader, ShardedBatchSampler
+
+from .data import StreamingImages, collate_stream, decode_all, gpu_decode_batch, subset_indices
+from .fast_recipe import DeviceEpochLoader
+
+if TYPE_CHECKING:
+    from .configs import VisionData, VisionNet
+    from .data import DecodedImages, ImageSource
+
+log = logging.getLogger("mariana")
+
+
+# ------------------------------------------------------------------------------------------------ decoding
+def decode_device(decode: str, device: torch.device) -> torch.device:
+    """Where ``--decode`` (auto, cpu, cuda) decodes JPEGs when training on ``device``."""
+    if decode == "cuda" or (decode == "auto" and device.type == "cuda"):
+        if not torch.cuda.is_available():
+            raise MarianaError("--decode cuda needs a CUDA device")
+        return device if device.type == "cuda" else torch.device("cuda")
+    return torch.device("cpu")
+
+
+def report_skipped(bad: list[tuple[str, str]], where: str) -> None:
+    """The shared skipped-input warning for ``bad`` [(path, reason)] of ``where`` (the data set)."""
+    warn_skipped(where, len(bad), bad, "corrupt image", log=log)
+
+
+def load_decoded(
+    src: ImageSource, where: str, size: int, decode: str, workers: int, device, limit: int, progress=False
+) -> DecodedImages:
+    """``src`` (the data set ``where``; its ``--limit``-style subset of ``limit`` images, 0 = all) decoded
+    once at ``size`` px onto ``device``, where ``decode`` (--decode) says; on the CPU in ``workers``
+    (--num-workers) processes (chunks decoded in parallel, the same pixels as one process), with nvJPEG
+    batched in this process. The corrupt images are reported and listed in ``.bad``."""
+    at = decode_device(decode, device)
+    data = decode_all(src, size, at, limit, progress=progress, workers=workers if at.type == "cpu" else 0)
+    report_skipped(data.bad, where)
+    data.images, data.labels = data.images.to(device), data.labels.to(device)
+    return data
+
+
+def use_cache(inp: VisionData, net: VisionNet, model_parallel: int, n_images: int) -> bool:
+    """Whether the decoded training set of ``n_images`` is kept in memory (--cache, --cache-gb);
+    `MarianaError` where the recipe needs it (--augment alt-flip-translate, --model-parallel K > 1) and it
+    does not fit."""
+    est_gb = n_images * 3 * net.image_size**2 / 1e9
+    cached = inp.cache == "on" or (inp.cache == "auto" and est_gb <= inp.cache_gb)
+    if net.augment == "alt-flip-translate" and not cached:
+        raise MarianaError(
+            f"--augment alt-flip-translate needs the decoded set in memory; it needs {est_gb:.1f} GB "
+            f"(> --cache-gb {inp.cache_gb}); raise --cache-gb or use --cache on"
+        )
+    if model_parallel > 1 and not cached:
+        raise MarianaError(
+            f"--model-parallel {model_parallel} reads from the decoded-image cache; the data needs "
+            f"{est_gb:.1f} GB (> --cache-gb {inp.cache_gb}); raise --cache-gb or use --cache on"
+        )
+    return cached
+
+
+# ------------------------------------------------------------------------------------------------ loaders
+class CachedLoader:
+    """`BatchLoader` over a `DecodedImages` (already on the training device): (uint8 [B,3,S,S], int64 [B])."""
+
+    def __init__(self, data: DecodedImages, sampler: ShardedBatchSampler):
+        self.data, self.sampler = data, sampler
+        self.batches_per_epoch = sampler.batches_per_epoch
+
+    def iterate(self, epoch: int, start: int = 0):
+        for idx in self.sampler.batches(epoch, start):
+            t = torch.as_tensor(idx, device=self.data.images.device)
+            yield self.data.images[t], self.data.labels[t]
+
+
+class StreamLoader:
+    """`BatchLoader` that reads + decodes in DataLoader workers (pinned memory) and prefetches to the
+    device: (uint8 [B',3,S,S], int64 [B'], skipped paths); with GPU decoding the workers only read bytes."""
+
+    def __init__(
+        self, ds: StreamingImages, sampler, num_workers: int, device, indices: list[int] | None = None
+    ):
+        # ``indices``: the --limit subset; the sampler then draws positions 0..len(indices)-1 within it
+        subset = torch.utils.data.Subset(ds, indices) if indices is not None else ds
+        self.inner = IndexBatchLoader(
+            subset, sampler, collate_stream, num_workers, pin_memory=device.type == "cuda"
+        )
+        self.device = device
+        self.batches_per_epoch = sampler.batches_per_epoch
+        # raw bytes (GPU decoding): decode in the prefetch thread so that it overlaps the training step
+        self.transform = None if ds.decode else gpu_decode_batch(ds.size, device)
+
+    def iterate(self, epoch: int, start: int = 0):
+        it = self.inner.iterate(epoch, start)
+        return iter(Prefetcher(it, depth=3, device=self.device, transform=self.transform))
+
+
+def training_loader(
+    inp: VisionData,
+    net: VisionNet,
+    data: DecodedImages | None,
+    src: ImageSource,
+    batch_size,
+    seed,
+    num_workers,
+    ctx,
+):
+    """The `BatchLoader` of a data-parallel run on rank ``ctx.rank`` of ``ctx.world_size``: the fast
+    recipe's `DeviceEpochLoader` (--augment alt-flip-translate), a `CachedLoader` over the decoded set
+    ``data``, or (``data`` None) a `StreamLoader` over ``src``'s --limit subset."""
+    if net.augment == "alt-flip-translate":
+        return DeviceEpochLoader(data, batch_size, ctx.rank, ctx.world_size, seed)
+    if data is not None:
+        return CachedLoader(data, ShardedBatchSampler(len(data), batch_size, ctx.rank, ctx.world_size, seed))
+    on_gpu_decode = decode_device(inp.decode, ctx.device).type == "cuda"
+    ds = StreamingImages(src, net.image_size, decode=not on_gpu_decode)
+    idx = subset_indices(len(src), inp.limit)
+    sampler = ShardedBatchSampler(len(idx), batch_size, ctx.rank, ctx.world_size, seed)
+    return StreamLoader(ds, sampler, num_workers, ctx.device, idx)
