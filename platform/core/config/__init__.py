@@ -73,7 +73,7 @@ from .resolve import (
     resolve_config,
     saved_run_values,
 )
-from .sections import MAX_FIELDS, Config, Section, witnesses
+from .sections import MAX_FIELDS, Config, Section
 from .train import (
     RESUME_MAY_CHANGE,
     TRAIN_SECTIONS,
@@ -130,5 +130,4 @@ __all__ = [
     "saved_run_values",
     "sectioned_toml",
     "when",
-    "witnesses",
 ]
