@@ -132,8 +132,9 @@ def test_the_inert_flags_of_the_issue_are_declared():
 def test_a_flag_whose_condition_fails_is_refused(command, cls, name, clause, tmp_path):
     """``--NAME DEFAULT`` (even the default value, typed) with the clause's field at a value that fails
     it is refused in one line naming both; with every clause of the field holding it is accepted."""
+    from config_probe import witnesses
     from mariana.platform.cli.main import check_command
-    from mariana.platform.core.config import flag, witnesses
+    from mariana.platform.core.config import flag
     from mariana.platform.core.errors import MarianaError
 
     holding = {c.field: witnesses(cls, c)[0] for c in cls.CLAUSES[name]}

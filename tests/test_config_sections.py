@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from config_probe import witnesses
 from helpers import cli_env
 from mariana.platform.cli.main import build_parser, check_command
 from mariana.platform.core.config import (
@@ -31,7 +32,6 @@ from mariana.platform.core.config import (
     resolve_config,
     save_config,
     saved_run_values,
-    witnesses,
 )
 from mariana.platform.core.errors import MarianaError
 

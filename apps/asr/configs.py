@@ -19,7 +19,9 @@ from mariana.platform.core.config import (
     Section,
     TrainJob,
     at_least,
+    at_least_one,
     given,
+    non_negative,
     only,
     opt,
     when,
@@ -41,10 +43,8 @@ class AsrInput(DataSection):
     )
 
     def validate(self) -> None:
-        if self.cache_gb < 0:
-            raise MarianaError(f"--cache-gb must be >= 0, got {self.cache_gb}")
-        if self.feature_jobs < 1:
-            raise MarianaError(f"--feature-jobs must be >= 1, got {self.feature_jobs}")
+        non_negative(self, ("cache_gb",))
+        at_least_one(self, ("feature_jobs",))
 
 
 @dataclass
@@ -86,8 +86,7 @@ class AsrFeatures(Section):
     )
 
     def validate(self) -> None:
-        if self.num_mel_bins < 1:
-            raise MarianaError(f"--num-mel-bins must be >= 1, got {self.num_mel_bins}")
+        at_least_one(self, ("num_mel_bins",))
         if self.features == "mfcc" and not 1 <= self.num_ceps <= self.num_mel_bins:
             raise MarianaError(f"--num-ceps must be in [1, --num-mel-bins], got {self.num_ceps}")
         if self.sample_rate < 1000:
@@ -189,8 +188,7 @@ class AsrAugment(Section):
             raise MarianaError(
                 f"--time-stretch must be LO,HI with 0.3 <= LO <= HI <= 3, got {self.time_stretch}"
             )
-        if self.stretch_segment < 0:
-            raise MarianaError(f"--stretch-segment must be >= 0, got {self.stretch_segment}")
+        non_negative(self, ("stretch_segment",))
         if min(self.freq_mask, self.time_mask, self.num_masks) < 0:
             raise MarianaError("--freq-mask, --time-mask and --num-masks must be >= 0")
 

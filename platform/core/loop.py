@@ -175,10 +175,9 @@ class Trainer:
 
     ``evaluator``: when to evaluate, the monitored metric, patience; ``exporter(metrics, step)`` writes the
     model (called on every rank; the app decides which rank writes); ``checkpointer``: default
-    `Checkpointer` (the parameter-server step brings one that checkpoints the servers); ``faults``: the
-    injection point of ``MARIANA_FAULT``'s ``step=N`` faults, fired before each step (default: from the
-    environment, `faults.FaultInjector`). `fit` runs the whole schedule; `train_now` trains on a given
-    loader's batches at once (a stream, file by file)."""
+    `Checkpointer` (the parameter-server step brings one that checkpoints the servers). ``MARIANA_FAULT``'s
+    ``step=N`` faults fire before each step (`faults.FaultInjector`). `fit` runs the whole schedule;
+    `train_now` trains on a given loader's batches at once (a stream, file by file)."""
 
     def __init__(
         self,
@@ -192,7 +191,6 @@ class Trainer:
         checkpointer: Checkpointer | None = None,
         desc: str = "train",
         total: int | None = None,
-        faults: FaultInjector | None = None,
     ):
         self.cfg, self.step_obj, self.loader, self.ctx, self.run = cfg, step, loader, ctx, run
         self.evaluator, self.exporter, self.desc = evaluator, exporter, desc
@@ -203,7 +201,7 @@ class Trainer:
         self.step, self.epoch, self.pos, self.samples = 0, 0, 0, 0
         self.history: list[dict[str, Any]] = []
         self.exported_step = -1
-        self.faults = faults if faults is not None else FaultInjector()
+        self.faults = FaultInjector()
         self.logger: MetricsLogger | None = None
         if ctx.watchdog is not None:
             ctx.watchdog.report_dir = run.log_dir

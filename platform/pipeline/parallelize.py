@@ -1,14 +1,10 @@
 """`parallelize_pipeline`: model parallel (pipeline stages) x data parallel over a 2-D DeviceMesh.
 
 Mesh ``(dp=G, mp=K)`` named ``("dp", "mp")`` (`mariana.platform.runtime.dist.ParallelDims.build_mesh`): global
-rank ``r = g*K + s`` holds stage ``s`` of group ``g``. Activations and their gradients cross stage
-boundaries along ``mp`` (point-to-point: torch.distributed.pipelining's GPipe or 1F1B schedule,
-`schedule.TorchSchedule`, or the hand-written `schedule.GPipeSchedule`); after the backward pass each rank
-all-reduces its stage's gradients over its ``dp`` group only, i.e. among the G ranks that hold the same
-stage (one flat buffer per step, optionally sent in bf16/fp16).
-
-The model stays a plain single-device module: the caller passes it as an ``nn.Sequential`` of blocks (or
-a list of K stage modules) and gets back a `PipelineParallel` holding this rank's stage.
+rank ``r = g*K + s`` holds stage ``s`` of group ``g``. Activations cross stage boundaries along ``mp``
+(`schedule`); after the backward pass each rank all-reduces its stage's gradients over its ``dp`` group only
+(one flat buffer per step, optionally bf16/fp16). The caller passes a plain single-device ``nn.Sequential``
+of blocks (or a list of K stage modules) and gets back a `PipelineParallel` holding this rank's stage.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""Pipeline schedules: torch.distributed.pipelining's GPipe and 1F1B (`TorchSchedule`, training) and a
-hand-written GPipe over torch.distributed point-to-point ops (`GPipeSchedule`: inference, and the training
-batches torch's schedules cannot take).
-
-`TorchSchedule` runs ``ScheduleGPipe`` (all forwards, then all backwards) or ``Schedule1F1B`` (after K-s
-warm-up forwards stage s alternates one backward and one forward, so at most K micro-batches' activations
-are alive instead of M) on torch's ``PipelineStage``, with two fixes for gloo/CPU and exact resumes (see
-`_Stage`) and contiguous stage outputs (`_AutocastStage`). torch fixes micro-batch shapes at the first step
-and needs M >= K micro-batches: a batch of B with B % M != 0, or M < K, runs on `GPipeSchedule` instead
-(same gradients).
+"""Pipeline schedules (how they were chosen: ``platform/pipeline/README.md``): torch.distributed.pipelining's
+GPipe and 1F1B (`TorchSchedule`, training) and a hand-written GPipe over point-to-point ops (`GPipeSchedule`:
+inference, and the training batches torch's schedules cannot take, B % M != 0 or M < K; same gradients).
 
 `GPipeSchedule`, one step on stage s of K (previous stage on rank ``prev``, next on rank ``next``), M
 micro-batches:
@@ -16,17 +9,12 @@ micro-batches:
                           (last stage: loss_m = loss_fn(y_m, target chunk m) * n_m / B)
     backward m = 0..M-1:  g_m = recv(next) (last stage: d loss_m);  y_m.backward(g_m);  isend(x_m.grad, prev)
 
-Sends are asynchronous (``isend``), so stage s computes micro-batch m+1 while micro-batch m travels to
-and is computed on stage s+1: the stages work concurrently apart from the fill/drain bubble of K-1
-micro-batches. The loss is the mean over the whole batch, so the gradients equal those of the unsplit model
-on the full batch (exactly so for layers without batch statistics; BatchNorm sees micro-batches).
-
-All forwards precede all backwards: between any two neighbouring stages traffic then flows in one
-direction at a time and every rank posts its P2P ops in the same order as its peer, which keeps NCCL (one
-ordered stream per communicator) free of send/send deadlocks without batching the ops.
-
-Each tensor is preceded by a small int64 header (dtype code, ndim, shape) so stages need no shape
-inference and any batch size (the last, smaller batch of an evaluation) just works.
+Sends are asynchronous, so stage s computes micro-batch m+1 while m is on stage s+1 (a fill/drain bubble of
+K-1 micro-batches). The loss is the mean over the whole batch: the gradients equal the unsplit model's
+(BatchNorm sees micro-batches). All forwards precede all backwards, so traffic between two stages flows one
+way at a time and every rank posts its P2P ops in its peer's order: NCCL (one ordered stream per
+communicator) cannot deadlock on send/send. Each tensor is preceded by a small int64 header (dtype code,
+ndim, shape), so any batch size (an evaluation's last, smaller one) needs no shape inference.
 """
 
 from __future__ import annotations

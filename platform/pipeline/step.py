@@ -1,24 +1,9 @@
 """`PipelineStep`: the core `Trainer`'s step (`mariana.platform.core.steps.TrainStep`) for pipeline-parallel
-jobs (model parallel K > 1, optionally x data parallel G).
-
-A pipeline step is one collective schedule across the stages: no rank holds the whole model, stage 0 alone
-gets the inputs, the last stage alone the targets and a loss. So the step, not the loop, knows how to
-
-- run one optimizer step (`train_step`): the pipeline schedule per micro-batch of ``--grad-accum``, the
-  gradient all-reduce over the ranks holding the same stage, gradient clipping by the norm of the *whole*
-  model's gradient (squared stage norms summed over the pipeline), the optimizer and LR schedule;
-- average the loss over the data-parallel groups (`mean_loss`; only last stages have one);
-- checkpoint per stage (`checkpoint_state`/`restore`)::
-
-      RUN/checkpoints/step_XXXXXXXX/stage-S.pt   model + optimizer + scheduler state of stage S
-                                                 (written by dp rank 0 of that stage; replicas are identical)
-
-  next to the Trainer's ``state.pt`` (progress, and ``{"pipeline": {"stages": K, "groups": G}}``);
-- assemble the full model for export (`full_state_dict`, a collective): stages keep the full model's
-  parameter names, so the full state dict is the union of the stages' state dicts.
-
-``RUN/logs/pipeline-rank-R.json`` (written after the first step) records each rank's stage, gradient group,
-parameter and optimizer-state bytes.
+jobs (model parallel K > 1, optionally x data parallel G; what it does per step, its checkpoints and logs:
+``platform/pipeline/README.md``, "Step"). No rank holds the whole model, stage 0 alone gets the inputs and
+the last stage alone the targets and a loss, so the step, not the loop, runs the optimizer step
+(`train_step`), averages the loss (`mean_loss`), checkpoints per stage (`checkpoint_state`/`restore`:
+``RUN/checkpoints/step_X/stage-S.pt``) and assembles the full model for export (`full_state_dict`).
 """
 
 from __future__ import annotations

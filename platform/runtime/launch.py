@@ -2,21 +2,12 @@
 
 Every multi-process job starts here: the data-parallel jobs (`launch_if_needed`, called by
 ``mariana <app> train --workers N``) and the parameter-server jobs (`mariana.platform.ps.master.run_job`,
-S servers + W workers). `launch` runs torchrun's agent in this process with
-
-- c10d rendezvous on a free loopback port (``--standalone``), or on a given ``HOST:PORT`` endpoint with a
-  rendezvous id for several nodes (every node runs the same command with ``--nnodes M``; or run
-  ``torchrun ... -m mariana.platform.cli <app> train ...`` directly);
-- ``max_restarts``: the agent restarts the whole process group after a failure;
-- output: every process writes to ``RUN/logs/rank-R.log`` (`workerio`), the agent to
-  ``RUN/logs/launcher.log``; only ``console_rank``'s progress bar and console lines reach the terminal;
-- a failure ends in one console line per cause, naming the failed process and why
-  (``mariana: error: worker rank 1 failed: ValueError: ... (see RUN/logs/rank-1.log)``), plus the hang
-  watchdog's stalled ranks; exit code 2 when every failed process reported bad input, else 1;
-- Ctrl-C (or SIGTERM) stops the processes and raises KeyboardInterrupt (the CLI prints
-  ``mariana: interrupted``, exit 130).
-
-Inside a process the launcher started, `in_worker` is true and the command trains instead of launching.
+S servers + W workers). `launch` runs torchrun's agent in this process with c10d rendezvous on a free
+loopback port (``--standalone``) or on a given ``HOST:PORT`` for several nodes, ``max_restarts`` restarts of
+the whole group, per-rank logs (``RUN/logs/rank-R.log``, `workerio`; the agent's in ``launcher.log``) and
+one console line per failed process (the console, failure and Ctrl-C behaviour: ``platform/README.md``,
+"Data parallel"); exit code 2 when every failed process reported bad input, else 1. Inside a process the
+launcher started, `in_worker` is true and the command trains instead of launching.
 """
 
 from __future__ import annotations

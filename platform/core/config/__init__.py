@@ -1,17 +1,12 @@
-"""Typed job configs composed of sections: flags, TOML files, presets and the inert-flag rule.
+"""Typed job configs composed of sections: flags, TOML files, presets and the inert-flag rule (what a user
+sees: ``platform/README.md``, "Configuration").
 
 A command's config is composed of exactly the sections it uses; each section is a small typed dataclass
 (at most 30 fields) that validates its own values. The composition is one dataclass whose fields are the
 union of its sections' fields (names unique in a composition, asserted when the class is defined), so
 code reads ``cfg.lr`` or ``cfg.optim.lr`` (the section as its typed dataclass), and ``Cls(lr=...)``,
-``dataclasses.replace(cfg, lr=...)`` and ``dataclasses.fields(cfg)`` work on the flat names. Flags keep
-their flat names (``--lr``); ``--help`` shows one group per section (``[optim] ...``); TOML files hold one
-table per section (``[optim]`` then ``lr = 0.01``; flat files of earlier versions are still read, a
-user's with a one-line deprecation note); ``RUN/config.toml`` is written by sections with the fields that
-applied. A field (or a whole section) may say when it applies; a value the user set explicitly (flag or
-TOML) where it does not apply is refused (exit 2, e.g. ``--ftrl-l1 applies to --sparse-optimizer ftrl
-only (this run: --sparse-optimizer adagrad)``), and a command that does not compose a section has no flags
-for it.
+``dataclasses.replace(cfg, lr=...)`` and ``dataclasses.fields(cfg)`` work on the flat names. A value the
+user set explicitly where its field does not apply is refused (exit 2).
 
 How to declare sections for an app (``apps/APP/configs.py``, standard library only)::
 
@@ -73,7 +68,7 @@ from .resolve import (
     resolve_config,
     saved_run_values,
 )
-from .sections import MAX_FIELDS, Config, Section, witnesses
+from .sections import MAX_FIELDS, Config, Section
 from .train import (
     RESUME_MAY_CHANGE,
     TRAIN_SECTIONS,
@@ -130,5 +125,4 @@ __all__ = [
     "saved_run_values",
     "sectioned_toml",
     "when",
-    "witnesses",
 ]

@@ -14,7 +14,7 @@ import dataclasses
 import typing
 from typing import Any, ClassVar
 
-from .fields import _OTHER, Clause, default_of
+from .fields import Clause
 
 MAX_FIELDS = 30  # a section holds at most this many fields (issue 31: a reader can hold one section)
 
@@ -114,42 +114,3 @@ def _compose(cls: type, sections: tuple[type[Section], ...]) -> None:
     cls.__annotations__ = {**annotations, **own}
     cls.SECTIONS, cls.SECTION_OF, cls.CLAUSES = sections, section_of, clauses
     dataclasses.dataclass(cls)
-
-
-def witnesses(cls: type, clause: Clause) -> tuple[Any, Any]:
-    """(a value of ``clause.field`` under which the clause holds, one under which it fails), with the
-    "another value" placeholders resolved from the field's choices (or a bool's other value). ``None`` for
-    the holding value of a `given` clause: the caller supplies a value (e.g. an existing path)."""
-    f = {f.name: f for f in dataclasses.fields(cls)}[clause.field]
-    out = []
-    for v, holds in ((clause.on, True), (clause.off, False)):
-        if isinstance(default_of(f), bool) and v in (None, ""):  # `given` of a switch: on / off
-            v = holds
-        if v is _OTHER:
-            candidates = f.metadata.get("choices") or _neighbours(default_of(f), clause)
-            v = next(c for c in candidates if clause.test(_Probe(cls, clause.field, c)) == holds)
-        out.append(v)
-    return out[0], out[1]
-
-
-def _neighbours(default: Any, clause: Clause) -> tuple:
-    """Values to try for a field without choices: a switch's two, or numbers next to the listed one."""
-    if isinstance(default, bool):
-        return (True, False)
-    known = clause.off if clause.on is _OTHER else clause.on
-    return (known + 1, known - 1) if isinstance(known, int | float) else ()
-
-
-class _Probe:
-    """A stand-in config for evaluating one clause with ``field = value`` and every other field at its
-    composition default."""
-
-    def __init__(self, cls: type, field: str, value: Any):
-        self._defaults = {f.name: default_of(f) for f in dataclasses.fields(cls)}
-        self._defaults[field] = value
-        self._cls = cls
-
-    def __getattr__(self, name: str) -> Any:
-        if name in self._defaults:
-            return self._defaults[name]
-        return getattr(self._cls, name)
