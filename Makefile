@@ -7,7 +7,7 @@ STAMP := $(VENV)/.mariana-installed
 DATA ?= ../shared/data
 RUNS ?= runs/demo
 
-.PHONY: install demo test lint format bench clean browser slurm
+.PHONY: install demo test test-fast lint format bench clean browser slurm
 
 # torch's CUDA build and its libraries take about 7.5 GB in .venv, and pip needs room for the wheels
 # while it unpacks them: say so up front rather than fail deep inside pip with "No space left on device".
@@ -49,8 +49,14 @@ slurm:
 # Two pytest workers (pytest-xdist), one test file at a time each: module fixtures (the Slurm cluster, shared
 # services, a trained run) stay in one process, and one file's waits (process start-ups, rendezvous, polling)
 # overlap with the other's work on a 2-core machine. Files with slow tests go first (tests/conftest.py).
+PYTEST := $(PY) -m pytest -q --durations=15 -n 2 --dist loadfile --no-loadscope-reorder
 test: $(STAMP) browser slurm
-	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(PYTEST) tests
+
+# What a developer runs after each change: everything but the accuracy gates (minutes of training each), the
+# browser and Slurm tests (system packages) and the multi-host ones (markers in pyproject.toml).
+test-fast: $(STAMP)
+	$(PYTEST) -m "not accuracy and not browser and not slurm and not multihost" tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

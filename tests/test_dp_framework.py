@@ -1,10 +1,13 @@
-"""The data-parallel framework end to end: real torchrun workers over gloo on loopback."""
+"""The data-parallel framework end to end: real torchrun workers over gloo on loopback. The one-process
+reference runs (and a refused command line) go through the CLI's entry point in this process (`run_main`):
+no interpreter of their own, the same parser, config and training code as ``mariana`` in a shell."""
 
 import json
 import time
 
 import pytest
 import torch
+from cliwalk import run_main
 from helpers import last_line, run_cli
 from mariana.platform.core.export import load_exported
 
@@ -52,8 +55,14 @@ def two_workers(frappe, tmp_path_factory):
     return out, run_cli(mlp_args(frappe, out, *TWO, "--progress", "--ckpt-every", "4"), check=True)
 
 
-def test_two_workers_equal_one_process_with_double_batch(frappe, two_workers, tmp_path):
-    run_cli(mlp_args(frappe, tmp_path / "one", "--batch-size", "64", "--max-steps", "8"), check=True)
+def in_process(args: list, capsys) -> None:
+    """``mariana <args>`` in this process (a one-process run: no launcher); asserts a zero exit."""
+    rc, out, err = run_main(args, capsys)
+    assert rc == 0, f"mariana {args} exited {rc}\n{out[-4000:]}\n{err[-8000:]}"
+
+
+def test_two_workers_equal_one_process_with_double_batch(frappe, two_workers, tmp_path, capsys):
+    in_process(mlp_args(frappe, tmp_path / "one", "--batch-size", "64", "--max-steps", "8"), capsys)
     two, p = two_workers
     assert last_line(p.stdout).startswith("validation AUC")
     # piped output (issue 30): no progress-bar frames, no DEBUG lines (checkpoints go to RUN/logs only)
@@ -65,11 +74,11 @@ def test_two_workers_equal_one_process_with_double_batch(frappe, two_workers, tm
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
     # Training moved the parameters (the comparison is not between two untouched inits).
     init = tmp_path / "zero"
-    run_cli(mlp_args(frappe, init, "--batch-size", "64", "--max-steps", "1", "--lr", "0"), check=True)
+    in_process(mlp_args(frappe, init, "--batch-size", "64", "--max-steps", "1", "--lr", "0"), capsys)
     assert not torch.allclose(params(init)["embed.weight"], a["embed.weight"])
 
 
-def test_resume_after_kill_equals_uninterrupted(frappe, tmp_path):
+def test_resume_after_kill_equals_uninterrupted(frappe, tmp_path, capsys):
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     common = [
         "--workers",
@@ -87,8 +96,8 @@ def test_resume_after_kill_equals_uninterrupted(frappe, tmp_path):
     p = run_cli(mlp_args(frappe, broken, *common), env={"MARIANA_FAULT": "kill:rank=1:step=8"})
     assert p.returncode != 0, "the injected SIGKILL should fail a job without restarts"
     assert (broken / "checkpoints" / "latest").read_text().strip() == "step_00000006"
-    again = run_cli(mlp_args(frappe, broken, *common))
-    assert again.returncode == 2 and "--resume" in again.stderr  # never silently overwrite a trained run
+    rc, _, err = run_main(mlp_args(frappe, broken, *common), capsys)
+    assert rc == 2 and "--resume" in err  # never silently overwrite a trained run
     run_cli(mlp_args(frappe, broken, *common, "--resume"), check=True)
     a, b = params(straight), params(broken)
     for k in a:

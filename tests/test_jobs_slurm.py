@@ -23,7 +23,7 @@ from mariana.platform.core.export import load_exported
 
 FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
 SCRIPT = ROOT / "scripts" / "slurm-local.sh"
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 CLUSTER: dict[str, Path] = {}
 
 

@@ -178,6 +178,7 @@ def _assert_plots_fill_and_labels_fit(page) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.browser
 def test_jobs_pages_in_a_real_browser(tmp_path: Path):
     expect, sync_playwright = _require_browser()
     shots = tmp_path / "screenshots"
@@ -322,6 +323,7 @@ def test_jobs_pages_in_a_real_browser(tmp_path: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.browser
 def test_token_field_authorizes_cancel(tmp_path: Path):
     """With --token-file, the jobs page's cancel is refused (401, shown) until the header's token is set."""
     expect, sync_playwright = _require_browser()

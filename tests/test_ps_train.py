@@ -1,5 +1,7 @@
 """Parameter-server training end to end through `mariana pctr train` (torchrun, TensorPipe RPC over
-loopback, S=2 servers, W=2 workers): async accuracy, synchronous equivalence, and fault recovery."""
+loopback, S=2 servers, W=2 workers): async accuracy, synchronous equivalence, and fault recovery. The
+one-process reference runs go through the CLI's entry point in this process (`run_main`): no interpreter
+of their own, the same parser, config and training code as ``mariana`` in a shell."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cliwalk import run_main
 from helpers import last_line, run_cli
 from mariana.apps.pctr.configs import parse_split
 from mariana.apps.pctr.data import split_bounds
@@ -35,13 +38,21 @@ def final(run) -> dict:
     return json.loads((run / "metrics.json").read_text())
 
 
-def test_async_two_servers_two_workers_matches_single_process(frappe, tmp_path):
-    one = run_cli(lr_args(frappe, tmp_path / "one"), check=True)
+def in_process(args: list, capsys) -> str:
+    """``mariana <args>`` in this process (a one-process run: no launcher); asserts a zero exit and
+    returns its stdout."""
+    rc, out, err = run_main(args, capsys)
+    assert rc == 0, f"mariana {args} exited {rc}\n{out[-4000:]}\n{err[-8000:]}"
+    return out
+
+
+def test_async_two_servers_two_workers_matches_single_process(frappe, tmp_path, capsys):
+    one = in_process(lr_args(frappe, tmp_path / "one"), capsys)
     ps = run_cli(lr_args(frappe, tmp_path / "ps", "--servers", "2", "--workers", "2"), check=True)
     a1, a2 = final(tmp_path / "one")["val_auc"], final(tmp_path / "ps")["val_auc"]
     assert a1 > 0.85, a1  # LR on Frappe: well above chance after one epoch
     assert abs(a1 - a2) < 0.005, (a1, a2)
-    assert last_line(one.stdout).startswith("validation AUC") and f"{a2:.4f}" in last_line(ps.stdout)
+    assert last_line(one).startswith("validation AUC") and f"{a2:.4f}" in last_line(ps.stdout)
     m = final(tmp_path / "ps")
     assert m["mode"] == "parameter-server" and m["staleness"] == -1
     # the master merged every worker's counters (samples/s, loss, validation AUC) into the run directory
@@ -73,7 +84,7 @@ def side_by_side(src: str, dst: Path, batch: int, workers: int) -> None:
     dst.write_text("".join(lines[:a] + train + lines[b:]))
 
 
-def test_staleness_zero_equals_synchronous_sgd(frappe, tmp_path):
+def test_staleness_zero_equals_synchronous_sgd(frappe, tmp_path, capsys):
     """Bulk-synchronous PS (W=2, batch B each, each worker on its own half of the training lines) = one
     process with batch 2B over the same rows in the same order, same math.
 
@@ -82,12 +93,12 @@ def test_staleness_zero_equals_synchronous_sgd(frappe, tmp_path):
     its default, which pins that default to 0 for --model lr (0.01 cost PS LR on Frappe 0.92 -> 0.89 test
     AUC, issue 30)."""
     side_by_side(frappe, tmp_path / "side_by_side.libfm", 512, 2)
-    run_cli(
+    in_process(
         lr_args(
             str(tmp_path / "side_by_side.libfm"), tmp_path / "sync", "--batch-size", "1024", "--no-shuffle",
             "--l2-emb", "0",
         ),
-        check=True,
+        capsys,
     )  # fmt: skip
     run_cli(
         lr_args(

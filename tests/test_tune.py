@@ -199,6 +199,7 @@ def test_bad_space_files_are_one_line_errors(tmp_path: Path, frappe_slice: Path)
 
 
 @pytest.mark.slow
+@pytest.mark.browser
 def test_study_page_in_a_real_browser(tmp_path: Path, frappe_slice: Path):
     """Trials as jobs of a real service; the study page in Chromium: trials sortable by the metric, the
     metric per trial over steps, parameter importances, the nav link."""

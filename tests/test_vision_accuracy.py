@@ -15,7 +15,7 @@ import resource
 import pytest
 from helpers import DATA, last_line, run_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.accuracy]
 
 
 def test_small_cnn_reaches_60_percent_on_cifar10(tmp_path):
