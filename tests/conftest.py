@@ -10,6 +10,8 @@ from helpers import DATA  # noqa: E402
 
 torch.set_num_threads(1)
 
+pytest_plugins = ["trained_runs"]  # the trained runs the tests share (session fixtures)
+
 
 def pytest_collection_modifyitems(config, items):
     # Files holding `slow` tests (training, several processes: up to minutes each) run first, in their

@@ -13,6 +13,7 @@ import pytest
 from helpers import last_line, run_cli
 from mariana.apps.asr.cmvn import FilePrior, apply_cmvn, stats
 from mariana.platform.core.rundir import eval_result_path
+from trained_runs import train
 
 
 def test_file_prior_statistics_and_adaptation():
@@ -77,19 +78,27 @@ def tiny_run(data_dir, tmp_path_factory):
             for take in range(8):
                 name = f"{digit}_{spk}_{take}.wav"
                 (fsdd / name).symlink_to(data_dir / "fsdd/recordings" / name)
-    data, run = d / "data", d / "run"
-    run_cli(
-        ["asr", "prepare", "--data", fsdd, "--out", data, "--test-speakers", "jackson"]
-        + ["--utterances", "60", "--max-digits", "3"],
-        timeout=120,
-        check=True,
-    )
-    run_cli(
-        ["asr", "train", "--data", data, "--out", run, "--preset", "debug", "--epochs", "10", "--lr", "3e-3"]
+    # made in this process (`trained_runs.train`: no interpreter start-up); the tests read them
+    data = train(
+        [
+            "asr",
+            "prepare",
+            "--data",
+            fsdd,
+            "--test-speakers",
+            "jackson",
+            "--utterances",
+            "60",
+            "--max-digits",
+            "3",
+        ],
+        d / "data",
+    ).path
+    run = train(
+        ["asr", "train", "--data", data, "--preset", "debug", "--epochs", "10", "--lr", "3e-3"]
         + ["--hidden", "128", "--context", "10", "--no-progress"],
-        timeout=300,
-        check=True,
-    )
+        d / "run",
+    ).path
     return run, data
 
 

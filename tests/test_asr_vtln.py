@@ -18,6 +18,7 @@ from mariana.apps.asr.decode import decode_options, error_rates
 from mariana.apps.asr.evaluate import VTLN_GRID, evaluate_run, load_model
 from mariana.apps.asr.features import FeatureCache, fbank, feature_settings, load_audio
 from mariana.platform.core.errors import MarianaError
+from trained_runs import train
 
 HELD_OUT = ("george", "jackson")
 
@@ -27,19 +28,18 @@ def tiny(data_dir, tmp_path_factory):
     """(run dir, test data dir): the debug preset trained on lucas/nicolas/yweweler (20 utterances of 1..2
     digits each), enough for the model to fire words on the held-out speakers."""
     d = tmp_path_factory.mktemp("asr-vtln")
-    data, run = d / "data", d / "run"
-    run_cli(
-        ["asr", "prepare", "--data", data_dir / "fsdd/recordings", "--out", data]
+    # made in this process (`trained_runs.train`: no interpreter start-up); the tests read them (and one
+    # adds pitch-perturbed features to the data's cache, as before)
+    data = train(
+        ["asr", "prepare", "--data", data_dir / "fsdd/recordings"]
         + ["--test-speakers", ",".join(HELD_OUT), "--utterances", "20", "--max-digits", "2"],
-        timeout=120,
-        check=True,
-    )
-    run_cli(
-        ["asr", "train", "--data", data, "--out", run, "--preset", "debug", "--epochs", "20", "--lr", "3e-3"]
+        d / "data",
+    ).path
+    run = train(
+        ["asr", "train", "--data", data, "--preset", "debug", "--epochs", "20", "--lr", "3e-3"]
         + ["--hidden", "128", "--context", "10", "--no-progress"],
-        timeout=300,
-        check=True,
-    )
+        d / "run",
+    ).path
     return run, data / "test"
 
 

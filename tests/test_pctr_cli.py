@@ -10,20 +10,17 @@ import pytest
 from helpers import last_line, run_cli
 from mariana.apps.pctr.predict import load_predictor
 from mariana.platform.core.rundir import eval_result_path
+from trained_runs import fresh_copy
 
 pytestmark = pytest.mark.slow
 
 
-def test_train_eval_predict_roundtrip(data_dir, tmp_path):
+def test_train_eval_predict_roundtrip(data_dir, frappe_deepfm, tmp_path):
+    """The shared `trained_runs.FRAPPE_DEEPFM` (a DeepFM with dropout layers, which shift the MLP's
+    indices: the loaders must agree), copied: eval writes its results into the run."""
     frappe = data_dir / "frappe" / "frappe.validation.libfm"
-    run = tmp_path / "fm"
-    p = run_cli(
-        ["pctr", "train", "--data", frappe, "--format", "libfm", "--out", run, "--model", "deepfm",
-         "--preset", "debug", "--max-steps", "60", "--no-progress",
-         "--hidden", "16,8", "--dropout", "0.2"],  # dropout layers shift the MLP's indices: loaders must agree
-        check=True,
-    )  # fmt: skip
-    assert re.fullmatch(r"validation AUC 0\.\d{4} logloss \d\.\d{4}", last_line(p.stdout))
+    run = fresh_copy(frappe_deepfm, tmp_path / "fm")
+    assert re.fullmatch(r"validation AUC 0\.\d{4} logloss \d\.\d{4}", last_line(frappe_deepfm.stdout))
     # a file with malformed lines: they are counted (with line numbers), the rest is scored
     lines = frappe.read_text().splitlines()[51950:53950]
     lines[10], lines[500] = "1 not-a-feature", "7 1:1"

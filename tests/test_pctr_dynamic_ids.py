@@ -18,6 +18,7 @@ from mariana.apps.pctr.idmap import IdMap, key_of
 from mariana.apps.pctr.predict import load_predictor
 from mariana.platform.core.export import load_exported
 from test_serving_helpers import pctr_probs, serve
+from trained_runs import run_ok
 
 R = 32  # rows per field: 31 ids per field, far fewer than the ids of C1/C2 below
 
@@ -48,11 +49,10 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def run(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("dyn-run") / "run"
-    run_cli(
+    run_ok(  # in this process (`trained_runs.run_ok`): the tests read, serve and warm-start from the run
         ["pctr", "train", "--data", data / "train.tsv", "--format", "criteo", "--out", out, "--ids", "dynamic",
          "--rows-per-field", R, "--admit-after", "2", "--evict", "lfu", "--model", "fm", "--dim", "4",
          "--batch-size", "128", "--epochs", "2", "--early-stop", "0", "--no-progress"],
-        check=True,
     )  # fmt: skip
     return out
 

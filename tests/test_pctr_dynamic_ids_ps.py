@@ -16,6 +16,7 @@ from helpers import run_cli
 from mariana.apps.pctr.predict import load_predictor
 from mariana.platform.core.export import load_exported
 from test_pctr_dynamic_ids import R, criteo_lines, offline_probs
+from trained_runs import run_ok
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +42,10 @@ def train(data, out, *extra, env=None):
 
 @pytest.fixture(scope="module")
 def one(data, tmp_path_factory):
+    """The one-process reference, made in this process (`trained_runs.run_ok`: no interpreter start-up);
+    the parameter-server jobs compared with it are real torchrun jobs."""
     out = tmp_path_factory.mktemp("dyn-ps-one") / "run"
-    train(data, out)
+    run_ok(["pctr", "train", "--data", data, "--out", out, *COMMON])
     return out
 
 

@@ -18,6 +18,7 @@ from mariana.platform.core.export import load_exported
 from mariana.platform.core.rundir import eval_result_path
 from test_serving_helpers import pctr_probs, serve, strip_label
 from torchvision.io import encode_png
+from trained_runs import train
 
 N_ADS, ROWS, DIMS = 12, 2000, 4
 BAD = {"ad12": "corrupt", "ad13": "missing"}  # ad12.png is not a PNG; ad13 has no file
@@ -39,10 +40,9 @@ def world(tmp_path_factory):
         (root / "vdata" / name).mkdir(parents=True)
         for i in range(8):
             (root / "vdata" / name / f"{i}.png").write_bytes(_png(c, g))
-    vrun = root / "vision"
-    run_cli(
-        ["vision", "train", "--data", root / "vdata", "--preset", "debug", "--out", vrun, "--no-progress"],
-        check=True,
+    # both runs made in this process (`trained_runs.train`: no interpreter start-up each); the tests read them
+    vrun = train(
+        ["vision", "train", "--data", root / "vdata", "--preset", "debug", "--no-progress"], root / "vision"
     )
     ads = root / "ads"
     ads.mkdir()
@@ -58,15 +58,12 @@ def world(tmp_path_factory):
         lines.append("\t".join([str(y)] + [""] * 13 + cats))
     data = root / "clicks.tsv"
     data.write_text("\n".join(lines) + "\n")
-    common = ["--format", "criteo", "--data", data, "--preset", "debug", "--image-features", vrun]
+    common = ["--format", "criteo", "--data", data, "--preset", "debug", "--image-features", vrun.path]
     common += ["--image-field", "C3", "--images", ads, "--image-cache", root / "cache"]
     common += ["--image-dims", DIMS, "--max-steps", 40]
-    run = root / "deepfm"
     # the DeepFM also crosses the features with the segment (C2): extra fields served the same way
-    proc = run_cli(
-        ["pctr", "train", *common, "--model", "deepfm", "--image-cross", "C2", "--out", run], check=True
-    )
-    return {"root": root, "data": data, "lines": lines, "run": run, "common": common, "train": proc}
+    deepfm = train(["pctr", "train", *common, "--model", "deepfm", "--image-cross", "C2"], root / "deepfm")
+    return {"root": root, "data": data, "lines": lines, "run": deepfm.path, "common": common, "train": deepfm}
 
 
 def _bad_rows(lines: list[str], lo: int, hi: int) -> int:

@@ -20,6 +20,7 @@ from mariana.apps.pctr.train import train_local
 from mariana.platform.cli.main import check_command
 from mariana.platform.core.errors import DataError, MarianaError
 from safetensors.torch import load_file
+from trained_runs import run_ok
 
 pytestmark = pytest.mark.slow
 ROWS = 1024
@@ -54,8 +55,11 @@ def _train_here(data, out, **kw):
 
 
 def test_three_days_in_one_run_equal_three_incremental_runs(days, tmp_path):
-    _train(days, tmp_path / "all")  # the folder: day-01..03 in name order, markers left out
-    _train(days / "day-01.tsv", tmp_path / "d1")
+    # the one run and day 1 through the CLI in this process (`trained_runs.run_ok`: no interpreter
+    # start-up); the incremental days 2 and 3 as real subprocesses. The folder: day-01..03 in name order,
+    # markers left out.
+    run_ok(["pctr", "train", "--data", days, "--out", tmp_path / "all", *COMMON])
+    run_ok(["pctr", "train", "--data", days / "day-01.tsv", "--out", tmp_path / "d1", *COMMON])
     for d in (2, 3):
         prev = tmp_path / f"d{d - 1}"
         out = _train(days / f"day-0{d}.tsv", tmp_path / f"d{d}", "--init-from", prev, "--init-train-state")

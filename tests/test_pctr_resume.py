@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import last_line, run_cli
 from mariana.platform.core.export import load_exported
+from trained_runs import run_ok
 
 pytestmark = pytest.mark.slow
 
@@ -40,14 +41,16 @@ def assert_same_model(a_run, b_run):
 
 @pytest.fixture(scope="module")
 def straight(frappe, tmp_path_factory):
+    """The uninterrupted reference run, made in this process (`trained_runs.run_ok`, as a CLI subprocess
+    would make it: one thread, no CUDA); the runs stopped, killed and resumed are real subprocesses."""
     out = tmp_path_factory.mktemp("pctr-resume") / "straight"
-    run_cli(args(frappe, out, "--max-steps", "16"), check=True)
+    run_ok(args(frappe, out, "--max-steps", "16"))
     return out
 
 
 def test_stop_and_resume_equals_uninterrupted(frappe, straight, tmp_path):
     out = tmp_path / "broken"
-    run_cli(args(frappe, out, "--max-steps", "8", "--ckpt-every", "8"), check=True)
+    run_ok(args(frappe, out, "--max-steps", "8", "--ckpt-every", "8"))  # in this process: only its checkpoint
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000008"
     first = load_exported(out)[0]["table.weight"]
     p = run_cli(args(frappe, out, "--max-steps", "16", "--resume"), check=True)
@@ -108,9 +111,9 @@ def test_dynamic_ids_resume_exactly(frappe, tmp_path):
     8 steps + `--resume` + 8 steps equal 16 steps, map and table included."""
     dyn = ["--ids", "dynamic", "--rows-per-field", "64", "--admit-after", "2", "--sketch-width", "512"]
     straight = tmp_path / "dyn-straight"
-    run_cli(args(frappe, straight, "--max-steps", "16", *dyn), check=True)
-    out = tmp_path / "dyn-broken"
-    run_cli(args(frappe, out, "--max-steps", "8", "--ckpt-every", "8", *dyn), check=True)
+    run_ok(args(frappe, straight, "--max-steps", "16", *dyn))  # the reference and the first half in this
+    out = tmp_path / "dyn-broken"  # process (`trained_runs.run_ok`); the resume is a real subprocess
+    run_ok(args(frappe, out, "--max-steps", "8", "--ckpt-every", "8", *dyn))
     run_cli(args(frappe, out, "--max-steps", "16", "--resume", *dyn), check=True)
     assert_same_model(straight, out)
     assert "idmap.row_key" in load_exported(out)[0]

@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from helpers import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mariana.apps.asr.features import FeatureSettings, fbank, load_audio
-from test_serving_helpers import FRAPPE, head_lines, libfm_run, serve, strip_label
+from test_serving_helpers import FRAPPE, head_lines, serve, strip_label
+from trained_runs import train
 
 JSON_SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=30)
 ANY_JSON = st.recursive(
@@ -69,18 +69,19 @@ def _vision_run(d: Path) -> Path:
             Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(
                 d / "imgs" / c / f"{i}.jpg"
             )
-    args = ["vision", "train", "--data", d / "imgs", "--out", d / "vision-run", "--preset", "debug"]
-    p = run_cli([*args, "--limit", "0", "--max-steps", "1", "--batch-size", "4", "--no-progress"],
-                check=True)  # fmt: skip
+    args = ["vision", "train", "--data", d / "imgs", "--preset", "debug"]
+    p = train(
+        [*args, "--limit", "0", "--max-steps", "1", "--batch-size", "4", "--no-progress"], d / "vision-run"
+    )
     assert "final {" not in p.stdout + p.stderr  # no raw JSON dump on the console (issue 30)
-    return d / "vision-run"
+    return p.path
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(frappe_deepfm, tmp_path_factory):
     """Serves all three apps, so the upload routes decode what they get (not "not served")."""
     d = tmp_path_factory.mktemp("fuzz-models")
-    models = ["--pctr", libfm_run(tmp_path_factory), "--asr", _asr_run(d), "--vision", _vision_run(d)]
+    models = ["--pctr", frappe_deepfm.path, "--asr", _asr_run(d), "--vision", _vision_run(d)]
     s = serve([*models, "--max-instances", "50", "--max-body-bytes", "200000"], tmp_path_factory)
     # the upload routes are live: a real WAV / image is answered 200
     wav, img = _wav(d / "ok.wav").read_bytes(), (d / "imgs" / "cat" / "0.jpg").read_bytes()

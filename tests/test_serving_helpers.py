@@ -1,6 +1,6 @@
-"""Shared pieces of the serving tests (no tests here): train tiny real models through the CLI (cached for
-the session under pytest's base temp dir), start a real ``mariana serve`` subprocess on a free loopback
-port, and talk HTTP to it."""
+"""Shared pieces of the serving tests (no tests here): start a real ``mariana serve`` subprocess on a free
+loopback port and talk HTTP to it. The models they serve are the shared trained runs of
+`trained_runs` (``frappe_deepfm``, ``frappe_fm``, ``criteo_dcn``: built once per worker)."""
 
 from __future__ import annotations
 
@@ -14,46 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import DATA, ROOT, cli_env, free_port, run_cli
+from helpers import DATA, ROOT, cli_env, free_port
 
 FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
 CRITEO = DATA / "criteo" / "criteo_sample.tsv"
-
-
-def _cached_run(tmp_path_factory, name: str, args: list) -> Path:
-    """Train once per test session (several test modules share the run); returns the run directory."""
-    run = tmp_path_factory.getbasetemp() / "serving-runs" / name
-    if not (run / "model.safetensors").is_file():
-        run.parent.mkdir(parents=True, exist_ok=True)
-        run_cli([*map(str, args), "--out", str(run)], timeout=600, check=True)
-    return run
-
-
-def libfm_run(tmp_path_factory) -> Path:
-    """A small DeepFM trained on Frappe (libFM)."""
-    return _cached_run(
-        tmp_path_factory,
-        "pctr-libfm",
-        ["pctr", "train", "--data", FRAPPE, "--format", "libfm", "--preset", "debug", "--model", "deepfm"],
-    )
-
-
-def libfm_fm_run(tmp_path_factory) -> Path:
-    """A second, different model of the same Frappe data (an FM): the other version in reload tests."""
-    return _cached_run(
-        tmp_path_factory,
-        "pctr-libfm-fm",
-        ["pctr", "train", "--data", FRAPPE, "--format", "libfm", "--preset", "debug", "--model", "fm"],
-    )
-
-
-def criteo_run(tmp_path_factory) -> Path:
-    """A small DCN trained on the Criteo sample (dense + hashed categorical fields)."""
-    return _cached_run(
-        tmp_path_factory,
-        "pctr-criteo",
-        ["pctr", "train", "--data", CRITEO, "--format", "criteo", "--preset", "debug", "--model", "dcn"],
-    )
 
 
 def strip_label(line: str, fmt: str) -> str:

@@ -13,7 +13,7 @@ from helpers import cli_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from loadgen import run_process  # noqa: E402  (bench/ is scripts, not a package)
-from test_serving_helpers import FRAPPE, head_lines, libfm_run, parse_prometheus, serve, strip_label
+from test_serving_helpers import FRAPPE, head_lines, parse_prometheus, serve, strip_label
 
 P99_BOUND_MS = 100.0  # target 10 ms at 500 req/s; here 100 req/s on a shared 2-core machine
 P50_BOUND_MS = 30.0
@@ -24,12 +24,12 @@ def _loadgen(url: str, body_file, *args: str) -> dict:
     return run_process(url, body_file, *args, env=cli_env(), timeout=120)
 
 
-def test_latency_and_throughput_regression(tmp_path, tmp_path_factory):
+def test_latency_and_throughput_regression(frappe_deepfm, tmp_path, tmp_path_factory):
     lines = [strip_label(ln, "libfm") for ln in head_lines(FRAPPE, 1000)]
     one, batch = tmp_path / "one.json", tmp_path / "batch.json"
     one.write_text(json.dumps({"instances": lines[:1]}))
     batch.write_text(json.dumps({"instances": lines}))
-    srv = serve(["--pctr", libfm_run(tmp_path_factory)], tmp_path_factory)
+    srv = serve(["--pctr", frappe_deepfm.path], tmp_path_factory)
     try:
         url = srv.url + "/v1/pctr/predict"
         _loadgen(url, one, "--rate", "100", "--duration", "0.5")  # warm-up (connections, allocator)

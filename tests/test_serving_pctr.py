@@ -12,24 +12,17 @@ from mariana.apps.pctr.data import ReadStats, iter_chunks
 from mariana.apps.pctr.predict import load_predictor
 from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.rundir import eval_result_path
-from test_serving_helpers import (
-    CRITEO,
-    FRAPPE,
-    criteo_run,
-    head_lines,
-    libfm_run,
-    parse_prometheus,
-    pctr_probs,
-    serve,
-    strip_label,
-)
+from test_serving_helpers import CRITEO, FRAPPE, head_lines, parse_prometheus, pctr_probs, serve, strip_label
+from trained_runs import fresh_copy
 
 N_LIBFM = 3000  # Frappe rows compared (the whole Criteo sample, 999 rows, is compared)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return {"libfm": libfm_run(tmp_path_factory), "criteo": criteo_run(tmp_path_factory)}
+def runs(frappe_deepfm, criteo_dcn, tmp_path_factory):
+    """Copies of the shared runs: `pctr eval` writes its results into the run."""
+    d = tmp_path_factory.mktemp("served")
+    return {"libfm": fresh_copy(frappe_deepfm, d / "libfm"), "criteo": fresh_copy(criteo_dcn, d / "criteo")}
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,13 @@ import time
 
 import pytest
 from mariana.apps.pctr.predict import load_predictor
-from test_serving_helpers import FRAPPE, head_lines, libfm_fm_run, libfm_run, serve, strip_label
+from test_serving_helpers import FRAPPE, head_lines, serve, strip_label
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return libfm_run(tmp_path_factory), libfm_fm_run(tmp_path_factory)
+def runs(frappe_deepfm, frappe_fm):
+    """Two shared runs of the same data (read only here: a test that edits one copies it first)."""
+    return frappe_deepfm.path, frappe_fm.path
 
 
 def _expected(run, lines) -> tuple[str, list[float]]:

@@ -16,6 +16,7 @@ from mariana.platform.core.loop import Trainer
 from mariana.platform.core.rundir import RunDir
 from mariana.platform.core.steps import ModuleStep
 from mariana.platform.runtime.dist import DistContext
+from trained_runs import FRAPPE_DEEPFM, train
 
 FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
 
@@ -144,7 +145,7 @@ def test_grad_accum_equals_one_large_batch(tmp_path):
 @pytest.mark.slow
 def test_warm_start_begins_at_the_source_models_evaluation(tmp_path):
     base = ["mlp", "train", "--data", FRAPPE, "--preset", "debug", "--max-steps", "30"]
-    run_cli([*base, "--out", tmp_path / "src"], check=True)
+    train(base, tmp_path / "src")  # the source in this process (`trained_runs.train`): only its model is used
     src = json.loads((tmp_path / "src" / "metrics.json").read_text())
     run_cli(
         [*base, "--out", tmp_path / "warm", "--init-from", tmp_path / "src", "--eval-every", "10"], check=True
@@ -159,17 +160,16 @@ def test_warm_start_begins_at_the_source_models_evaluation(tmp_path):
 
 
 @pytest.mark.slow
-def test_pctr_warm_start_and_best_model_export(tmp_path):
-    base = ["pctr", "train", "--data", FRAPPE, "--preset", "debug", "--max-steps", "60", "--eval-every", "20"]
-    run_cli([*base, "--out", tmp_path / "src", "--early-stop", "0"], check=True)
-    src = json.loads((tmp_path / "src" / "metrics.json").read_text())
-    meta = json.loads((tmp_path / "src" / "model.json").read_text())
+def test_pctr_warm_start_and_best_model_export(frappe_deepfm, tmp_path):
+    """The source is the shared `trained_runs.FRAPPE_DEEPFM`: 60 steps evaluated every 20, without early
+    stopping (the debug preset's --early-stop 0); the warm start reads it, its own --out is new."""
+    base, source = FRAPPE_DEEPFM, frappe_deepfm.path
+    src = json.loads((source / "metrics.json").read_text())
+    meta = json.loads((source / "model.json").read_text())
     assert meta["metrics"]["step"] == src["best_step"]  # the exported model is the best evaluated one
     best = next(h for h in src["epochs"] if h["step"] == src["best_step"])
     assert best["eval_auc"] == max(h["eval_auc"] for h in src["epochs"])
-    run_cli(
-        [*base, "--out", tmp_path / "warm", "--init-from", tmp_path / "src", "--init-row-state"], check=True
-    )
+    run_cli([*base, "--out", tmp_path / "warm", "--init-from", source, "--init-row-state"], check=True)
     recs = [json.loads(line) for line in (tmp_path / "warm" / "metrics.jsonl").open()]
     first = next(r for r in recs if "eval_auc" in r)
     assert first["step"] == 0 and first["eval_auc"] == pytest.approx(best["eval_auc"], abs=1e-9)
