@@ -398,6 +398,7 @@ class PctrMethods:
         return 0.0 if self.model == "lr" else L2_EMB_DEFAULT  # type: ignore[attr-defined]
 
     def check(self) -> None:
+        """The cross-section check both commands share (each adds its own after it)."""
         super().check()  # type: ignore[misc]
         if self.init_train_state and not self.init_from:  # type: ignore[attr-defined]
             raise MarianaError(
