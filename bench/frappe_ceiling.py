@@ -32,7 +32,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
-from mariana.apps.pctr.data import split_bounds  # noqa: E402
+from mariana.platform.data.splits import split_bounds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # (label, dim, hidden, dropout, emb_reg, batch): BARS's Frappe recipe, variations, and our tuner's pick

@@ -50,7 +50,7 @@ def strip_some_trailing(path: Path, every: int = 5) -> None:
 
 def per_line(path: Path, enc) -> tuple[list, object]:
     """The reader before blocks: text lines in chunks of 8192 through `Encoder.encode`."""
-    from mariana.apps.pctr.data import ReadStats
+    from mariana.apps.pctr.data.encoding import ReadStats
 
     stats = ReadStats()
     out, buf, first = [], [], 1
@@ -68,7 +68,7 @@ def per_line(path: Path, enc) -> tuple[list, object]:
 
 def blocks(path: Path, enc, threads: int) -> tuple[list, object]:
     """The block reader (`iter_chunks`) on ``threads`` threads."""
-    from mariana.apps.pctr.data import ReadStats, iter_chunks
+    from mariana.apps.pctr.data.encoding import ReadStats, iter_chunks
 
     stats = ReadStats()
     return list(iter_chunks(path, enc, stats=stats, threads=threads)), stats
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions (the best is reported)")
     ap.add_argument("--train", action=argparse.BooleanOptionalAction, default=True, help="the keep-up run")
     args = ap.parse_args(argv)
-    from mariana.apps.pctr.data import Batch, Encoder, infer_schema
+    from mariana.apps.pctr.data.encoding import Batch, Encoder, infer_schema
 
     d = Path(args.dir).resolve()
     d.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ a cached epoch, a subprocess per run) with a floor timed minutes later in anothe
 both sides run in the same process on the same batches, alternating blocks of ``--block`` steps, so a
 load change hits both sides of a round alike.
 
-- ``ours``: the step ``pctr train`` runs on a CPU (`apps/pctr/step.py:make_local_step`: `LocalStep` ->
+- ``ours``: the step ``pctr train`` runs on a CPU (`apps/pctr/models/step.py:make_local_step`: `LocalStep` ->
   `FixedShapeStep` with the trimmed unique-row path, its table work in `cpu_rows`' C loops, Adagrad rows at 0.05, fused Adam on the dense layers
   at 1e-3, ``--amp off|bf16``), DeepFM on Criteo's layout: 13 bucketed-count + 26 categorical fields of
   ``R`` rows each, rows of 1 + 16 floats, 13 dense features, MLP 637-256-128-1 (the CLI's defaults);
@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import PlainDeepFM  # noqa: E402
 from mariana.apps.pctr.configs import PctrConfig  # noqa: E402
-from mariana.apps.pctr.data import Batch, Schema  # noqa: E402
-from mariana.apps.pctr.step import make_local_step  # noqa: E402
+from mariana.apps.pctr.data.encoding import Batch, Schema  # noqa: E402
+from mariana.apps.pctr.models.step import make_local_step  # noqa: E402
 from mariana.platform.ps.shard import TableSpec  # noqa: E402
 
 FIELDS, DENSE, DIM, HIDDEN = 39, 13, 16, (256, 128)

@@ -25,7 +25,7 @@ import time
 import numpy as np
 import torch
 from common import PlainDeepFM
-from mariana.apps.pctr.data import Batch
+from mariana.apps.pctr.data.encoding import Batch
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -46,8 +46,8 @@ def ours_step(R: int, dim: int, hidden, device, compile: str = "auto"):
     inductor without CUDA graphs), fp32 (``--amp off``, as the plain loop), no regulariser the plain loop
     lacks (``--l2-emb 0``); ``step.local`` is the `LocalStep`."""
     from mariana.apps.pctr.configs import with_defaults
-    from mariana.apps.pctr.model import CTRModel
-    from mariana.apps.pctr.optim import build_dense, row_config
+    from mariana.apps.pctr.models.nets import CTRModel
+    from mariana.apps.pctr.models.optim import build_dense, row_config
     from mariana.platform.ps.local import LocalStep
     from mariana.platform.ps.protocol import TABLE
     from mariana.platform.ps.shard import TableSpec
@@ -59,9 +59,9 @@ def ours_step(R: int, dim: int, hidden, device, compile: str = "auto"):
     torch.manual_seed(0)
     model = CTRModel("deepfm", F_ * R, F_, D_, dim, hidden).to(device)
     spec = TableSpec(TABLE, F_ * R, 1 + dim)
-    dense_opt = build_dense(cfg, model.dense_parameters())
+    dense_opt = build_dense(cfg.optim, model.dense_parameters())
     local = LocalStep(
-        cfg, model, model.table.weight.data, spec, row_config(cfg), dense_opt, device, unit_vals=True
+        cfg, model, model.table.weight.data, spec, row_config(cfg.table), dense_opt, device, unit_vals=True
     )
     local.setup(1 << 30)
     if compile == "nograph":

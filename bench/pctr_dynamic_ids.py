@@ -88,8 +88,8 @@ def train_days(days: list[Path], work: Path, scheme: dict, args) -> dict:
 def parse_rates(day: Path, rows: int, admit: int, repeats: int = 3) -> dict:
     """Rows/s of parsing a day file to rows (hash) / keys (dynamic), and of parsing + `IdMap.assign` of
     512-row batches (the map's work in training). Best of ``repeats``."""
-    from mariana.apps.pctr.data import Encoder, infer_schema, iter_batches, iter_chunks
-    from mariana.apps.pctr.idmap import IdMap
+    from mariana.apps.pctr.data.encoding import Encoder, infer_schema, iter_batches, iter_chunks
+    from mariana.apps.pctr.ids.idmap import IdMap
 
     out = {}
     for name in ("hash", "dynamic", "dynamic+map"):
@@ -143,7 +143,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from mariana.apps.pctr.drift import DriftSettings, generate
+    from mariana.apps.pctr.data.drift import DriftSettings, generate
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="pctr-dyn-"))

@@ -1,7 +1,7 @@
 """Freshness on drifting click logs: next-day AUC of a model frozen after day 1, an incrementally updated
 model and a model retrained from scratch every day, and the training time of the last two.
 
-The data is the drifting click-log generator's (`mariana pctr drift-logs`, apps/pctr/drift.py): ``--days``
+The data is the drifting click-log generator's (`mariana pctr drift-logs`, apps/pctr/data/drift.py): ``--days``
 days of ``--rows-per-day`` impressions where a quarter of the ads are new each day, a share of the users is
 new and click rates drift. For each day d = 2..days, day d is scored (`evaluate_run`, what
 `mariana pctr eval` runs) by
@@ -59,7 +59,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from mariana.apps.pctr.configs import with_defaults
-    from mariana.apps.pctr.drift import DriftSettings, day_name, generate
+    from mariana.apps.pctr.data.drift import DriftSettings, day_name, generate
     from mariana.apps.pctr.evaluate import evaluate_run
     from mariana.apps.pctr.train import train_local
 

@@ -31,7 +31,8 @@ R = 8192  # rows per field: above Frappe's 5,382 ids, so no hash collisions and 
 
 
 def load_ids(path: str):
-    from mariana.apps.pctr.data import Encoder, count_lines, infer_schema, load_split, split_bounds
+    from mariana.apps.pctr.data.encoding import Encoder, count_lines, infer_schema, load_split
+    from mariana.platform.data.splits import split_bounds
 
     enc = Encoder(infer_schema(path, "libfm", R))
     b = split_bounds(count_lines(path), (0.8, 0.1, 0.1))

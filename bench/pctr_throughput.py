@@ -67,7 +67,7 @@ def generate(path: Path, rows: int, R: int, zipf: float, seed: int = 0) -> None:
 
 def load_cats(path: Path, R: int):
     """The file parsed once: per-field local ids [N, 26], counts [N, 13] (log1p), labels [N]."""
-    from mariana.apps.pctr.data import Encoder, infer_schema, load_split
+    from mariana.apps.pctr.data.encoding import Encoder, infer_schema, load_split
 
     enc = Encoder(infer_schema(path, "criteo", R))
     data = load_split(path, enc, 0, None)

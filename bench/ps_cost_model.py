@@ -73,8 +73,8 @@ class _InMemoryRows:
 
 def worker_compute(args, batches) -> dict:
     """Seconds per step of a worker's compute (one thread) and the mean unique rows per batch."""
-    from mariana.apps.pctr.data import infer_schema
-    from mariana.apps.pctr.step import build_dense_only
+    from mariana.apps.pctr.data.encoding import infer_schema
+    from mariana.apps.pctr.models.step import build_dense_only
     from mariana.platform.ps.dense import flatten
     from mariana.platform.ps.pull import train_step
 
@@ -82,7 +82,7 @@ def worker_compute(args, batches) -> dict:
     schema = infer_schema(args.data, "criteo", args.rows_per_field)
     torch.set_num_threads(1)  # a parameter-server process's budget (apps/pctr/ps.py)
     torch.manual_seed(0)
-    model = build_dense_only(cfg, schema)
+    model = build_dense_only(cfg.net, schema, cfg.init_std)
     client = _InMemoryRows(1 + cfg.dim, flatten(model.dense_parameters()))
     times = []
     for i, b in enumerate(batches):
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     if args.job:
         return job(args.job, args.job_rows, args.job_width, args.job_dense, args.job_reps)
 
-    from mariana.apps.pctr.data import Encoder, infer_schema, iter_batches, iter_chunks
+    from mariana.apps.pctr.data.encoding import Encoder, infer_schema, iter_batches, iter_chunks
 
     if not args.data.is_file():
         args.data.parent.mkdir(parents=True, exist_ok=True)

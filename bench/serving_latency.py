@@ -44,7 +44,7 @@ def naive_app(run: str):
     """The baseline: parse and predict inside each request, no micro-batching, default FastAPI paths."""
     import torch
     from fastapi import FastAPI
-    from mariana.apps.pctr.predict import load_predictor
+    from mariana.apps.pctr.models.predict import load_predictor
     from pydantic import BaseModel
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))

@@ -5,7 +5,7 @@ forward once on a tiny input."""
 from __future__ import annotations
 
 import mariana.apps.asr.model  # noqa: F401  (importing a model module registers its models)
-import mariana.apps.pctr.model  # noqa: F401
+import mariana.apps.pctr.models.nets  # noqa: F401
 import mariana.apps.vision.model  # noqa: F401
 import pytest
 import torch

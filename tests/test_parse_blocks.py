@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import pytest
 import torch
-from mariana.apps.pctr.data import Batch, Encoder, ReadStats, Schema, infer_schema, iter_chunks
+from mariana.apps.pctr.data.encoding import Batch, Encoder, ReadStats, Schema, infer_schema, iter_chunks
 from mariana.platform.data.libfm import _parse_arrow, parse_block, parse_lines
 from mariana.platform.data.textblocks import ordered_map, read_blocks
 

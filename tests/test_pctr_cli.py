@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 from helpers import last_line, run_cli
-from mariana.apps.pctr.predict import load_predictor
+from mariana.apps.pctr.models.predict import load_predictor
 from mariana.platform.core.rundir import eval_result_path
 from trained_runs import fresh_copy
 

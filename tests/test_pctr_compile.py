@@ -12,9 +12,9 @@ import pytest
 import torch
 from helpers import DATA
 from mariana.apps.pctr.configs import with_defaults
-from mariana.apps.pctr.data import Batch
-from mariana.apps.pctr.model import build_model
-from mariana.apps.pctr.optim import build_dense, row_config
+from mariana.apps.pctr.data.encoding import Batch
+from mariana.apps.pctr.models.nets import build_model
+from mariana.apps.pctr.models.optim import build_dense, row_config
 from mariana.platform.core.export import load_exported
 from mariana.platform.ps import sparse_step
 from mariana.platform.ps.local import LocalStep, compile_mode

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from mariana.apps.pctr.data import (
+from mariana.apps.pctr.data.encoding import (
     Encoder,
     ReadStats,
     Schema,
@@ -17,11 +17,11 @@ from mariana.apps.pctr.data import (
     iter_batches,
     iter_chunks,
     load_split,
-    split_bounds,
 )
-from mariana.apps.pctr.model import CTRModel
-from mariana.apps.pctr.predict import load_predictor
+from mariana.apps.pctr.models.nets import CTRModel
+from mariana.apps.pctr.models.predict import load_predictor
 from mariana.platform.core.export import export_model, weights_digest
+from mariana.platform.data.splits import split_bounds
 
 R = 1000
 
@@ -172,7 +172,7 @@ def _lines_of(batches) -> list[int]:
 
 @pytest.mark.parametrize("workers,batch,n", [(2, 25, 1000), (3, 16, 960), (3, 16, 1000)])
 def test_worker_shares_are_disjoint_and_each_row_trains_once_per_epoch(tmp_path, workers, batch, n):
-    from mariana.apps.pctr.train import WorkerData, shard_lines
+    from mariana.apps.pctr.data.reader import WorkerData, shard_lines
 
     path = tmp_path / "numbered.tsv"
     exact = n % workers == 0 and n // workers % batch == 0  # every share is whole batches

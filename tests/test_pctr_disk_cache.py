@@ -10,14 +10,15 @@ import os
 import subprocess
 import sys
 
-import mariana.apps.pctr.reader as reader_mod
+import mariana.apps.pctr.data.reader as reader_mod
 import numpy as np
 import pytest
 import torch
 from helpers import ROOT, cli_env
 from mariana.apps.pctr.configs import with_defaults
-from mariana.apps.pctr.data import Batch, Encoder, infer_schema
-from mariana.apps.pctr.train import WorkerData, train_local
+from mariana.apps.pctr.data.encoding import Batch, Encoder, infer_schema
+from mariana.apps.pctr.data.reader import WorkerData
+from mariana.apps.pctr.train import train_local
 from mariana.platform.data.shards import BatchStore
 from safetensors.torch import load_file
 

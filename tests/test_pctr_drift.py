@@ -1,4 +1,4 @@
-"""The drifting click-log generator (`mariana pctr drift-logs`, apps/pctr/drift.py): deterministic from its
+"""The drifting click-log generator (`mariana pctr drift-logs`, apps/pctr/data/drift.py): deterministic from its
 seed, the days, rows and Criteo columns asked for, read by the pCTR reader without a skipped line, and the
 drift it promises (new ad ids every day, a frozen world with --drift 0 --new-ads 0)."""
 
@@ -8,8 +8,8 @@ import json
 
 import numpy as np
 from helpers import run_cli
-from mariana.apps.pctr.data import Encoder, ReadStats, infer_schema, load_split
-from mariana.apps.pctr.drift import DriftSettings, DriftWorld, generate, hex8
+from mariana.apps.pctr.data.drift import DriftSettings, DriftWorld, generate, hex8
+from mariana.apps.pctr.data.encoding import Encoder, ReadStats, infer_schema, load_split
 
 
 def _files(folder):

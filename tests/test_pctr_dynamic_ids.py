@@ -1,4 +1,4 @@
-"""`mariana pctr train --ids dynamic`: the per-field id -> row map (apps/pctr/idmap.py).
+"""`mariana pctr train --ids dynamic`: the per-field id -> row map (apps/pctr/ids/idmap.py).
 
 More distinct ids than rows -> evictions counted, memory bounded; a never-seen id is served with the OOV
 row; export -> `load_predictor` -> a real `mariana serve --pctr` server answer the probabilities of the
@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import run_cli
-from mariana.apps.pctr.data import CRITEO_INTS, iter_chunks
-from mariana.apps.pctr.idmap import IdMap, key_of
-from mariana.apps.pctr.predict import load_predictor
+from mariana.apps.pctr.data.encoding import CRITEO_INTS, iter_chunks
+from mariana.apps.pctr.ids.idmap import IdMap
+from mariana.apps.pctr.ids.keys import key_of
+from mariana.apps.pctr.models.predict import load_predictor
 from mariana.platform.core.export import load_exported
 from test_serving_helpers import pctr_probs, serve
 from trained_runs import run_ok

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import run_cli
-from mariana.apps.pctr.predict import load_predictor
+from mariana.apps.pctr.models.predict import load_predictor
 from mariana.platform.core.export import load_exported
 from test_pctr_dynamic_ids import R, criteo_lines, offline_probs
 from trained_runs import run_ok

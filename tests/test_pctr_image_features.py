@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 from helpers import run_cli
-from mariana.apps.pctr.data import ReadStats, iter_chunks
-from mariana.apps.pctr.predict import load_predictor
+from mariana.apps.pctr.data.encoding import ReadStats, iter_chunks
+from mariana.apps.pctr.models.predict import load_predictor
 from mariana.platform.core.export import load_exported
 from mariana.platform.core.rundir import eval_result_path
 from test_serving_helpers import pctr_probs, serve, strip_label
@@ -137,7 +137,7 @@ def test_lr_uses_image_features_and_cache_is_reused(world):
 
 def test_flag_errors_name_the_flag(world):
     from mariana.apps.pctr.configs import PctrConfig
-    from mariana.apps.pctr.images import field_position
+    from mariana.apps.pctr.images.features import field_position
     from mariana.platform.cli.main import check_command
     from mariana.platform.core.errors import MarianaError
 

@@ -1,4 +1,4 @@
-"""Incremental training (`--init-from RUN --init-train-state`) and multi-file ``--data`` (apps/pctr/sources.py).
+"""Incremental training (`--init-from RUN --init-train-state`) and multi-file ``--data`` (apps/pctr/data/sources.py).
 
 Training days 1..3 in one run equals training day 1, then day 2 from it, then day 3 from that: one pass
 each, no shuffling (one epoch is read in order), no validation (``--split 1,0,0``), same seed. Every day
@@ -13,9 +13,9 @@ import pytest
 import torch
 from helpers import run_cli
 from mariana.apps.pctr.configs import with_defaults
-from mariana.apps.pctr.data import Encoder, ReadStats, count_lines, infer_schema, iter_chunks
-from mariana.apps.pctr.drift import DriftSettings, generate
-from mariana.apps.pctr.sources import resolve_sources
+from mariana.apps.pctr.data.drift import DriftSettings, generate
+from mariana.apps.pctr.data.encoding import Encoder, ReadStats, count_lines, infer_schema, iter_chunks
+from mariana.apps.pctr.data.sources import resolve_sources
 from mariana.apps.pctr.train import train_local
 from mariana.platform.cli.main import check_command
 from mariana.platform.core.errors import DataError, MarianaError

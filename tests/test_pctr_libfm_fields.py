@@ -8,7 +8,7 @@ import random
 
 import pytest
 from cliwalk import run_main
-from mariana.apps.pctr.predict import load_predictor
+from mariana.apps.pctr.models.predict import load_predictor
 
 ROWS = 300
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from mariana.apps.pctr.model import MODELS, CTRModel
+from mariana.apps.pctr.models.nets import MODELS, CTRModel
 from mariana.platform.ps.rowopt import RowOptConfig, apply_rows, init_state
 
 
@@ -47,7 +47,7 @@ def test_fm_term_is_the_sum_of_pairwise_products():
 def _trained_rows(rule: str, model: CTRModel, steps: int = 3, **row_kw) -> torch.Tensor:
     """``model``'s table after ``steps`` batches of the one-process training step (`local_step`, the
     framework's `FixedShapeStep` with the row optimiser ``rule``), dense parameters left alone."""
-    from mariana.apps.pctr.data import Batch
+    from mariana.apps.pctr.data.encoding import Batch
     from mariana.platform.ps.pull import TABLE, local_step
     from mariana.platform.ps.shard import EmbeddingShard, TableSpec
 
@@ -108,7 +108,7 @@ def test_ftrl_l1_gives_exact_zeros():
 def test_train_step_equals_autograd_through_the_table(kind, unit_vals):
     """The trainers' step (unique rows -> two gradient leaves -> per-row index_add -> row SGD) gives the
     same loss, the same new table and the same dense gradients as plain autograd over nn.Embedding."""
-    from mariana.apps.pctr.data import Batch
+    from mariana.apps.pctr.data.encoding import Batch
     from mariana.platform.ps.pull import TABLE, train_step
     from mariana.platform.ps.shard import EmbeddingShard, TableSpec
     from mariana.platform.ps.worker import LocalClient
@@ -142,7 +142,7 @@ def test_train_step_equals_autograd_through_the_table(kind, unit_vals):
 def test_clip_grad_bounds_the_joint_norm_of_dense_and_row_gradients(clip):
     """``--clip-grad``: with SGD everywhere the step moves the dense parameters and the batch's rows by
     ``lr * g`` with ``g`` the gradient scaled to norm ``<= clip``; a large bound changes nothing."""
-    from mariana.apps.pctr.data import Batch
+    from mariana.apps.pctr.data.encoding import Batch
     from mariana.platform.ps.pull import TABLE, train_step
     from mariana.platform.ps.shard import EmbeddingShard, TableSpec
     from mariana.platform.ps.worker import LocalClient
@@ -176,7 +176,7 @@ def test_l2_regularised_step_equals_autograd_of_the_regularised_loss(kind):
     """``--l2-emb``/``--weight-decay``: the step equals plain autograd of ``logloss + l2_emb/2 * sum of
     ||row||^2 over the batch's unique rows + weight_decay/2 * sum of ||p||^2 over the dense parameters``
     (rows SGD, dense SGD); rows outside the batch do not move."""
-    from mariana.apps.pctr.data import Batch
+    from mariana.apps.pctr.data.encoding import Batch
     from mariana.platform.ps.pull import TABLE, train_step
     from mariana.platform.ps.shard import EmbeddingShard, TableSpec
     from mariana.platform.ps.worker import LocalClient

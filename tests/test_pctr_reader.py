@@ -1,4 +1,4 @@
-"""pCTR's input as one reader (`mariana.apps.pctr.reader.ClickSource`, issue 31): a run resolves, counts
+"""pCTR's input as one reader (`mariana.apps.pctr.data.reader.ClickSource`, issue 31): a run resolves, counts
 and encodes its ``--data`` once. Observed from outside the reader: the calls of the line counter
 (`sources.count_file_lines`) per data file and the lines that go through the encoder."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 from helpers import DATA
-from mariana.apps.pctr import data as data_mod
-from mariana.apps.pctr import sources as sources_mod
 from mariana.apps.pctr.configs import with_defaults
-from mariana.apps.pctr.data import Encoder
+from mariana.apps.pctr.data import encoding as data_mod
+from mariana.apps.pctr.data import sources as sources_mod
+from mariana.apps.pctr.data.encoding import Encoder
 from mariana.apps.pctr.train import Setup
 from mariana.platform.cli.main import main
 

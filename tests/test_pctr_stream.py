@@ -18,8 +18,9 @@ import httpx
 import pytest
 import torch
 from helpers import DATA, ROOT, cli_env, run_cli
-from mariana.apps.pctr.predict import load_predictor
-from mariana.apps.pctr.stream import LogFile, parse_export_every, scan
+from mariana.apps.pctr.models.predict import load_predictor
+from mariana.apps.pctr.streams.config import parse_export_every
+from mariana.apps.pctr.streams.folder import LogFile, scan
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import load_exported
 from sklearn.metrics import roc_auc_score
@@ -355,7 +356,8 @@ def test_export_every_seconds(tmp_path):
     while nothing changed, and a stopping stream with nothing new exports nothing more."""
     import dataclasses
 
-    from mariana.apps.pctr.stream import STREAM_PRESETS, Streamer
+    from mariana.apps.pctr.streams.config import STREAM_PRESETS
+    from mariana.apps.pctr.streams.streamer import Streamer
 
     d, run = tmp_path / "d", tmp_path / "run"
     d.mkdir()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import run_cli
-from mariana.apps.pctr.predict import load_predictor
+from mariana.apps.pctr.models.predict import load_predictor
 from mariana.platform.core.export import load_exported
 from sklearn.metrics import roc_auc_score
 from test_pctr_stream import LINES, MODEL, chunk, drop, start, wait_for

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from mariana.apps.pctr.configs import MODELS
-from mariana.apps.pctr.model import CTRModel
+from mariana.apps.pctr.models.nets import CTRModel
 from mariana.platform.ps.rowopt import RULES, RowOptConfig, init_state
 from mariana.platform.ps.sparse_step import FixedShapeStep, slots_of
 

@@ -18,7 +18,7 @@ FRAMEWORK_CLASSES = {"LocalStep", "PSWorkerStep", "PullAheadLoader", "ServerChec
 
 
 def _trees(folder: Path) -> dict[Path, ast.Module]:
-    return {p: ast.parse(p.read_text(), str(p)) for p in sorted(folder.glob("*.py"))}
+    return {p: ast.parse(p.read_text(), str(p)) for p in sorted(folder.rglob("*.py"))}
 
 
 def _imported_modules(path: Path, tree: ast.Module, package: str) -> list[tuple[int, str]]:
@@ -90,7 +90,7 @@ def check_layout(root: Path) -> list[str]:
     problems += [
         f"{c} is still defined in apps/pctr" for c in sorted(FRAMEWORK_CLASSES & classes_defined(pctr))
     ]
-    for path in [ps / "server.py", *(p for p in [pctr / "stream_ps.py"] if p.is_file())]:
+    for path in [ps / "server.py", *(p for p in [pctr / "streams" / "servers.py"] if p.is_file())]:
         problems += [f"forwarding function in {path.relative_to(root)}: {f}" for f in forwarders(path)]
     return problems
 

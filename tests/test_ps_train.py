@@ -13,9 +13,9 @@ import torch
 from cliwalk import run_main
 from helpers import last_line, run_cli
 from mariana.apps.pctr.configs import parse_split
-from mariana.apps.pctr.data import split_bounds
-from mariana.apps.pctr.train import shard_lines
+from mariana.apps.pctr.data.reader import shard_lines
 from mariana.platform.core.export import load_exported
+from mariana.platform.data.splits import split_bounds
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from mariana.apps.mlp import data as mlp_data
 from mariana.apps.mlp import evaluate as mlp_evaluate
-from mariana.apps.pctr import data as pctr_data
-from mariana.apps.pctr import reader as pctr_reader
+from mariana.apps.pctr.data import reader as pctr_data
+from mariana.apps.pctr.data import reader as pctr_reader
 from mariana.platform.core.errors import DataError
 from mariana.platform.data.splits import split_bounds, tail_fractions
 

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from mariana.apps.pctr.predict import load_predictor
+from mariana.apps.pctr.models.predict import load_predictor
 from test_serving_helpers import FRAPPE, head_lines, serve, strip_label
 
 

@@ -10,7 +10,7 @@ from mariana.platform.cli.dispatch import handler
 from mariana.platform.cli.outputs import mark_output
 
 from .configs import PRESETS, PctrConfig
-from .stream_config import STREAM_PRESETS, StreamConfig
+from .streams.config import STREAM_PRESETS, StreamConfig
 from .tool_configs import DriftLogsConfig, PctrEvalConfig
 
 COMMANDS = "mariana.apps.pctr.commands"

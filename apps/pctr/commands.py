@@ -18,14 +18,14 @@ from mariana.platform.ps.master import run_job
 from mariana.platform.runtime.launch import in_worker
 
 from .configs import PRESETS, PctrConfig
-from .drift import generate
+from .data.drift import generate
+from .data.reader import ClickSource
+from .data.sources import absolute_list, resolve_sources, result_name
 from .evaluate import evaluate_run
 from .ps import run_ps_process
-from .reader import ClickSource
-from .sources import absolute_list, resolve_sources, result_name
-from .stream import run_stream
-from .stream_config import STREAM_PRESETS, StreamConfig
-from .stream_ps import run_ps_stream_process
+from .streams.config import STREAM_PRESETS, StreamConfig
+from .streams.servers import run_ps_stream_process
+from .streams.streamer import run_stream
 from .tool_configs import DriftLogsConfig, PctrEvalConfig
 from .train import Setup, train_local
 
@@ -62,7 +62,7 @@ def train(args, argv) -> int:
         return run_ps_process(cfg, sources)
     _check_run_dir(cfg)
     # Input errors are found here, once, not by S + W processes and every torchrun restart after them.
-    setup = Setup(cfg, ClickSource.from_config(cfg, sources))
+    setup = Setup(cfg, ClickSource.from_sections(cfg.input, cfg.rows, sources))
     setup.check_batch_size()
     if cfg.servers == 0:
         final = train_local(cfg, setup)
@@ -112,7 +112,7 @@ def drift_logs(args, argv) -> int:
 def stream(args, argv) -> int:
     """``mariana pctr stream``: follow a folder of click logs (one process, or servers under torchrun)."""
     cfg = resolve_config(StreamConfig, args, STREAM_PRESETS)
-    if cfg.servers > 0 and in_worker():  # one process of a parameter-server stream (stream_ps.py)
+    if cfg.servers > 0 and in_worker():  # one process of a parameter-server stream (streams/servers.py)
         return run_ps_stream_process(cfg)
     if not check_data_path(cfg.data).is_dir():
         raise MarianaError(f"--data {cfg.data}: expected a folder to follow (new log files land in it)")

@@ -1,6 +1,6 @@
 """Typed configuration of `mariana pctr train`: the sections it composes (flags, TOML tables, presets).
 
-The sections pCTR shares with `pctr stream` (`stream_config.py`) are defined here: the network (``net``),
+The sections pCTR shares with `pctr stream` (`streams/config.py`) are defined here: the network (``net``),
 the embedding table and its row optimiser (``table``), how values find rows (``rows``), the dense
 optimiser (``optim``), the parameter servers (``ps``). Only the standard library here: `mariana pctr
 train` checks its flags before torch is imported."""
@@ -33,7 +33,7 @@ from mariana.platform.core.errors import DataError, MarianaError
 
 MODELS = ("lr", "fm", "dnn", "deepfm", "dcn")
 # --l2-emb when not given: it calibrates the models with embedding vectors; on --model lr it only shrinks the
-# weights (Frappe, PS LR 2x2 and one process: test AUC 0.887 with 0.01 vs 0.925 with 0; apps/pctr/README.md).
+# weights (measured on Frappe: apps/pctr/README.md, the default `--l2-emb`).
 L2_EMB_DEFAULT = 0.01
 MLP_MODELS = ("dnn", "deepfm", "dcn")  # the models with an MLP (--hidden, --dropout)
 
@@ -397,9 +397,13 @@ class PctrMethods:
             return self.l2_emb  # type: ignore[attr-defined]
         return 0.0 if self.model == "lr" else L2_EMB_DEFAULT  # type: ignore[attr-defined]
 
-    def hidden_sizes(self) -> tuple[int, ...]:
-        """``--hidden`` as layer widths (each >= 1); MarianaError naming the flag if it is not."""
-        return hidden_sizes(self.hidden, self.model)  # type: ignore[attr-defined]
+    def check(self) -> None:
+        """The cross-section check both commands share (each adds its own after it)."""
+        super().check()  # type: ignore[misc]
+        if self.init_train_state and not self.init_from:  # type: ignore[attr-defined]
+            raise MarianaError(
+                "--init-train-state needs --init-from RUN (the run whose training state to continue)"
+            )
 
 
 TRAIN_SECTIONS = (PctrRun, PctrData, Net, Table, Ids, DenseOptim, Decay, PctrLoop, PctrPS, Warm, Images)
@@ -428,10 +432,6 @@ class PctrConfig(PctrMethods, TrainJob, sections=TRAIN_SECTIONS):
             raise MarianaError(
                 "--init-from with --ids dynamic --servers >= 1 is not supported (the servers start with an "
                 "empty id map); use --servers 0 to continue a dynamic-id model"
-            )
-        if self.init_train_state and not self.init_from:
-            raise MarianaError(
-                "--init-train-state needs --init-from RUN (the run whose training state to continue)"
             )
 
 

@@ -16,10 +16,10 @@ from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.rundir import eval_result_path
 
 from .configs import parse_split
-from .data import ReadStats
-from .predict import load_predictor
-from .reader import ALL_ROWS, ClickSource
-from .sources import DataSources
+from .data.encoding import ReadStats
+from .data.reader import ALL_ROWS, ClickSource
+from .data.sources import DataSources
+from .models.predict import load_predictor
 
 
 def run_split(run_dir: str | Path, split: str) -> str:
@@ -57,7 +57,7 @@ def evaluate_run(
 ) -> dict:
     """Score ``data`` (a file, a comma-separated list, a folder, or its `DataSources` already resolved; the
     ``split`` of it, by row order, cut with the fractions the run was trained with: its ``RUN/config.toml``
-    ``split``) with the run's exported model, read through one `reader.ClickSource`. Returns the result
+    ``split``) with the run's exported model, read through one `data.reader.ClickSource`. Returns the result
     dict and writes it to ``out`` (default: ``eval_result_path(run_dir, data, split)``). MarianaError for a
     split the run does not have (a zero fraction, a stream run, a run without config.toml)."""
     pred = load_predictor(run_dir, device)

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import NamedTuple
+from types import SimpleNamespace
 
-import numpy as np
 import torch
 from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.ps.checkpoint import ServerCheckpointer
@@ -25,13 +24,13 @@ from mariana.platform.ps.worker import PSClient
 from mariana.platform.ps.worker_step import PSWorkerStep, RemoteIdMap
 from mariana.platform.runtime.dist import DistContext
 
-from .configs import PctrConfig
-from .idmap import FrozenIdMap
-from .model import build_model
-from .optim import row_config
-from .reader import ClickSource
-from .sources import DataSources
-from .step import build_dense_only, idmap_for, make_worker_step
+from .configs import DenseOptim, Ids, Net, PctrConfig, Table
+from .data.reader import ClickSource
+from .data.sources import DataSources
+from .ids.keys import FrozenIdMap
+from .models.nets import build_model
+from .models.optim import row_config
+from .models.step import build_dense_only, idmap_for, make_worker_step
 from .train import Setup, export, make_trainer
 
 log = logging.getLogger("mariana")
@@ -41,33 +40,41 @@ def run_ps_process(cfg: PctrConfig, sources: DataSources | None = None) -> int:
     """Body of one torchrun process of a parameter-server job (role from RANK); ``sources``: its
     ``--data`` resolved. Servers build the schema and never count lines; workers count them once."""
     role, run = start_process(cfg.servers, cfg.workers, cfg.out)
-    st = Setup(cfg, ClickSource.from_config(cfg, sources))
+    st = Setup(cfg, ClickSource.from_sections(cfg.input, cfg.rows, sources))
     if role.kind == "server":
-        server, restored = make_server(cfg, role, run, st)
+        server, restored = make_server(
+            role, run, st, cfg.net, cfg.table, cfg.optim, cfg.rows, cfg.staleness, cfg.seed
+        )
         return serve(server, role, run, restored, cfg.timeout)
     with rpc_session(role, cfg.timeout):
         return _work(cfg, role, run, st)
 
 
-def make_server(cfg: PctrConfig, role, run, st: Setup):
-    """This server's shard of the table, its slice of the dense parameters (initialised as one-process
-    training initialises them), the id map on server 0 with ``--ids dynamic``, restored from the latest
-    checkpoint if there is one. Returns (ParamServer, restored step or None)."""
-    torch.manual_seed(cfg.seed)
-    dense = build_dense_only(cfg, st.schema)  # in-process training's initial dense layers
-    keymap = idmap_for(cfg, st.schema) if role.index == 0 else None
+def make_server(
+    role, run, st: Setup, net: Net, table: Table, optim: DenseOptim, rows: Ids, staleness: int, seed: int
+):
+    """This server's shard of the table (its row rule: the ``table`` section), its slice of the dense
+    parameters (``net``, initialised as one-process training initialises them from ``seed``) with their
+    optimiser (``optim``), the id map on server 0 with ``--ids dynamic`` (``rows``), restored from the
+    latest checkpoint if there is one. Returns (ParamServer, restored step or None)."""
+    torch.manual_seed(seed)
+    dense = build_dense_only(net, st.schema, table.init_std)  # in-process training's initial dense layers
+    keymap = idmap_for(rows, st.schema) if role.index == 0 else None
     return build_server(
-        role, run, st.spec, row_config(cfg), dense, cfg.optimizer, cfg.lr, cfg.staleness, cfg.seed, keymap
+        role, run, st.spec, row_config(table), dense, optim.optimizer, optim.lr, staleness, seed, keymap
     )
 
 
-def assemble(cfg: PctrConfig, st: Setup, client, step: PSWorkerStep):
-    """(the full `CTRModel` from the servers, table [N, K], seen [N]); ``st.idmap`` set to server 0's map
-    (``--ids dynamic``), which `export` writes."""
+def assemble(net: Net, ids: str, st: Setup, client, step: PSWorkerStep):
+    """(the full `CTRModel` of the ``net`` section from the servers, table [N, K], seen [N]); with ``ids``
+    ``"dynamic"``, ``st.idmap`` set to server 0's map, which `export` writes."""
     full, weight, seen = assemble_model(
-        client, step.model, lambda w: build_model(cfg, st.schema, table=w), st.spec.num_rows
+        client, step.model, lambda w: build_model(net, st.schema, table=w), st.spec.num_rows
     )
-    st.idmap = _server_idmap(client, cfg)
+    st.idmap = None
+    if ids == "dynamic":  # server 0's map: the key held by each row (export) and its counters (metrics)
+        got = client.keymap_state()
+        st.idmap = SimpleNamespace(row_key=got["row_key"].numpy(), counters=got["counters"])
     return full, weight, seen
 
 
@@ -92,7 +99,7 @@ def _work(cfg: PctrConfig, role, run, st: Setup) -> int:
         return m
 
     def export_best(metrics: dict, at_step: int) -> None:
-        full, weight, seen = assemble(cfg, st, client, step)
+        full, weight, seen = assemble(cfg.net, cfg.ids, st, client, step)
         export(run, st, full, weight, seen, {"metrics": {**metrics, "step": at_step}})
 
     ctx = DistContext(rank=role.index, device=cpu)  # no process group: workers talk to servers only
@@ -106,17 +113,22 @@ def _work(cfg: PctrConfig, role, run, st: Setup) -> int:
     if role.index == 0:
         client.wait_all_done()
         client.checkpoint(total)
-        _finish(cfg, role, run, st, client, step, trainer, final, data, (val, val_labels), total)
+        assembled = assemble(cfg.net, cfg.ids, st, client, step)
+        _finish(
+            assembled, role, run, st, client, trainer, final, data, (val, val_labels), total, cfg.staleness
+        )
         client.finish_servers()
     return 0
 
 
-def _finish(cfg, role, run, st: Setup, client, step, trainer, final: dict, data, validation, total) -> None:
-    """Worker 0 once every worker is done: the final model (worker 0's own last evaluation may predate
-    the other workers' last pushes: asynchronous SGD), exported unless the best evaluated one is better,
-    and metrics.json."""
+def _finish(
+    assembled, role, run, st: Setup, client, trainer, final: dict, data, validation, total, staleness
+) -> None:
+    """Worker 0 once every worker is done: the final model (``assembled``: `assemble`'s; worker 0's own
+    last evaluation may predate the other workers' last pushes: asynchronous SGD), exported unless the
+    best evaluated one is better, and metrics.json."""
     val, val_labels = validation
-    full, weight, seen = assemble(cfg, st, client, step)
+    full, weight, seen = assembled
     frozen = None
     if st.idmap is not None:
         frozen = FrozenIdMap(st.idmap.row_key, st.schema.num_fields, st.schema.rows_per_field)
@@ -150,7 +162,7 @@ def _finish(cfg, role, run, st: Setup, client, step, trainer, final: dict, data,
             "mode": "parameter-server",
             "servers": role.num_servers,
             "workers": role.num_workers,
-            "staleness": cfg.staleness,
+            "staleness": staleness,
             "worker0_samples_per_s": final.get("samples_per_s", 0.0),
             "skipped_lines": data.stats.skipped,
             "skipped_examples": {str(k): v for k, v in list(data.stats.errors.items())[:10]},
@@ -159,17 +171,3 @@ def _finish(cfg, role, run, st: Setup, client, step, trainer, final: dict, data,
         }
     )
     run.write_final(final)
-
-
-class _ServerIdMap(NamedTuple):
-    """Server 0's `--ids dynamic` map as `export` and the final metrics need it."""
-
-    row_key: np.ndarray  # [F R] int64: the key held by each row, -1 none
-    counters: dict  # `IdMap.counters()`
-
-
-def _server_idmap(client, cfg) -> _ServerIdMap | None:
-    if cfg.ids != "dynamic":
-        return None
-    got = client.keymap_state()
-    return _ServerIdMap(got["row_key"].numpy(), got["counters"])

@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from mariana.platform.core.errors import MarianaError
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, create_model
 
-from .predict import load_predictor
+from .models.predict import load_predictor
 
 log = logging.getLogger("mariana.serving")
 

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from mariana.platform.core.config import Config, Section, at_least, opt
 
-from .drift import DriftSettings
+from .data.drift import DriftSettings
 
 
 @dataclass
@@ -53,7 +53,7 @@ NEW_DAYS = at_least("days", 2)  # what changes from one day to the next needs a 
 
 @dataclass
 class DriftWorld(Section):
-    """The generator's knobs (`drift.DriftSettings`, which checks them)."""
+    """The generator's knobs (`data.drift.DriftSettings`, which checks them)."""
 
     NAME: ClassVar[str] = "world"
     TITLE: ClassVar[str] = "the simulated ads, users and click rates"

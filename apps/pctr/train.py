@@ -1,10 +1,10 @@
 """Training of the click models in one process (CPU or CUDA), on the one platform `Trainer`.
 
-The step (`step.LocalStep`) pulls the unique rows of a batch from the local table, runs the model and
+The step (`LocalStep`, built by `models.step`) pulls the unique rows of a batch from the local table, runs the model and
 pushes exactly those rows' gradients to the row optimiser; dense parameters use a torch optimiser. The
 parameter-server mode runs the same step math in `ps.py`.
 
-Data: the run's input is one `reader.ClickSource` (``Setup.source``: files, schema, encoder, line count
+Data: the run's input is one `data.reader.ClickSource` (``Setup.source``: files, schema, encoder, line count
 and splits, each made once). The training split is streamed in row order in epoch 1 (parsed by a
 background thread ahead of the step) and kept, already encoded, in memory; later epochs read that cache
 (shuffled batch order). Worker w of W takes the w-th contiguous part of the training lines
@@ -38,11 +38,11 @@ from mariana.platform.runtime.dist import DistContext, resolve_device
 from mariana.platform.train.spec import TrainSpec, build_trainer
 
 from .configs import PctrConfig
-from .data import Batch, ReadStats
-from .images import setup_image_features
-from .model import CTRModel
-from .reader import ClickSource, WorkerData, encoding_key, shard_lines  # noqa: F401  (their old home)
-from .step import make_local_step
+from .data.encoding import Batch, ReadStats
+from .data.reader import ClickSource, WorkerData
+from .images.features import setup_image_features
+from .models.nets import CTRModel
+from .models.step import make_local_step
 
 log = logging.getLogger("mariana")
 
@@ -70,14 +70,14 @@ class Setup:
 
     def __init__(self, cfg: PctrConfig, source: ClickSource | None = None):
         self.cfg = cfg
-        self.source = source or ClickSource.from_config(cfg)
+        self.source = source or ClickSource.from_sections(cfg.input, cfg.rows)
         self.schema, self.encoder = self.source.schema, self.source.encoder
-        self.idmap = None  # `--ids dynamic`: the trainer's `idmap.IdMap` (set by LocalStep; exported)
+        self.idmap = None  # `--ids dynamic`: the trainer's `ids.idmap.IdMap` (set by LocalStep; exported)
         # `--image-features`: images.ImageFeatures; adds to schema.num_dense (and num_fields with
         # --image-cross), so before the table's spec
         self.image = None
         if getattr(cfg, "image_features", ""):
-            self.image = setup_image_features(cfg, self.source)
+            self.image = setup_image_features(cfg.image, cfg.init_from, self.source)
         self.spec = TableSpec(
             TABLE, self.schema.num_rows, 1 + (0 if cfg.model == "lr" else cfg.dim), cfg.init_std
         )

@@ -1,7 +1,7 @@
 """The platform's one libSVM/libFM parser: ``label id:value id:value ...`` per line.
 
 Used by the platform's click MLP (`mariana.apps.mlp.data.read_libfm`) and by pCTR's streaming
-encoder (`mariana.apps.pctr.data.Encoder`). `parse_lines` turns a chunk of lines into arrays, vectorised
+encoder (`mariana.apps.pctr.data.encoding.Encoder`). `parse_lines` turns a chunk of lines into arrays, vectorised
 with numpy when every line of the chunk is valid (one C-level conversion per chunk) and line by line
 otherwise, so that every malformed line is reported with its reason:
 

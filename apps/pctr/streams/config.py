@@ -1,5 +1,5 @@
 """Typed configuration of `mariana pctr stream`: the model, table, ids, optimiser and server sections of
-``pctr train`` (`configs.py`) plus the stream's own; no split, epochs, early stopping or schedule, which a
+``pctr train`` (`..configs`) plus the stream's own; no split, epochs, early stopping or schedule, which a
 stream does not have (their flags do not exist). Standard library only."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import ClassVar
 from mariana.platform.core.config import Section, TrainJob, at_least, non_negative, only, opt
 from mariana.platform.core.errors import MarianaError
 
-from .configs import (
+from ..configs import (
     PRESETS,
     RESUME_MAY_CHANGE,
     DenseOptim,
@@ -93,13 +93,13 @@ class Follow(Section):
 
 @dataclass
 class StreamServers(StreamPS):
-    # a parameter-server stream of libFM files needs --num-fields (`stream_ps.check_ps_stream`)
+    # a parameter-server stream of libFM files needs --num-fields (`StreamConfig.check`)
     APPLIES: ClassVar[tuple] = (at_least("servers", 1, num_fields=10),)
 
     servers: int = opt(
         0,
         "parameter-server processes; 0 streams in this one process; >= 1: S servers + --workers W "
-        "processes (stream_ps.py)",
+        "processes (streams/servers.py)",
     )
 
 
@@ -137,14 +137,18 @@ class StreamConfig(PctrMethods, TrainJob, sections=STREAM_SECTIONS):
 
     def check(self) -> None:
         super().check()
-        if self.init_train_state and not self.init_from:
-            raise MarianaError(
-                "--init-train-state needs --init-from RUN (the run whose training state to continue)"
-            )
-        if self.servers > 0:
-            from .stream_ps import check_ps_stream  # torch: only for a parameter-server stream
-
-            check_ps_stream(self)
+        if self.servers > 0:  # what a parameter-server stream (servers.py) cannot do
+            if self.init_from:
+                raise MarianaError(
+                    "--init-from is not supported by `pctr stream --servers >= 1` yet; use --servers 0"
+                )
+            if self.ids != "hash":
+                raise MarianaError("--ids dynamic is not supported with --servers >= 1; use --ids hash")
+            if self.format == "libfm" and self.num_fields <= 0:
+                raise MarianaError(
+                    "`pctr stream --servers >= 1` with --format libfm needs --num-fields (every process builds "
+                    "the model before the first file arrives)"
+                )
 
 
 def stream_preset(p: PctrConfig) -> StreamConfig:

@@ -1,10 +1,10 @@
 """pCTR's input as one object: a ``--data`` source resolved, counted, checked, split and encoded once.
 
-`ClickSource` is made once per process from a run's data section (`ClickSource.from_config`: ``--data``,
+`ClickSource` is made once per process from a run's data section (`ClickSource.from_sections`: ``--data``,
 ``--format``, ``--rows-per-field``, ``--num-fields``, ``--ids``, ``--split``) or, to score an exported
 model, from a data value and that model's encoder. It holds
 
-- the files (`sources.DataSources`: a file, a comma-separated list of files or a folder of partitions,
+- the files (`data.sources.DataSources`: a file, a comma-separated list of files or a folder of partitions,
   read as one sequence of lines; resolved once, a missing file or an empty folder a `DataError`);
 - the `Schema` (inferred once: Criteo's fixed layout, libFM's fields from the first lines) and the one
   `Encoder` of it (bad lines are skipped and named by file and line in `ReadStats`);
@@ -35,8 +35,8 @@ from mariana.platform.data.shards import BatchStore
 from mariana.platform.data.splits import split_bounds
 from mariana.platform.ps.shard import contiguous_part
 
-from .configs import parse_split
-from .data import Batch, Encoder, ReadStats, infer_schema, iter_batches, iter_chunks, load_split
+from ..configs import parse_split
+from .encoding import Batch, Encoder, ReadStats, infer_schema, iter_batches, iter_chunks, load_split
 from .sources import DataSources, resolve_sources
 
 log = logging.getLogger("mariana")
@@ -77,13 +77,14 @@ class ClickSource:
         self.encoder, self.fractions = encoder, fractions
 
     @classmethod
-    def from_config(cls, cfg, data: str | Path | DataSources | None = None) -> ClickSource:
-        """The source of a run's data section (``cfg``: a `PctrConfig` or `StreamConfig`); ``data``: its
-        ``--data`` already resolved (or another value to read with the run's settings)."""
-        sources = resolve_sources(cfg.data if data is None else data)
-        schema = infer_schema(sources, cfg.format, cfg.rows_per_field, cfg.num_fields)
-        schema.ids = getattr(cfg, "ids", "hash")  # "dynamic": the encoder emits keys (idmap.py)
-        return cls(sources, Encoder(schema), parse_split(cfg.split))
+    def from_sections(cls, input, rows, data: str | Path | DataSources | None = None) -> ClickSource:
+        """The source of a run's ``input`` section (`PctrData`; or a stream's, which has no ``split``: its
+        files are read whole) with the ``rows`` section (`Ids`: rows per field, hashed or dynamic ids);
+        ``data``: its ``--data`` already resolved (or another value to read with the run's settings)."""
+        sources = resolve_sources(input.data if data is None else data)
+        schema = infer_schema(sources, input.format, rows.rows_per_field, input.num_fields)
+        schema.ids = rows.ids  # "dynamic": the encoder emits keys (`ids.keys.key_of`)
+        return cls(sources, Encoder(schema), parse_split(getattr(input, "split", "1,0,0")))
 
     def __str__(self) -> str:
         return str(self.sources)
@@ -105,7 +106,7 @@ class ClickSource:
     def chunks(
         self, start: int = 0, stop: int | None = None, stats: ReadStats | None = None, chunk: int = 65536
     ) -> Iterator[Batch]:
-        """Encoded chunks (at most ``chunk`` rows) of lines ``[start, stop)`` in order (`data.iter_chunks`);
+        """Encoded chunks (at most ``chunk`` rows) of lines ``[start, stop)`` in order (`encoding.iter_chunks`);
         skipped lines go to ``stats``."""
         return iter_chunks(self.sources, self.encoder, start, stop, chunk=chunk, stats=stats)
 

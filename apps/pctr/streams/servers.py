@@ -1,8 +1,8 @@
-"""``mariana pctr stream --servers S --workers W``: the stream of `stream.py` on parameter servers.
+"""``mariana pctr stream --servers S --workers W``: the stream of `streamer.py` on parameter servers.
 
 Job layout: the one of ``pctr train --servers S --workers W`` (torchrun through `run_job`, TensorPipe RPC;
 ranks ``0..S-1`` servers, ``S..S+W-1`` workers). Servers hold the sharded table and the dense parameters
-with their optimisers (`ps.py`'s ``_serve``); server 0 also keeps the stream's *announcements*
+with their optimisers (`apps/pctr/ps.py`'s ``_serve``); server 0 also keeps the stream's *announcements*
 (`Coordinator`).
 
 Worker 0 is the stream (`PSStreamer`, a `Streamer` whose model lives on the servers): it alone scans the
@@ -39,8 +39,8 @@ checkpoints, tells the workers and the servers to finish). Ctrl-C/SIGTERM stop t
 for ``pctr train --servers`` (the launcher stops every process): the file in progress is not in the
 ledger and is trained on again after ``--resume``.
 
-Not supported with servers (refused by `check_ps_stream`): --init-from, --ids dynamic, --image-features,
---nnodes > 1, libFM without --num-fields.
+Not supported with servers (refused by `config.StreamConfig.check`): --init-from, --ids dynamic, libFM
+without --num-fields (a stream has no --image-features or --nnodes at all).
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -66,34 +65,16 @@ from mariana.platform.ps.shard import contiguous_part
 from mariana.platform.ps.worker import PSClient
 from mariana.platform.runtime.dist import DistContext
 
-from .data import Batch
-from .model import build_model
-from .ps import make_server
-from .step import make_worker_step
-from .stream import StreamConfig, Streamer, file_trainer, parse_export_every, stream_setup
+from ..data.encoding import Batch
+from ..models.nets import build_model
+from ..models.step import make_worker_step
+from ..ps import make_server
+from .config import StreamConfig, parse_export_every
+from .streamer import Streamer, file_trainer, stream_setup
 
 log = logging.getLogger("mariana")
 
 STREAM_STATE = "stream.json"
-
-
-def check_ps_stream(cfg: StreamConfig) -> None:
-    """MarianaError for what a parameter-server stream cannot do (called by `StreamConfig.validate`)."""
-    if cfg.workers < 1:
-        raise MarianaError(f"--workers must be >= 1, got {cfg.workers}")
-    if getattr(cfg, "nnodes", 1) > 1:
-        raise MarianaError("`pctr stream --servers >= 1` runs on one host so far; --nnodes must be 1")
-    if cfg.init_from:
-        raise MarianaError(
-            "--init-from is not supported by `pctr stream --servers >= 1` yet; use --servers 0"
-        )
-    if getattr(cfg, "ids", "hash") != "hash":
-        raise MarianaError("--ids dynamic is not supported with --servers >= 1; use --ids hash")
-    if cfg.format == "libfm" and cfg.num_fields <= 0:
-        raise MarianaError(
-            "`pctr stream --servers >= 1` with --format libfm needs --num-fields (every process builds the "
-            "model before the first file arrives)"
-        )
 
 
 # --------------------------------------------------------------------------- cutting a file into steps
@@ -178,34 +159,17 @@ class PSStreamer(Streamer):
         self.coordinator = remote_handle(server_name(0), "coordinator")
         self.parts = PartTrainer(cfg, step, ctx, run)
         self.device = torch.device("cpu")
-        self.ledger: list[dict[str, Any]] = []
-        self.totals = {"files": 0, "rows": 0, "skipped_lines": 0, "steps": 0, "exports": 0}
-        self.version, self.dirty, self.since_export = "", False, []
-        self.last_export = time.monotonic()
-        self.changed: set[str] = set()
-        self.seq = 0
+        self._start_records()
+        self.seq = 0  # files announced to the workers
         state = read_state(run)
         if state is not None:
-            self._load(state)
-
-    def _load(self, s: dict[str, Any]) -> None:
-        self.ledger = [dict(e) for e in s["ledger"]]
-        self.totals.update(s["totals"])
-        self.version, self.dirty, self.seq = str(s["version"]), bool(s["dirty"]), int(s["seq"])
-        names = set(s["since_export"])
-        self.since_export = [e for e in self.ledger if e["name"] in names]
-        log.info(
-            "resumed from %s: %d files consumed (%d rows), model version %s",
-            (self.run.ckpt_dir / "latest").read_text().strip(),
-            self.totals["files"],
-            self.totals["rows"],
-            self.version or "not exported yet",
-        )
+            self._load_records(state, (run.ckpt_dir / "latest").read_text().strip())
+            self.seq = int(state["seq"])
 
     def _model(self):
         """(model with the servers' current table and dense parameters, table [N, K], seen [N])."""
         st = self.setup
-        build = lambda w: build_model(self.cfg, st.schema, table=w)  # noqa: E731
+        build = lambda w: build_model(self.cfg.net, st.schema, table=w)  # noqa: E731
         return assemble_model(self.client, self.step.model, build, st.spec.num_rows)
 
     def score(self, rows) -> dict[str, float]:
@@ -268,10 +232,10 @@ class PSStreamer(Streamer):
 
 
 # --------------------------------------------------------------------------- the processes
-def rpc_threads(cfg: StreamConfig) -> int:
-    """RPC threads per process: the workers waiting on server 0 for the next file each hold one of its
-    threads, and the pulls, pushes and dumps still need theirs."""
-    return 16 + 2 * cfg.workers
+def rpc_threads(workers: int) -> int:
+    """RPC threads per process of a stream of ``workers`` workers: the workers waiting on server 0 for the
+    next file each hold one of its threads, and the pulls, pushes and dumps still need theirs."""
+    return 16 + 2 * workers
 
 
 def run_ps_stream_process(cfg: StreamConfig) -> int:
@@ -279,12 +243,14 @@ def run_ps_stream_process(cfg: StreamConfig) -> int:
     role, run = start_process(cfg.servers, cfg.workers, cfg.out)
     setup = stream_setup(cfg, None)
     if role.kind == "server":
-        server, restored = make_server(cfg, role, run, setup)
+        server, restored = make_server(
+            role, run, setup, cfg.net, cfg.table, cfg.optim, cfg.rows, cfg.staleness, cfg.seed
+        )
         services = {"coordinator": Coordinator(role.num_workers, server.stop)} if role.index == 0 else {}
-        return serve(server, role, run, restored, cfg.timeout, rpc_threads(cfg), services)
+        return serve(server, role, run, restored, cfg.timeout, rpc_threads(cfg.workers), services)
     (run.path / "counters").mkdir(exist_ok=True)
     state = read_state(run) or {"step": 0, "seq": 0}
-    with rpc_session(role, cfg.timeout, rpc_threads(cfg)):
+    with rpc_session(role, cfg.timeout, rpc_threads(cfg.workers)):
         client = PSClient(role.num_servers, role.index, cfg.staleness, cfg.timeout)
         step = make_worker_step(cfg, setup.schema, client, role, run)
         step.t = int(state["step"])

@@ -16,7 +16,7 @@ Predictor:
 Ids unseen in training (their hashed row received no gradient) are scored with the field's OOV row.
 With ``--ids dynamic`` the batch holds keys, mapped through the exported id map (``idmap.row_key``): an id
 that holds no row (never seen, not admitted, or evicted) is scored with the OOV row.
-A model trained with ``--image-features`` computes the image features itself (`images.ImageFeatures`,
+A model trained with ``--image-features`` computes the image features itself (`images.features.ImageFeatures`,
 rebuilt from the export); a record whose image is missing or corrupt is an error for that record only.
 """
 
@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import load_exported
 
-from .data import CRITEO_CATS, CRITEO_INTS, Batch, Encoder, Schema
-from .idmap import FrozenIdMap
-from .images import ImageFeatures
-from .model import CTRModel
+from ..data.encoding import CRITEO_CATS, CRITEO_INTS, Batch, Encoder, Schema
+from ..ids.keys import FrozenIdMap
+from ..images.features import ImageFeatures
+from .nets import CTRModel
 
 
 class Predictor:

@@ -47,7 +47,8 @@ from mariana.platform.core.atomic import atomic_write_path
 from mariana.platform.core.errors import DataError, MarianaError
 from mariana.platform.core.export import load_exported
 
-from .sources import resolve_sources
+from ..configs import Images
+from ..data.sources import resolve_sources
 
 log = logging.getLogger("mariana")
 
@@ -423,7 +424,7 @@ class ImageFeatures:
 
 def scan_values(path, fmt: str, field: str, start: int, stop: int) -> list[str]:
     """The image field's distinct values on lines ``[start, stop)`` (0-based) of a labelled data source
-    (a file, a comma-separated list of files or a folder of partitions, `sources.py`)."""
+    (a file, a comma-separated list of files or a folder of partitions, `data/sources.py`)."""
     pos = field_position(fmt, field)
     src = resolve_sources(path)
     pieces = [(0, src.paths[0], start, stop)] if src.single else src.ranges(start, stop)
@@ -438,31 +439,31 @@ def scan_values(path, fmt: str, field: str, start: int, stop: int) -> list[str]:
     return sorted(vals)
 
 
-def setup_image_features(cfg, source) -> ImageFeatures:
-    """``--image-features``: the CNN, its features of the training split's images (cached) and the
-    projection (fitted here, or taken from ``--init-from``'s export so the dense weights keep their
-    meaning); appends the projected dimensions to the schema's ``num_dense`` and attaches to the encoder
-    of ``source`` (the run's `reader.ClickSource`)."""
+def setup_image_features(image: Images, init_from: str, source) -> ImageFeatures:
+    """``--image-features`` (the ``image`` section): the CNN, its features of the training split's images
+    (cached) and the projection (fitted here, or taken from the export of ``init_from``, the run's
+    ``--init-from``, so the dense weights keep their meaning); appends the projected dimensions to the
+    schema's ``num_dense`` and attaches to the encoder of ``source`` (the run's `data.reader.ClickSource`)."""
     schema, encoder = source.schema, source.encoder
-    cache = cfg.image_cache or default_cache_dir()
-    if not Path(cfg.images).is_dir():
-        raise DataError(f"--images {cfg.images}: no such folder")
+    cache = image.image_cache or default_cache_dir()
+    if not Path(image.images).is_dir():
+        raise DataError(f"--images {image.images}: no such folder")
     feats = ImageFeatures.from_vision_run(
-        cfg.image_features, schema.format, cfg.image_field, cfg.images, cache, cfg.image_cross
+        image.image_features, schema.format, image.image_field, image.images, cache, image.image_cross
     )
-    prev = _init_projection(cfg)
+    prev = _init_projection(init_from)
     if prev is not None:
         if prev["version"] != feats.version:
             raise MarianaError(
-                f"--init-from {cfg.init_from} used image CNN version {prev['version']}, "
-                f"--image-features {cfg.image_features} is version {feats.version}; use the same vision run"
+                f"--init-from {init_from} used image CNN version {prev['version']}, "
+                f"--image-features {image.image_features} is version {feats.version}; use the same vision run"
             )
         feats.proj_mean, feats.proj = prev["mean"], prev["proj"]
-        info = {"dims": feats.dims, "from": cfg.init_from}
+        info = {"dims": feats.dims, "from": init_from}
     else:
-        values = scan_values(source.sources, schema.format, cfg.image_field, *source.bounds["train"])
+        values = scan_values(source.sources, schema.format, image.image_field, *source.bounds["train"])
         log.info("image features: %d distinct images in the training split", len(values))
-        info = feats.fit(values, cfg.image_dims)
+        info = feats.fit(values, image.image_dims)
     log.info(
         "image features: %s; %d from the cache, %d computed, %d unusable",
         info,
@@ -476,12 +477,13 @@ def setup_image_features(cfg, source) -> ImageFeatures:
     return feats
 
 
-def _init_projection(cfg) -> dict | None:
-    if not getattr(cfg, "init_from", ""):
+def _init_projection(init_from: str) -> dict | None:
+    """The CNN version and projection of the run ``init_from`` (None without ``--init-from``)."""
+    if not init_from:
         return None
-    state, meta = load_exported(cfg.init_from)
+    state, meta = load_exported(init_from)
     if "image" not in meta:
-        raise MarianaError(f"--init-from {cfg.init_from} was trained without --image-features")
+        raise MarianaError(f"--init-from {init_from} was trained without --image-features")
     return {
         "version": meta["image"]["cnn"]["version"],
         "mean": state["image.mean"],

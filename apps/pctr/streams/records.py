@@ -1,6 +1,6 @@
 """`StreamRecords`: what a `pctr stream` keeps about itself besides the model: when to export (and the
 export, `train.export`), its checkpoints with the consumed-file ledger, its counters and ``metrics.json``
-record. A base class of `stream.Streamer`; it reads the stream's state (``ledger``, ``totals``, ``version``,
+record. A base class of `streamer.Streamer`; it reads the stream's state (``ledger``, ``totals``, ``version``,
 ``dirty``, ``since_export``, ``last_export``, ``export_kind``/``export_n``, ``step``, ``run``, ``setup``)
 and calls its ``_model()`` and ``_write_metrics()``."""
 
@@ -15,7 +15,7 @@ from mariana.platform.core.checkpoint import load_checkpoint, save_checkpoint, s
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.ps.pull import write_counter
 
-from .train import export
+from ..train import export
 
 log = logging.getLogger("mariana")
 
@@ -86,7 +86,19 @@ class StreamRecords:
         self.step.restore(state, folder)
         if rng is not None:
             set_rng_state(rng)
-        s = state["stream"]
+        self._load_records(state["stream"], folder.name)
+
+    def _start_records(self) -> None:
+        """A fresh stream's records: nothing consumed, exported or changed yet."""
+        self.ledger: list[dict[str, Any]] = []
+        self.totals = {"files": 0, "rows": 0, "skipped_lines": 0, "steps": 0, "exports": 0}
+        self.version, self.dirty = "", False  # dirty: trained since the last export
+        self.since_export: list[dict[str, Any]] = []  # ledger entries trained on since the last export
+        self.last_export = time.monotonic()
+        self.changed: set[str] = set()
+
+    def _load_records(self, s: dict[str, Any], checkpoint: str) -> None:
+        """The records ``s`` saved in the checkpoint named ``checkpoint`` (ledger, totals, export state)."""
         self.ledger = [dict(e) for e in s["ledger"]]
         self.totals.update(s["totals"])
         self.version, self.dirty = str(s["version"]), bool(s["dirty"])
@@ -94,7 +106,7 @@ class StreamRecords:
         self.since_export = [e for e in self.ledger if e["name"] in names]
         log.info(
             "resumed from %s: %d files consumed (%d rows), model version %s",
-            folder.name,
+            checkpoint,
             self.totals["files"],
             self.totals["rows"],
             self.version or "not exported yet",

@@ -2,7 +2,7 @@
 
 ``mariana pctr drift-logs --out DIR --days 7 --rows-per-day 100000 --seed 0`` writes ``DIR/day-01.tsv``,
 ``DIR/day-02.tsv``, ... (one impression per line: ``label \\t I1..I13 \\t C1..C26``, the layout
-`data.py` reads with ``--format criteo``) and ``DIR/_generator.json`` (the settings and per-day facts;
+`data/encoding.py` reads with ``--format criteo``) and ``DIR/_generator.json`` (the settings and per-day facts;
 its leading ``_`` keeps it out of folder readers). Each day file is written under a temporary name
 (``.day-NN.tsv.XXXX.tmp``) and renamed when complete, so a folder watcher never sees half a day. The
 output is a deterministic function of the settings (same settings -> the same bytes).

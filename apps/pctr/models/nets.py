@@ -19,7 +19,7 @@ import torch
 from mariana.platform.core.registry import create_model, register_model
 from torch import nn
 
-from .configs import MODELS
+from ..configs import MODELS, Net, Table, hidden_sizes
 
 
 def mlp(sizes: list[int], dropout: float = 0.0) -> nn.Sequential:
@@ -131,18 +131,21 @@ for _kind in MODELS:
     register_model("pctr", _kind)(functools.partial(CTRModel, _kind))
 
 
-def build_model(cfg, schema, table: torch.Tensor | None = None) -> CTRModel:
-    hidden = tuple(int(h) for h in str(cfg.hidden).split(",") if h.strip())
+def build_model(
+    net: Net, schema, table: torch.Tensor | None = None, init_std: float = Table.init_std
+) -> CTRModel:
+    """The model of the ``net`` section over ``schema``'s fields and rows (a `data.encoding.Schema`);
+    ``table``: an existing ``[rows, 1 + dim]`` weight to adopt, else a fresh one drawn with ``init_std``."""
     return create_model(
         "pctr",
-        cfg.model,
+        net.model,
         num_rows=schema.num_rows,
         num_fields=schema.num_fields,
         num_dense=schema.num_dense,
-        dim=cfg.dim,
-        hidden=hidden,
-        cross_layers=cfg.cross_layers,
-        dropout=cfg.dropout,
-        init_std=cfg.init_std,
+        dim=net.dim,
+        hidden=hidden_sizes(net.hidden, net.model),
+        cross_layers=net.cross_layers,
+        dropout=net.dropout,
+        init_std=init_std,
         table=table,
     )

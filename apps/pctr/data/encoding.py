@@ -15,7 +15,7 @@ Integer ids (libFM ids, bucketised counts) use ``h(x) = x``; strings use CRC32 m
 At prediction time a row never trained (no gradient reached it) is mapped to the OOV row too, so ids
 unseen in training never fail and never read an untrained random vector.
 With ``--ids dynamic`` (`Schema.ids`) the encoder emits per-field keys instead of rows and the training
-step maps them through a dynamic id -> row map of the same ``R - 1`` rows per field (`idmap.py`).
+step maps them through a dynamic id -> row map of the same ``R - 1`` rows per field (`ids/idmap.py`).
 
 Readers are generators over lines, parsed in chunks (vectorised with numpy per chunk): memory is O(chunk).
 A malformed line is skipped and counted with its (1-based) line number in `ReadStats`.
@@ -39,11 +39,9 @@ from mariana.platform.data.libfm import (
     parse_lines,
     probe_fields,
 )
-from mariana.platform.data.splits import split_bounds  # noqa: F401  (the platform's row split, used by train)
 from mariana.platform.data.textblocks import lines_array, ordered_map, read_blocks
 
-from .configs import parse_split  # noqa: F401  (defined beside the flags: checked before torch loads)
-from .idmap import key_of
+from ..ids.keys import key_of
 from .sources import count_file_lines, resolve_sources
 
 FORMATS = ("criteo", "libfm")
@@ -59,7 +57,9 @@ class Schema:
     num_fields: int
     rows_per_field: int
     num_dense: int
-    ids: str = "hash"  # "dynamic": `Batch.ids` hold keys (`idmap.key_of`) that an `idmap.IdMap` maps to rows
+    ids: str = (
+        "hash"  # "dynamic": `Batch.ids` hold keys (`ids.keys.key_of`) that an `ids.idmap.IdMap` maps to rows
+    )
     # libFM whose ids name their field (`libfm.probe_fields`): the first id of each field, and whether
     # training lines have every field; lines are then read by id, not by token order (`libfm.assign_fields`)
     field_starts: tuple[int, ...] | None = None
@@ -166,7 +166,7 @@ class Encoder:
             raise DataError(f"unknown format {schema.format!r}; expected one of {', '.join(FORMATS)}")
         R = schema.rows_per_field
         self.base = torch.arange(schema.num_fields, dtype=torch.int64) * R
-        # `--image-features`: an `images.ImageFeatures` that appends the CNN features of the image a field
+        # `--image-features`: an `images.features.ImageFeatures` that appends the CNN features of the image a field
         # names to ``Batch.dense`` and moves rows whose image fails to the errors (set by its setup)
         self.image = None
         # fields parsed from the record; `--image-cross` appends its fields after them (schema.num_fields)
@@ -202,7 +202,7 @@ class Encoder:
 
     def _finish(self, raw: np.ndarray, known: np.ndarray) -> torch.Tensor:
         """raw uint64 [n, F] values (already hashed or small ints), known bool [n, F] -> rows [n, F]; with
-        ``ids == "dynamic"`` keys [n, F] instead (`idmap.key_of`; -1 missing), mapped to rows by the step."""
+        ``ids == "dynamic"`` keys [n, F] instead (`ids.keys.key_of`; -1 missing), mapped to rows by the step."""
         if self.schema.ids == "dynamic":
             return torch.from_numpy(key_of(raw, known))
         R = self.schema.rows_per_field
@@ -348,7 +348,7 @@ def check_file(path: str | Path) -> Path:
 
 def count_lines(path) -> int:
     """Number of lines of ``path``: a file, a comma-separated list of files or a folder of partitions
-    (`sources.resolve_sources`; their lines one after the other). Streaming, 1 MiB blocks."""
+    (`data.sources.resolve_sources`; their lines one after the other). Streaming, 1 MiB blocks."""
     src = resolve_sources(path)
     return count_file_lines(check_file(src.paths[0])) if src.single else src.lines()
 
@@ -396,7 +396,7 @@ def iter_chunks(
     ``chunk`` lines, parsed on ``threads`` threads in file order (0: as many as torch's intra-op threads,
     the process's CPU budget; one per core by default, one per process under a multi-process launcher).
 
-    ``path``: a file, a comma-separated list of files or a folder of partitions (`sources.py`); line
+    ``path``: a file, a comma-separated list of files or a folder of partitions (`data/sources.py`); line
     numbers are those of the files' concatenation, a chunk never spans two files, and with several files
     a skipped line's message starts with its file and line in that file (``stats`` keys stay global)."""
     src = resolve_sources(path)

@@ -2,7 +2,7 @@
 
 With ``--ids hash`` (the default) a value lands in row ``f R + 1 + h(value) % (R - 1)`` of field f, so ids
 share rows once a field has more distinct values than rows. With ``--ids dynamic`` the encoder emits a
-*key* per field instead of a row (`key_of`: ``f << 48 | (raw & (2^48 - 1))``; ``-1`` = missing), and the
+*key* per field instead of a row (`keys.key_of`: ``f << 48 | (raw & (2^48 - 1))``; ``-1`` = missing), and the
 training step asks this map for rows, batch by batch in training order:
 
 - a key that holds a row keeps it (its count and last-use step are updated);
@@ -30,28 +30,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from mariana.platform.core.errors import DataError
 
-KEY_BITS = 48
-KEY_MASK = np.uint64((1 << KEY_BITS) - 1)
-MAX_FIELDS = 1 << (63 - KEY_BITS)  # keys stay non-negative int64
+from .keys import KEY_BITS
+
 EMPTY, TOMB = -1, -2
 EVICT = ("lfu", "lru")
 _M1 = np.uint64(0x9E3779B97F4A7C15)
 _M2 = np.uint64(0xBF58476D1CE4E5B9)
-
-
-def key_of(raw: np.ndarray, known: np.ndarray) -> np.ndarray:
-    """Keys int64 [n, F] of raw values uint64 [n, F] (small ints or 64-bit hashes), ``known`` bool [n, F]:
-    the field in the top bits, the value's low 48 bits below it (integer ids below 2^48 stay exact);
-    ``-1`` where the value is missing."""
-    n, F = raw.shape
-    if F > MAX_FIELDS:
-        raise DataError(f"--ids dynamic supports at most {MAX_FIELDS} fields per record, got {F}")
-    field = (np.arange(F, dtype=np.uint64) << np.uint64(KEY_BITS))[None, :]
-    keys = ((raw & KEY_MASK) | field).astype(np.int64)
-    keys[~known] = -1
-    return keys
 
 
 def _unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -412,24 +397,3 @@ class IdMap:
         self.row_last[...] = 0
         self.used[...] = (row_key.reshape(self.F, self.R) >= 0).sum(1)
         self._rebuild()
-
-
-class FrozenIdMap:
-    """The exported map at prediction time: ``lookup(keys [n, F]) -> rows [n, F]`` (unmapped -> OOV), from
-    ``row_key`` [F R] alone (sorted once; `np.searchsorted` per request)."""
-
-    def __init__(self, row_key: np.ndarray, num_fields: int, rows_per_field: int):
-        row_key = np.asarray(row_key, np.int64)
-        self.F, self.R = num_fields, rows_per_field
-        rows = np.flatnonzero(row_key >= 0)
-        order = np.argsort(row_key[rows], kind="stable")
-        self.keys, self.rows = row_key[rows][order], rows[order]
-
-    def lookup(self, keys: np.ndarray) -> np.ndarray:
-        keys = np.asarray(keys, np.int64)
-        rows = np.broadcast_to(np.arange(self.F, dtype=np.int64) * self.R, keys.shape).copy()
-        if len(self.keys):
-            pos = np.minimum(np.searchsorted(self.keys, keys), len(self.keys) - 1)
-            hit = (self.keys[pos] == keys) & (keys >= 0)
-            rows[hit] = self.rows[pos[hit]]
-        return rows

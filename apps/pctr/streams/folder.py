@@ -1,5 +1,5 @@
 """The folder a `pctr stream` follows: its complete units (files and finished partitions) in arrival
-order (`scan`); the rules are in `stream.py`'s docstring."""
+order (`scan`); the rules are in `streamer.py`'s docstring."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 from mariana.platform.core.errors import MarianaError
 
-from .data import Batch, Encoder, ReadStats, load_split
-from .sources import ignored
+from ..data.encoding import Batch, Encoder, ReadStats, load_split
+from ..data.sources import ignored
 
 
 @dataclass

@@ -37,7 +37,7 @@ Outputs in RUN (besides config.toml, checkpoints/, logs/, model.safetensors + mo
 record per file), ``counters/worker-0.jsonl`` (one record per file: files, rows, skipped lines, progressive
 AUC/logloss, lags, backlog), ``metrics.json`` (the stream's totals, rewritten after each file).
 
-Parameter servers (``--servers S --workers W``): `stream_ps.py` (worker 0 runs this stream's folder,
+Parameter servers (``--servers S --workers W``): `servers.py` (worker 0 runs this stream's folder,
 ledger and counter logic with the model on the servers).
 
 This is a handler module (torch at the top): the command line's parser must not import it.
@@ -65,12 +65,12 @@ from mariana.platform.ps.protocol import TABLE
 from mariana.platform.ps.pull import predict_batches
 from mariana.platform.runtime.dist import DistContext, resolve_device
 
+from ..data.reader import ClickSource
+from ..models.step import make_local_step
+from ..train import Setup, warm_start
+from .config import StreamConfig, parse_export_every
 from .folder import LogFile, read_unit, scan
-from .reader import ClickSource
-from .step import make_local_step
-from .stream_config import STREAM_PRESETS, StreamConfig, parse_export_every  # noqa: F401 (their old home)
-from .stream_records import StreamRecords
-from .train import Setup, warm_start
+from .records import StreamRecords
 
 log = logging.getLogger("mariana")
 
@@ -105,7 +105,7 @@ def stream_setup(cfg: StreamConfig, first: LogFile | None):
         probe.touch()
         if first is not None and first.paths:
             probe = first.paths[0]
-        return Setup(cfg, ClickSource.from_config(cfg, probe))
+        return Setup(cfg, ClickSource.from_sections(cfg.input, cfg.rows, probe))
 
 
 class Streamer(StreamRecords):
@@ -134,13 +134,7 @@ class Streamer(StreamRecords):
         self.step.setup(1)
         self.trainer: Trainer | None = None  # built for the first file (`train_on`)
         self.ctx = DistContext(device=self.device)
-        self.ledger: list[dict[str, Any]] = []
-        self.totals = {"files": 0, "rows": 0, "skipped_lines": 0, "steps": 0, "exports": 0}
-        self.version = ""
-        self.dirty = False  # trained since the last export
-        self.since_export: list[dict[str, Any]] = []  # ledger entries trained on since the last export
-        self.last_export = time.monotonic()
-        self.changed: set[str] = set()
+        self._start_records()
         if cfg.resume:
             self._restore()
         elif cfg.init_from:
