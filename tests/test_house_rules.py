@@ -30,13 +30,6 @@ MAX_LOCAL_IMPORTS = 60
 # Issue 40: product Python stays under this many lines (`git ls-files 'platform/*.py' 'apps/*.py'
 # 'serving/*.py' | xargs cat | wc -l`; 25,531 when the cap was set): new features pay by consolidation.
 MAX_PRODUCT_LINES = 26_000
-# File-level import circles that another branch of the same wave is removing; each entry is the set of files
-# of one circle. The lead empties this set when those branches are merged: a listed circle that no longer
-# exists fails the test, so the list cannot outlive the fix.
-KNOWN_CIRCLES_BEING_FIXED: set[frozenset[str]] = {
-    # removed on the `pctr` branch: stream.py -> stream_config.py -> stream_ps.py -> stream.py
-    frozenset(["apps/pctr/stream.py", "apps/pctr/stream_config.py", "apps/pctr/stream_ps.py"]),
-}
 
 
 def product_files(root: Path = ROOT) -> dict[str, Path]:
@@ -245,18 +238,11 @@ def figures() -> dict:
 
 def test_no_file_level_import_circle(figures):
     circles = file_circles(figures)
-    new = [
-        chain
-        for files, chains in circles.items()
-        if files not in KNOWN_CIRCLES_BEING_FIXED
-        for chain in chains
-    ]
+    new = [chain for chains in circles.values() for chain in chains]
     assert not new, (
         "product files that import each other (each arrow leaves from the import's line; imports inside "
         "functions count, those under `if TYPE_CHECKING:` do not):\n  " + "\n  ".join(new)
     )
-    gone = [sorted(files) for files in KNOWN_CIRCLES_BEING_FIXED if files not in circles]
-    assert not gone, f"KNOWN_CIRCLES_BEING_FIXED lists circles that no longer exist, remove them: {gone}"
 
 
 def test_product_python_under_the_line_cap(figures):
@@ -390,7 +376,6 @@ if __name__ == "__main__":
     print(f"product Python: {f['product_lines']} lines (cap: under {MAX_PRODUCT_LINES})")
     circles = file_circles(f)
     print(f"file-level import circles: {len(circles)}")
-    for files, chains in circles.items():
-        known = " (KNOWN_CIRCLES_BEING_FIXED)" if files in KNOWN_CIRCLES_BEING_FIXED else ""
+    for chains in circles.values():
         for chain in chains:
-            print(f"   {chain}{known}")
+            print(f"   {chain}")
