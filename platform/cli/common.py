@@ -104,7 +104,7 @@ def check_fresh_run_dir(cfg: Any, command: str = "") -> None:
     change on resume (see ``RESUME_MAY_CHANGE``) are those of its ``RUN/config.toml``."""
     force = bool(getattr(cfg, "force", False))
     if command:
-        guard_output(cfg.out, "--out", command, "run", force and not cfg.resume)
+        guard_output(cfg.out, "--out", command, "run", force and not cfg.resume, config_cls=type(cfg))
     out = check_out_dir(cfg.out)
     latest = out / "checkpoints" / "latest"
     finished = latest.exists() or (out / "metrics.json").exists()
