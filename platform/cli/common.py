@@ -47,6 +47,9 @@ def add_command_parser(
         name, help=help, description=description or help, formatter_class=DefaultsHelpFormatter
     )
     add_config_args(p, cfg_cls)
+    for action in p._actions:  # an {N,epoch} flag's default -1 is how 'epoch' is stored: show it as typed
+        if action.metavar == "{N,epoch}" and action.help:
+            action.help = action.help.replace("(default: -1)", "(default: epoch)")
     if presets:
         for action in p._actions:
             if action.dest == "preset":
