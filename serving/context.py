@@ -50,9 +50,10 @@ class ServeConfig:
     token: str | None = None  # bearer token: needed by /v1/admin/* always, by anything from off loopback
 
     def roots(self) -> list[Path]:
-        """The resolved folders ``/v1/admin/reload`` may take a run dir from."""
+        """The resolved folders ``/v1/admin/reload`` may take a run dir from, each once (three runs under
+        runs/ give runs/ once, as does a --reload-root repeated or named through a symlink)."""
         dirs = self.reload_roots or [str(Path(d).resolve().parent) for d in self.models.values()]
-        return [Path(d).resolve() for d in dirs]
+        return list(dict.fromkeys(Path(d).resolve() for d in dirs))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

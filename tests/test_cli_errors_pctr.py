@@ -93,8 +93,15 @@ def test_bad_input_is_one_clear_line(case, tiny, tmp_path):
 
 
 def test_legacy_run_without_checkpoint_is_not_trained_over(tiny, tmp_path):
+    """A finished run from before the marker, proven by its own files (issue 41 point 1: config.toml of
+    pctr's sections plus metrics.jsonl; a metrics.json alone is a user's file, tests/test_newcomer_run_folders.py)."""
+    from mariana.apps.pctr.configs import PctrConfig
+    from mariana.platform.core.config import save_config
+
     run = tmp_path / "old"
     run.mkdir()
+    save_config(PctrConfig(out=str(run)), run / "config.toml")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
     (run / "metrics.json").write_text("{}\n")
     p = run_cli(["pctr", "train", "--data", tiny, "--out", run, "--preset", "debug"], timeout=120)
     assert_cli_error(p, "already holds a trained run; pass --resume")

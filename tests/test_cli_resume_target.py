@@ -5,6 +5,7 @@ was (it used to be rewritten with train_loss NaN, samples_per_s 0). Generated ov
 
 import pytest
 from cliwalk import leaf_parsers, option, run_main
+from mariana.platform.cli.outputs import mark
 
 RESUMABLE = [
     p for p, parser in leaf_parsers() if option(parser, "--resume") and option(parser, "--max-steps")
@@ -20,6 +21,7 @@ def test_resume_below_the_done_steps_is_refused(cmd, tmp_path, capsys):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "latest").write_text("step_00000004\n")
+    mark(run, " ".join(cmd))  # the command's own run (an unmarked checkpoint alone proves none: issue 41.1)
     data = tmp_path / "data.txt"
     data.write_text("1 0:1\n")
     rc, out, err = run_main([*cmd, "--data", data, "--out", run, "--resume", "--max-steps", "2"], capsys)

@@ -47,6 +47,9 @@ def add_command_parser(
         name, help=help, description=description or help, formatter_class=DefaultsHelpFormatter
     )
     add_config_args(p, cfg_cls)
+    for action in p._actions:  # an {N,epoch} flag's default -1 is how 'epoch' is stored: show it as typed
+        if action.metavar == "{N,epoch}" and action.help:
+            action.help = action.help.replace("(default: -1)", "(default: epoch)")
     if presets:
         for action in p._actions:
             if action.dest == "preset":
@@ -104,7 +107,7 @@ def check_fresh_run_dir(cfg: Any, command: str = "") -> None:
     change on resume (see ``RESUME_MAY_CHANGE``) are those of its ``RUN/config.toml``."""
     force = bool(getattr(cfg, "force", False))
     if command:
-        guard_output(cfg.out, "--out", command, "run", force and not cfg.resume)
+        guard_output(cfg.out, "--out", command, "run", force and not cfg.resume, config_cls=type(cfg))
     out = check_out_dir(cfg.out)
     latest = out / "checkpoints" / "latest"
     finished = latest.exists() or (out / "metrics.json").exists()

@@ -16,9 +16,10 @@ is written (`guard_output`):
   made, ``tune`` continues its study). ``never`` (``asr prepare``, ``pctr drift-logs``): re-running into its
   own output replaces it, so that needs ``--force`` too.
 
-A run directory written before the marker existed (no marker; a config.toml, metrics.json, checkpoints/
-or model) counts as a run of the
-command, so its own checks (``--resume``, finished run) apply. ``job.log``, ``trial.log`` and ``slurm-job.sh`` (the job service's and tune's logs of this very invocation
+A run directory written before the marker existed (no marker) counts as a run of the command only when the
+project's own files prove it, in their own format (`legacy_run`): a ``config.toml`` that parses as the
+command's config sections together with ``checkpoints/latest`` or ``metrics.jsonl``; file names alone
+(a user's ``metrics.json`` or ``config.toml``) never do. ``job.log``, ``trial.log`` and ``slurm-job.sh`` (the job service's and tune's logs of this very invocation
 and the Slurm executor's batch script, written before the command starts) do not count as existing data."""
 
 from __future__ import annotations
@@ -28,13 +29,12 @@ import datetime
 import json
 from pathlib import Path
 
+from ..core.config.files import flatten, load_toml
 from ..core.errors import MarianaError
 
 MARKER = ".mariana-output"
 IGNORED = frozenset({MARKER, "job.log", "trial.log", "slurm-job.sh"})
 REUSE = ("run", "continue", "never")
-# what a run directory from before the marker holds (any of them): it counts as a run of the command
-RUN_LAYOUT = ("config.toml", "metrics.json", "checkpoints", "model.safetensors")
 # the same for the commands that continue their own output: the file each writes first, so that a folder
 # it made but could not mark (killed before the end) is still recognised
 LAYOUT = {
@@ -77,10 +77,35 @@ def owner(folder: Path) -> str | None:
         return None
 
 
-def guard_output(path: str, flag: str, command: str, reuse: str, force: bool, create: bool = True) -> Path:
+def legacy_run(folder: Path, config_cls: type | None) -> bool:
+    """``folder`` is an unmarked run of the command whose config class is ``config_cls``: its
+    ``config.toml`` parses as that class's sections (a flat one from earlier versions: only its fields) and
+    it has ``checkpoints/latest`` or ``metrics.jsonl``."""
+    if config_cls is None or not (
+        (folder / "checkpoints" / "latest").is_file() or (folder / "metrics.jsonl").is_file()
+    ):
+        return False
+    try:
+        values, _ = flatten(load_toml(folder / "config.toml"), config_cls)
+    except MarianaError:
+        return False
+    fields = {f.replace("-", "_") for f in values}
+    return bool(fields) and fields <= set(config_cls.__dataclass_fields__)
+
+
+def guard_output(
+    path: str,
+    flag: str,
+    command: str,
+    reuse: str,
+    force: bool,
+    create: bool = True,
+    config_cls: type | None = None,
+) -> Path:
     """Check ``path`` (the value of ``flag``) as the module says, create the folder and write its marker
     (``create``; else `mark` does it once the command has run); returns the folder. MarianaError (one
-    line) when it holds data ``command`` may not replace."""
+    line) when it holds data ``command`` may not replace. ``config_cls``: the run command's config class
+    (`legacy_run`; without it an unmarked folder is never taken for a run)."""
     p = Path(path)
     if p.exists() and not force:
         if not p.is_dir():
@@ -89,8 +114,10 @@ def guard_output(path: str, flag: str, command: str, reuse: str, force: bool, cr
             raise MarianaError(f"{flag} {path}: exists and is not a folder (expected an output folder)")
         held = sorted(e.name for e in p.iterdir() if e.name not in IGNORED)
         made_by = owner(p)
-        layout = RUN_LAYOUT if reuse == "run" else LAYOUT.get(command, ()) if reuse == "continue" else ()
-        legacy = made_by is None and any(any(p.glob(n)) for n in layout)
+        layout = LAYOUT.get(command, ()) if reuse == "continue" else ()
+        legacy = made_by is None and (
+            legacy_run(p, config_cls) if reuse == "run" else any(any(p.glob(n)) for n in layout)
+        )
         if held and not (made_by == command and reuse != "never") and not legacy:
             what = (
                 f"the output of an earlier `mariana {made_by}`"

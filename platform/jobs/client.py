@@ -24,6 +24,14 @@ def read_token(token_file: str | None) -> str | None:
             raise MarianaError(f"--token-file {token_file}: {e.strerror}") from None
         if not token:
             raise MarianaError(f"--token-file {token_file}: the file is empty")
+        bad = next((c for c in token if not "!" <= c <= "~"), None)
+        if bad is not None:  # httpx/curl cannot send it in `Authorization: Bearer`, so no client could
+            line = token[: token.index(bad) + (bad == "\n")].count("\n") + 1
+            what = "a second line" if bad == "\n" else f"{bad!r}"
+            raise MarianaError(
+                f"--token-file {token_file}: line {line}: the token has {what}; expected one line of "
+                "printable ASCII without spaces (a Bearer token)"
+            )
         return token
     return os.environ.get("MARIANA_JOBS_TOKEN") or None
 

@@ -13,6 +13,14 @@ def trial_value(t) -> float | None:
     return None
 
 
+def used_params(t) -> dict:
+    """The parameters trial ``t`` (a live or frozen Optuna trial) actually ran with: those that applied to
+    its values (the tuner records them as the ``params`` user attribute; e.g. no ``dim`` for
+    ``model = "lr"``), else every sampled one (trials from before that attribute)."""
+    used = t.user_attrs.get("params")
+    return dict(used) if isinstance(used, dict) else dict(t.params)
+
+
 def trial_row(t) -> dict:
     """One Optuna trial (a ``FrozenTrial``) -> {number, state, value (a pruned trial's last reported value),
     params, error, run_dir, job_id, started/ended (unix s), duration_s}."""
@@ -21,7 +29,7 @@ def trial_row(t) -> dict:
         "number": t.number,
         "state": t.state.name.lower(),
         "value": trial_value(t),
-        "params": t.params,
+        "params": used_params(t),
         "error": t.user_attrs.get("error"),
         "run_dir": t.user_attrs.get("run_dir"),
         "job_id": t.user_attrs.get("job_id"),

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
+from ..core.errors import MarianaError
+
 log = logging.getLogger("mariana")
 
 SOURCE = Path(__file__).with_name("rows.c")
@@ -98,10 +100,25 @@ def _cpu_id() -> bytes:
         return platform.processor().encode()
 
 
+KERNEL_SWITCH = {"on": True, "1": True, "yes": True, "off": False, "0": False, "no": False}
+
+
+def kernels_enabled() -> bool:
+    """Env ``MARIANA_CPU_KERNELS``: unset or ``on``/``1``/``yes`` -> True, ``off``/``0``/``no`` -> False (any
+    case); anything else is a MarianaError naming the variable and the accepted values, never a guess."""
+    value = os.environ.get("MARIANA_CPU_KERNELS", "on")
+    if value.strip().lower() not in KERNEL_SWITCH:
+        raise MarianaError(
+            f"MARIANA_CPU_KERNELS={value!r}: expected on or off (also 1/yes, 0/no), or leave it unset"
+        )
+    return KERNEL_SWITCH[value.strip().lower()]
+
+
 @functools.cache
 def kernels() -> ctypes.CDLL | None:
     """The loaded `rows.c`, or None (the torch ops then do the work): see the module docstring."""
-    if os.environ.get("MARIANA_CPU_KERNELS", "on").lower() in ("off", "0", "no"):
+    if not kernels_enabled():
+        log.warning("C row kernels off (MARIANA_CPU_KERNELS=off); the CPU step uses torch ops")
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     try:

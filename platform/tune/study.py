@@ -39,7 +39,7 @@ from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.config import applicable_values, read_config_values, sectioned_toml
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.jobs.scheduler import PRUNED
-from mariana.platform.jobs.trials import trial_row
+from mariana.platform.jobs.trials import trial_row, used_params
 
 from .apps import RESERVED, AppInfo
 from .space import Space, flag_args
@@ -285,7 +285,7 @@ def run_study(o: TuneOptions, runner) -> int:
                     else:
                         study.tell(f.trial, value)
                         print(
-                            f"trial {number}: {o.monitor} {value:.4f} {_params_text(f.trial.params)}",
+                            f"trial {number}: {o.monitor} {value:.4f} {_params_text(used_params(f.trial))}",
                             flush=True,
                         )
                 else:
@@ -316,6 +316,7 @@ def _launch(trial, o: TuneOptions, runner, trials_dir: Path) -> InFlight:
         shutil.rmtree(run_dir)
     argv = [o.app, "train", *o.train_flags, *flag_args(o.space.fixed), *flag_args(params),
             "--out", str(run_dir.resolve())]  # fmt: skip
+    trial.set_user_attr("params", params)  # what results.json and the tables show: only what applied
     trial.set_user_attr("run_dir", str(run_dir.resolve()))
     trial.set_user_attr("argv", argv)
     handle = runner.start(argv, run_dir.resolve(), f"trial {trial.number}")
@@ -393,7 +394,7 @@ def finish(study, o: TuneOptions, name: str) -> int:
     summary["best"] = {
         "number": best.number,
         "value": best.value,
-        "params": best.params,
+        "params": used_params(best),
         "run_dir": str(run_dir),
     }
     atomic_write_text(o.out / "results.json", json.dumps(summary, indent=1) + "\n")
