@@ -1,6 +1,6 @@
 """``mariana vision train``: the platform glue. `train` builds a run's parts from the config's sections (the
 net from `model`, the input from `loaders`, the step, the evaluation from `evaluate`, the export) and hands
-them to the platform's one `Trainer` (`_fit`): K = 1 data parallel (the core `ModuleStep`, or the fast
+them to the platform's `build_trainer` (`SPEC`): K = 1 data parallel (the core `ModuleStep`, or the fast
 recipe's `fast_recipe.FastStep`, with DDP), K > 1 pipeline model parallel x data parallel (`stages`)."""
 
 from __future__ import annotations
@@ -13,15 +13,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from mariana.platform.core.errors import MarianaError
-from mariana.platform.core.evaluator import evaluator_from
 from mariana.platform.core.export import export_model
-from mariana.platform.core.loop import Trainer
 from mariana.platform.core.rundir import start_run
 from mariana.platform.core.steps import ModuleStep, autocast_for, unwrap
 from mariana.platform.core.warmstart import warm_start
 from mariana.platform.dp.ddp import apply_data_parallel
 from mariana.platform.pipeline.step import PipelineStep
 from mariana.platform.runtime.dist import init_distributed, teardown
+from mariana.platform.train.spec import TrainSpec, build_trainer
 
 from .configs import VisionConfig
 from .data import MEAN, STD, DecodedImages, make_prepare, open_source, subset_indices
@@ -82,11 +81,11 @@ def _train(cfg: VisionConfig, ctx) -> dict[str, Any]:
     export = _exporter(cfg, ctx.is_main, run, classes, n_train)
     if cfg.model_parallel == 1:
         parts = _data_parallel_parts(cfg, ctx, model, loss_fn, data, src, eval_data, skipped, export)
-        final = _fit(cfg, ctx, run, *parts)
+        final = build_trainer(SPEC, cfg, ctx, run, parts).fit()
     else:
         parts = _pipeline_parts(cfg, ctx, run, model, loss_fn, data, eval_data, export)
-        final = _fit(cfg, ctx, run, *parts, desc="train (pipeline)")
-        final.update(parts[0].summary())
+        final = build_trainer(SPEC, cfg, ctx, run, parts, desc="train (pipeline)").fit()
+        final.update(parts["step"].summary())
         if not math.isfinite(final.get("train_loss", 0.0)):
             log.warning("training loss is not finite")
     final["skipped_images"] = len(skipped)
@@ -100,10 +99,7 @@ def _train(cfg: VisionConfig, ctx) -> dict[str, Any]:
     return final
 
 
-def _fit(cfg: VisionConfig, ctx, run, step, loader, eval_fn, exporter, desc: str = "train") -> dict[str, Any]:
-    """The one place the platform's `Trainer` is built and run -> its final metrics."""
-    evaluator = evaluator_from(cfg, eval_fn, "top1")
-    return Trainer(cfg, step, loader, ctx, run, evaluator=evaluator, exporter=exporter, desc=desc).fit()
+SPEC = TrainSpec("vision", "top1")  # its pieces built here (`_data_parallel_parts`, `_pipeline_parts`)
 
 
 def _exporter(cfg: VisionConfig, is_main: bool, run, classes: list[str], n_train: int):
@@ -132,9 +128,9 @@ def _exporter(cfg: VisionConfig, is_main: bool, run, classes: list[str], n_train
 
 
 def _data_parallel_parts(cfg: VisionConfig, ctx, model, loss_fn, data, src, eval_data, skipped, export):
-    """K = 1 -> (step, loader, eval_fn, exporter) for `_fit`: DDP over the workers, from the decoded set
-    ``data`` (`DecodedImages`) or, when it is None, streamed from ``src`` (`ImageSource`); corrupt streamed
-    images are appended to ``skipped`` (once each)."""
+    """K = 1 -> the pieces (step, loader, evaluate, exporter) for `build_trainer`: DDP over the workers,
+    from the decoded set ``data`` (`DecodedImages`) or, when it is None, streamed from ``src``
+    (`ImageSource`); corrupt streamed images are appended to ``skipped`` (once each)."""
     net = cfg.net
     if net.model == "fastnet":
         init_whitening_from(model, data, src, net.image_size, cfg.limit)
@@ -165,12 +161,13 @@ def _data_parallel_parts(cfg: VisionConfig, ctx, model, loss_fn, data, src, eval
         ev, tta = make_prepare(net, train=False), cfg.eval_tta
         eval_fn = lambda m: evaluate_cached(m, eval_data, ev, tta, rank=ctx.rank, world=ctx.world_size)  # noqa: E731
     step = (FastStep if net.recipe == "fast" else ModuleStep)(cfg, wrapped, step_fn, ctx)
-    return step, loader, eval_fn, lambda metrics, _step: export(unwrap(wrapped).state_dict(), metrics)
+    exporter = lambda metrics, _step: export(unwrap(wrapped).state_dict(), metrics)  # noqa: E731
+    return {"step": step, "loader": loader, "evaluate": eval_fn, "exporter": exporter}
 
 
 def _pipeline_parts(cfg: VisionConfig, ctx, run, model, loss_fn, data: DecodedImages, eval_data, export):
-    """K > 1 -> (step, loader, eval_fn, exporter) for `_fit`: pipeline model parallel x data parallel from
-    the decoded set; the stages' weights are merged into one model for the export."""
+    """K > 1 -> the pieces (step, loader, evaluate, exporter) for `build_trainer`: pipeline model parallel
+    x data parallel from the decoded set; the stages' weights are merged into one model for the export."""
     k, net, pipe = cfg.model_parallel, cfg.net, cfg.pipeline
     if not ctx.distributed:
         raise MarianaError(f"--model-parallel {k} needs --workers >= {k} (one process per stage)")
@@ -188,4 +185,5 @@ def _pipeline_parts(cfg: VisionConfig, ctx, run, model, loss_fn, data: DecodedIm
     eval_fn = None
     if eval_data is not None:
         eval_fn = pipeline_eval_fn(eval_data, ev, pipe.micro_batches, ctx.device)
-    return step, loader, eval_fn, merged_exporter(step, fresh, export, ctx.is_main)
+    exporter = merged_exporter(step, fresh, export, ctx.is_main)
+    return {"step": step, "loader": loader, "evaluate": eval_fn, "exporter": exporter}
