@@ -1,4 +1,5 @@
-"""Helpers of the job-service tests: a real ``mariana jobs serve`` subprocess and small polling utilities."""
+"""Helpers of the job-service and tuning tests: a real ``mariana jobs serve`` subprocess, small polling
+utilities, and `run_in_process` for client commands that need no interpreter of their own."""
 
 from __future__ import annotations
 
@@ -93,3 +94,25 @@ def wait_for(cond, timeout: float, what: str, interval: float = 0.3):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for: {what}")
         time.sleep(interval)
+
+
+def run_in_process(argv: list, capsys, env: dict[str, str] | None = None, check: bool = False):
+    """``mariana ARGV`` in this process (`cliwalk.run_main`), with the environment `helpers.run_cli` gives a
+    CLI process (`cli_env(env)`: one thread per process, no CUDA, no torchrun variables) for the call, so
+    processes it starts (trials) get it too; os.environ is put back after. Returns a CompletedProcess as
+    `run_cli` does (exit code, stdout, stderr); ``check=True`` raises with both streams on a non-zero exit.
+    No interpreter start-up per command: the commands under test are the same code either way."""
+    from cliwalk import run_main
+
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(cli_env(env))
+    try:
+        rc, out, err = run_main([str(a) for a in argv], capsys)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    if check and rc != 0:
+        raise AssertionError(f"mariana {' '.join(map(str, argv))} exited {rc}\n--- stdout\n{out[-4000:]}"
+                             f"\n--- stderr\n{err[-8000:]}")  # fmt: skip
+    return subprocess.CompletedProcess([str(a) for a in argv], rc, out, err)

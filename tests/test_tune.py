@@ -1,5 +1,10 @@
-"""`mariana tune`: real tuner processes running real `mariana pctr train` trials (local processes, or jobs
-of a real `mariana jobs serve`) on a 6000-line slice of the Frappe sample, Optuna studies in SQLite files.
+"""`mariana tune`: real tuners running real `mariana pctr train` trials (local processes, or jobs of a real
+`mariana jobs serve`) on a 6000-line slice of the Frappe sample, Optuna studies in SQLite files.
+
+The tuner runs in this process (`jobs_helpers.run_in_process`, with a CLI process's environment) where
+a test does not need it to be a process of its own (the killed tuner; one refused command line for its
+exit code): its trials are processes either way, and each tuner or retraining process would add an
+interpreter and torch start-up.
 
 The space makes pruning deterministic: half of the configurations train the embedding table at a learning
 rate of 1e-6 (AUC stays near its initial value), the others at 0.1, with an eval record every 3 steps.
@@ -16,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from helpers import DATA, ROOT, assert_cli_error, cli_env, last_line, run_cli
+from jobs_helpers import run_in_process
 from mariana.platform.core.config import read_config_values
 
 FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
@@ -72,11 +78,11 @@ def _study(out: Path):
 
 
 @pytest.mark.slow
-def test_study_prunes_and_best_toml_reproduces(tmp_path: Path, frappe_slice: Path):
+def test_study_prunes_and_best_toml_reproduces(tmp_path: Path, frappe_slice: Path, capsys):
     from optuna.trial import TrialState
 
     out = tmp_path / "tune"
-    proc = run_cli(_tune_args(_space(tmp_path), out, frappe_slice, 8, "--local"), timeout=400, check=True)
+    proc = run_in_process(_tune_args(_space(tmp_path), out, frappe_slice, 8, "--local"), capsys, check=True)
     head = last_line(proc.stdout)
     assert head.startswith("best trial ") and "pruned" in head, proc.stdout
 
@@ -109,20 +115,20 @@ def test_study_prunes_and_best_toml_reproduces(tmp_path: Path, frappe_slice: Pat
 
     # Retraining from best.toml (same seed) reproduces the best trial's metric.
     rerun = tmp_path / "rerun"
-    again = run_cli(["pctr", "train", "--config", out / "best.toml", "--data", frappe_slice, "--out", rerun],
-                    timeout=300, check=True)  # fmt: skip
+    again = run_in_process(["pctr", "train", "--config", out / "best.toml", "--data", frappe_slice, "--out",
+                            rerun], capsys, check=True)  # fmt: skip
     assert "validation AUC" in last_line(again.stdout)
     value = json.loads((rerun / "metrics.json").read_text())["val_auc"]
     assert abs(value - best.value) < 2e-3, (value, best.value)
 
     # TUNE_DIR/best is a run directory the eval command takes.
-    ev = run_cli(["pctr", "eval", "--model", out / "best", "--data", frappe_slice, "--split", "val"],
-                 timeout=120, check=True)  # fmt: skip
+    ev = run_in_process(["pctr", "eval", "--model", out / "best", "--data", frappe_slice, "--split", "val"],
+                        capsys, check=True)  # fmt: skip
     assert abs(float(last_line(ev.stdout).split()[1]) - best.value) < 2e-3, ev.stdout
 
 
 @pytest.mark.slow
-def test_killed_tuner_resumes_without_losing_or_repeating_trials(tmp_path: Path, frappe_slice: Path):
+def test_killed_tuner_resumes_without_losing_or_repeating_trials(tmp_path: Path, frappe_slice: Path, capsys):
     from optuna.trial import TrialState
 
     out = tmp_path / "tune"
@@ -153,7 +159,7 @@ def test_killed_tuner_resumes_without_losing_or_repeating_trials(tmp_path: Path,
     assert len(complete_before) >= 2 and running, before
     orphans = [t.user_attrs["handle"]["pid"] for t in running if "handle" in t.user_attrs]
 
-    proc = run_cli(args, timeout=400, check=True)
+    proc = run_in_process(args, capsys, check=True)  # the second tuner
     assert "re-queued" in proc.stdout.splitlines()[0], proc.stdout
     for pid in orphans:  # what the killed tuner left running was stopped, not left to compete for the CPU
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
@@ -175,7 +181,7 @@ def test_killed_tuner_resumes_without_losing_or_repeating_trials(tmp_path: Path,
     assert f"auc {best:.4f}" in last_line(proc.stdout)
 
 
-def test_bad_space_files_are_one_line_errors(tmp_path: Path, frappe_slice: Path):
+def test_bad_space_files_are_one_line_errors(tmp_path: Path, frappe_slice: Path, capsys):
     out = tmp_path / "tune"
     cases = [
         (SPACE.replace("[params.dropout]", "[params.bogus_rate]"), "params.bogus_rate", "--bogus-rate"),
@@ -191,8 +197,9 @@ def test_bad_space_files_are_one_line_errors(tmp_path: Path, frappe_slice: Path)
     for i, (text, key, what) in enumerate(cases):
         space = tmp_path / f"space{i}.toml"
         space.write_text(text)
-        proc = run_cli(_tune_args(space, out, frappe_slice, 2, "--local"), timeout=60)
+        proc = run_in_process(_tune_args(space, out, frappe_slice, 2, "--local"), capsys)
         assert_cli_error(proc, f"{space}: {key}", what)
+    # a real process: the exit code and the one line as a shell sees them
     proc = run_cli(_tune_args(_space(tmp_path), out, frappe_slice, 2, "--local", "--no-such-flag", "1"))
     assert_cli_error(proc, "--no-such-flag")
     assert not out.exists()  # nothing was started
@@ -200,7 +207,7 @@ def test_bad_space_files_are_one_line_errors(tmp_path: Path, frappe_slice: Path)
 
 @pytest.mark.slow
 @pytest.mark.browser
-def test_study_page_in_a_real_browser(tmp_path: Path, frappe_slice: Path):
+def test_study_page_in_a_real_browser(tmp_path: Path, frappe_slice: Path, capsys):
     """Trials as jobs of a real service; the study page in Chromium: trials sortable by the metric, the
     metric per trial over steps, parameter importances, the nav link."""
     from optuna.trial import TrialState
@@ -209,8 +216,8 @@ def test_study_page_in_a_real_browser(tmp_path: Path, frappe_slice: Path):
     expect, sync_playwright = _require_browser()
     with _service(tmp_path, "--slots", "2") as url:
         out = tmp_path / "tune"
-        proc = run_cli(
-            _tune_args(_space(tmp_path), out, frappe_slice, 4, "--url", url), timeout=400, check=True
+        proc = run_in_process(
+            _tune_args(_space(tmp_path), out, frappe_slice, 4, "--url", url), capsys, check=True
         )
         assert f"as jobs of {url}" in proc.stdout
         study = _study(out)
@@ -266,14 +273,16 @@ def test_study_page_in_a_real_browser(tmp_path: Path, frappe_slice: Path):
 
 @pytest.mark.slow
 def test_crashing_trials_are_failed_with_their_error_and_the_study_goes_on(
-    tmp_path: Path, frappe_slice: Path
+    tmp_path: Path, frappe_slice: Path, capsys
 ):
     """hidden = "0" makes `pctr train` refuse its flags (exit 2); with seed 0 trials 0 and 2 draw it."""
     space = _space(
         tmp_path, '[params.hidden]\ntype = "categorical"\nchoices = ["16", "0"]\n[fixed]\nmax_steps = 5\n'
     )
     out = tmp_path / "tune"
-    proc = run_cli(_tune_args(space, out, frappe_slice, 3, "--local", "--seed", "0"), timeout=300, check=True)
+    proc = run_in_process(
+        _tune_args(space, out, frappe_slice, 3, "--local", "--seed", "0"), capsys, check=True
+    )
     rows = {r["number"]: r for r in json.loads((out / "results.json").read_text())["trials"]}
     assert [rows[n]["state"] for n in range(3)] == ["fail", "complete", "fail"], proc.stdout
     for n in (0, 2):
