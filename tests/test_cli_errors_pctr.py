@@ -1,5 +1,5 @@
 """Bad input to `mariana pctr train|eval`: one line `mariana: error: ...`, exit 2, no traceback, and no
-training process started. Each case is (argv after `pctr`, exit code, fragment of stderr); ``{data}``,
+training process started; run through the CLI in this process (`cliwalk.cli`). Each case is (argv after `pctr`, exit code, fragment of stderr); ``{data}``,
 ``{out}``, ``{toml}`` and ``{run}`` are filled in per test."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from helpers import assert_cli_error, run_cli
+from cliwalk import cli
+from helpers import assert_cli_error
 from mariana.apps.pctr.configs import PctrConfig
 from mariana.platform.core.config import save_config
 
@@ -76,7 +77,7 @@ def fake_run(folder, data) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_is_one_clear_line(case, tiny, tmp_path):
+def test_bad_input_is_one_clear_line(case, tiny, tmp_path, capfd):
     _, argv, toml, code, fragment = case
     run = tmp_path / "run"
     fake_run(run, tiny)
@@ -87,21 +88,21 @@ def test_bad_input_is_one_clear_line(case, tiny, tmp_path):
         "toml": str(tmp_path / "job.toml"),
         "run": str(run),
     }
-    p = run_cli(["pctr", *(a.format(**subst) for a in argv)], timeout=120)
+    p = cli(["pctr", *(a.format(**subst) for a in argv)], capfd)
     assert_cli_error(p, fragment, code=code)
     assert not (tmp_path / "out" / "metrics.jsonl").exists()  # nothing was trained
 
 
-def test_legacy_run_without_checkpoint_is_not_trained_over(tiny, tmp_path):
+def test_legacy_run_without_checkpoint_is_not_trained_over(tiny, tmp_path, capfd):
     run = tmp_path / "old"
     run.mkdir()
     (run / "metrics.json").write_text("{}\n")
-    p = run_cli(["pctr", "train", "--data", tiny, "--out", run, "--preset", "debug"], timeout=120)
+    p = cli(["pctr", "train", "--data", tiny, "--out", run, "--preset", "debug"], capfd)
     assert_cli_error(p, "already holds a trained run; pass --resume")
 
 
-def test_help_lists_only_the_options_pctr_uses():
-    p = run_cli(["pctr", "train", "--help"], timeout=60, check=True)
+def test_help_lists_only_the_options_pctr_uses(capsys):
+    p = cli(["pctr", "train", "--help"], capsys, check=True)
     for unused in ("--grad-comm", "--grad-accum", "--momentum", "--num-workers"):
         assert unused not in p.stdout
     for used in (

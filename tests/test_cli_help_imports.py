@@ -1,12 +1,18 @@
-"""Issue 31.3: ``mariana --help`` and ``mariana APP --help`` import neither torch nor numpy (nor any
-command's handler module): the parser modules hold the standard library and the config sections, and the
-handlers are imported by `mariana.platform.cli.dispatch` only when their command runs. Checked on the real
-entry point with ``python -X importtime``; the planted case shows the check sees a parser module that
-imports its handlers at the top. Every lazily wired handler names a function that exists."""
+"""Issue 31.3: ``mariana --help``, ``mariana APP --help`` and every command's ``--help`` import neither torch
+nor numpy (nor any command's handler module): the parser modules hold the standard library and the config
+sections, and the handlers are imported by `mariana.platform.cli.dispatch` only when their command runs.
+The one place this is tested (it was in test_house_rules.py and test_config_sections.py too).
+
+Checked on the real entry point (``python -m mariana.platform.cli``, run by `runpy` as the interpreter
+does) in ONE fresh interpreter for all the commands: after each ``--help`` the script records the modules
+imported since the previous one (the first: every module of the interpreter), so a command that pulls in
+torch is named. The planted case shows the check sees a parser module that imports its handlers at the
+top. Every lazily wired handler names a function that exists."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 
@@ -15,18 +21,45 @@ from cliwalk import leaf_parsers
 from helpers import ROOT, cli_env
 
 HEAVY = ("torch", "numpy")
-HANDLER_MODULES = (
+LEAVES = [path for path, _ in leaf_parsers()]
+# the bare command, every group (``mariana pctr``) and every leaf command (``mariana pctr train``)
+COMMANDS = [[]] + [list(c) for c in sorted({p[:n] for p in LEAVES for n in range(1, len(p) + 1)})]
+HANDLER_TARGETS = {
+    " ".join(path): getattr(p.get_default("func"), "__qualname__", "")[len("handler[") : -1]
+    for path, p in leaf_parsers()
+    if getattr(p.get_default("func"), "__qualname__", "").startswith("handler[")
+}
+HANDLER_MODULES = {
     "mariana.apps.asr.commands",
     "mariana.apps.asr.data_commands",
     "mariana.apps.vision.commands",
     "mariana.serving.commands",
-)
+} | {target.partition(":")[0] for target in HANDLER_TARGETS.values()}
+
+# Runs in the fresh interpreter: argv lists in sys.argv[1] (JSON); prints one JSON line per command.
+SCRIPT = """
+import contextlib, io, json, runpy, sys
+seen = set()
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ["mariana", *argv, "--help"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_module("mariana.platform.cli", run_name="__main__", alter_sys=True)
+            code = None
+        except SystemExit as e:
+            code = e.code
+    new = sorted(set(sys.modules) - seen)
+    seen |= set(sys.modules)
+    print(json.dumps({"argv": argv, "code": code, "usage": "usage: mariana" in out.getvalue(), "new": new}))
+"""
 
 
-def imported_modules(code: str) -> set[str]:
-    """The modules a fresh interpreter imports while running ``code`` (``-X importtime``'s stderr)."""
+def help_imports(commands: list[list[str]], prelude: str = "") -> dict[str, dict]:
+    """``mariana CMD --help`` for each of ``commands`` in turn in one fresh interpreter (after ``prelude``,
+    Python code): {"CMD": {"code": exit code, "usage": help printed, "new": modules first imported by it}}."""
     proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", code],
+        [sys.executable, "-c", prelude + SCRIPT, json.dumps(commands)],
         cwd=ROOT,
         env=cli_env(),
         capture_output=True,
@@ -34,46 +67,47 @@ def imported_modules(code: str) -> set[str]:
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    names = {
-        line.rpartition("|")[2].strip()
-        for line in proc.stderr.splitlines()
-        if line.startswith("import time:")
-    }
-    assert "argparse" in names, "no -X importtime output: the check would see nothing"
-    return names
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["argv"] for r in rows] == commands, proc.stdout[-3000:]
+    return {" ".join(r["argv"]): r for r in rows}
 
 
-def help_code(argv: list[str], prelude: str = "") -> str:
-    """``mariana ARGV --help`` through the real entry point (`main.run`, as the ``mariana`` script)."""
-    return f"{prelude}import sys; sys.argv = ['mariana', *{argv!r}, '--help']; from mariana.platform.cli.main import run; run()"
+@pytest.fixture(scope="module")
+def helps() -> dict[str, dict]:
+    return help_imports(COMMANDS)
 
 
-@pytest.mark.parametrize(
-    "argv", [[], ["asr"], ["vision"], ["serve"]], ids=lambda a: " ".join(["mariana", *a])
-)
-def test_help_imports_neither_torch_nor_numpy(argv):
-    names = imported_modules(help_code(argv))
-    assert "mariana.platform.cli.main" in names and "mariana.platform.cli.dispatch" in names
-    assert not names & {*HEAVY, *HANDLER_MODULES}, sorted(names & {*HEAVY, *HANDLER_MODULES})
+def test_the_commands_cover_every_app_and_platform_command():
+    from mariana.platform.core.registry import all_apps
+
+    tops = {path[0] for path in COMMANDS if path}
+    assert tops >= {spec.name for spec in all_apps()} | {"jobs", "tune", "serve", "submit"}, tops
+    assert {("pctr", "train"), ("pctr", "stream"), ("mlp", "train")} <= {tuple(p) for p in COMMANDS}
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=lambda a: " ".join(["mariana", *a, "--help"]))
+def test_help_imports_neither_torch_nor_numpy(argv, helps):
+    row = helps[" ".join(argv)]
+    assert row["code"] == 0 and row["usage"], row  # the help was printed, not only the modules imported
+    if not argv:  # the first command: every module of the interpreter, the CLI's own among them
+        assert {"mariana.platform.cli.main", "mariana.platform.cli.dispatch", "argparse"} <= set(row["new"])
+    bad = set(row["new"]) & {*HEAVY, *HANDLER_MODULES}
+    assert not bad, f"`mariana {' '.join(argv)} --help` imports {sorted(bad)}"
 
 
 def test_the_check_sees_a_parser_module_that_imports_its_handlers():
     """Plant the fault: a parser module importing a handler module at the top (as `asr/cli.py` would with
     ``from .data_commands import prepare``; the data tools, the cheapest handlers to import) pulls numpy
     into ``mariana asr --help``."""
-    names = imported_modules(help_code(["asr"], prelude="import mariana.apps.asr.data_commands; "))
-    assert "numpy" in names and "mariana.apps.asr.data_commands" in names
+    row = help_imports([["asr"]], prelude="import mariana.apps.asr.data_commands\n")["asr"]
+    assert row["code"] == 0 and row["usage"]
+    assert "numpy" in row["new"] and "mariana.apps.asr.data_commands" in row["new"]
 
 
 def test_every_lazy_handler_names_a_function():
     """A typo in a ``dispatch.handler("module:function")`` target would only fail when that command runs:
     resolve every one of asr, vision and serve here."""
-    targets = {}
-    for path, p in leaf_parsers():
-        func = p.get_default("func")
-        name = getattr(func, "__qualname__", "")
-        if name.startswith("handler[") and path[0] in ("asr", "vision", "serve"):
-            targets[" ".join(path)] = name[len("handler[") : -1]
+    targets = {cmd: t for cmd, t in HANDLER_TARGETS.items() if cmd.split()[0] in ("asr", "vision", "serve")}
     assert set(targets) >= {"asr prepare", "asr train", "asr eval", "vision classify", "serve"}, targets
     for command, target in targets.items():
         module, _, attr = target.partition(":")
