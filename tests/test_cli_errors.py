@@ -227,15 +227,6 @@ def test_version():
     assert p.stdout.strip() == f"mariana {version('mariana')} (torch {version('torch')})"
 
 
-@pytest.mark.parametrize("args", [["--help"], ["mlp", "train", "--help"], ["mlp", "eval", "--help"]])
-def test_help(args, capsys):
-    p = cli(args, capsys)
-    assert p.returncode == 0 and "usage: mariana" in p.stdout
-    assert "(default: None)" not in p.stdout and "(default: '')" not in p.stdout
-    if args[-2:] == ["train", "--help"]:
-        assert "--preset {debug,small}" in p.stdout and "--optimizer {sgd,adam,adamw}" in p.stdout
-
-
 # --- the console of multi-worker jobs ---------------------------------------------------------------------
 NOISE = ("Traceback", "OMP_NUM_THREADS", "[Gloo]", "checkpoint at step", "Warning", "SignalException")
 

@@ -104,11 +104,3 @@ def test_asr_cli_error(inputs, case, capfd):
         lines = proc.stdout.splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"{inputs['ok']}\t"), proc.stdout
         assert proc.stderr.count("mariana: error:") == 6, proc.stderr
-
-
-def test_help_lists_choices_and_no_default_none(capsys):
-    for cmd in ("prepare", "train", "eval", "transcribe"):
-        out = cli(["asr", cmd, "--help"], capsys, check=True).stdout
-        assert "(default: None)" not in out, (cmd, out)
-    ev = cli(["asr", "eval", "--help"], capsys, check=True).stdout
-    assert "{speaker,file}" in ev

@@ -99,20 +99,3 @@ def test_legacy_run_without_checkpoint_is_not_trained_over(tiny, tmp_path, capfd
     (run / "metrics.json").write_text("{}\n")
     p = cli(["pctr", "train", "--data", tiny, "--out", run, "--preset", "debug"], capfd)
     assert_cli_error(p, "already holds a trained run; pass --resume")
-
-
-def test_help_lists_only_the_options_pctr_uses(capsys):
-    p = cli(["pctr", "train", "--help"], capsys, check=True)
-    for unused in ("--grad-comm", "--grad-accum", "--momentum", "--num-workers"):
-        assert unused not in p.stdout
-    for used in (
-        "--schedule",
-        "--warmup-steps",
-        "--clip-grad",
-        "--eval-every",
-        "--ckpt-every",
-        "--resume",
-        "--weight-decay",
-        "--l2-emb",
-    ):
-        assert used in p.stdout

@@ -178,24 +178,3 @@ def test_serve_busy_port_is_one_line_error(tiny, no_cuda, capfd):
         port = s.getsockname()[1]
         proc = cli(["serve", "--vision", tiny["run"], "--port", port], capfd)
     assert_cli_error(proc, f"--host 127.0.0.1 --port {port}: cannot bind")
-
-
-@pytest.mark.parametrize(
-    "argv,choices",
-    [
-        (
-            ["vision", "train"],
-            ["--preset {debug,fast,gpu94,small}", "{flip-crop,flip,none,alt-flip-translate}"],
-        ),
-        (["vision", "eval"], ["--device {auto,cpu,cuda}"]),
-        (["vision", "classify"], ["--device {auto,cpu,cuda}"]),
-        (["serve"], ["{critical,error,warning,info,debug}"]),
-    ],
-)
-def test_help_lists_choices_and_no_none_defaults(argv, choices, capsys):
-    proc = cli([*argv, "--help"], capsys)
-    assert proc.returncode == 0, proc.stderr
-    text = " ".join(proc.stdout.split())  # argparse wraps lines
-    assert "(default: None)" not in text and "(default: '')" not in text
-    for c in choices:
-        assert c in text, c

@@ -2,7 +2,7 @@
 later work cannot undo them: no file over 500 lines, no function over 80 lines, at most 60 function-local
 imports of `mariana` modules, no import cycle between packages (the CLI's lazy dispatch,
 `platform/cli/dispatch.py`, imports by name at run time and is no `ast` edge); that `mariana --help` imports
-neither torch nor numpy is tested in test_cli_help_imports.py.
+neither torch nor numpy is tested in test_cli_help.py.
 
 Run as a script (``python tests/test_house_rules.py``) it prints the measured figures."""
 

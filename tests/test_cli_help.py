@@ -1,13 +1,17 @@
-"""Issue 31.3: ``mariana --help``, ``mariana APP --help`` and every command's ``--help`` import neither torch
-nor numpy (nor any command's handler module): the parser modules hold the standard library and the config
-sections, and the handlers are imported by `mariana.platform.cli.dispatch` only when their command runs.
-The one place this is tested (it was in test_house_rules.py and test_config_sections.py too).
+"""The ``--help`` of every command (``mariana``, every group, every leaf command), in one place.
 
-Checked on the real entry point (``python -m mariana.platform.cli``, run by `runpy` as the interpreter
-does) in ONE fresh interpreter for all the commands: after each ``--help`` the script records the modules
-imported since the previous one (the first: every module of the interpreter), so a command that pulls in
-torch is named. The planted case shows the check sees a parser module that imports its handlers at the
-top. Every lazily wired handler names a function that exists."""
+Its text (in this process, `cliwalk.cli`): exit 0 and the usage, no ``(default: None)`` or
+``(default: '')`` on a flag without a default, the choices of the flags listed in HELP_SHOWS, and none of the
+flags an app does not use (HELP_HIDES: issue 30.3).
+
+Its imports (issue 31.3): neither torch nor numpy (nor any command's handler module): the parser modules hold
+the standard library and the config sections, and the handlers are imported by
+`mariana.platform.cli.dispatch` only when their command runs. Checked on the real entry point
+(``python -m mariana.platform.cli``, run by `runpy` as the interpreter does) in ONE fresh interpreter for
+all the commands: after each ``--help`` the script records the modules imported since the previous one (the
+first: every module of the interpreter), so a command that pulls in torch is named. The planted case shows
+the check sees a parser module that imports its handlers at the top. Every lazily wired handler names a
+function that exists."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import subprocess
 import sys
 
 import pytest
-from cliwalk import leaf_parsers
+from cliwalk import cli, leaf_parsers
 from helpers import ROOT, cli_env
 
 HEAVY = ("torch", "numpy")
@@ -35,6 +39,38 @@ HANDLER_MODULES = {
     "mariana.apps.vision.commands",
     "mariana.serving.commands",
 } | {target.partition(":")[0] for target in HANDLER_TARGETS.values()}
+
+# what a command's help must show (the choices of its flags), and the flags of other apps it must not offer
+HELP_SHOWS = {
+    ("mlp", "train"): ["--preset {debug,small}", "--optimizer {sgd,adam,adamw}"],
+    ("asr", "eval"): ["{speaker,file}"],
+    ("vision", "train"): ["--preset {debug,fast,gpu94,small}", "{flip-crop,flip,none,alt-flip-translate}"],
+    ("vision", "eval"): ["--device {auto,cpu,cuda}"],
+    ("vision", "classify"): ["--device {auto,cpu,cuda}"],
+    ("serve",): ["{critical,error,warning,info,debug}"],
+    ("pctr", "train"): [
+        *("--schedule", "--warmup-steps", "--clip-grad", "--eval-every", "--ckpt-every", "--resume"),
+        *("--weight-decay", "--l2-emb"),
+    ],
+}
+HELP_HIDES = {("pctr", "train"): ["--grad-comm", "--grad-accum", "--momentum", "--num-workers"]}
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=lambda a: " ".join(["mariana", *a, "--help"]))
+def test_help_text(argv, capsys):
+    p = cli([*argv, "--help"], capsys)
+    text = " ".join(p.stdout.split())  # argparse wraps lines
+    assert p.returncode == 0 and "usage: mariana" in p.stdout, p.stderr
+    assert "(default: None)" not in text and "(default: '')" not in text, p.stdout
+    for shown in HELP_SHOWS.get(tuple(argv), []):
+        assert shown in p.stdout, shown
+    for hidden in HELP_HIDES.get(tuple(argv), []):
+        assert hidden not in p.stdout, hidden
+
+
+def test_help_fragments_name_real_commands():
+    assert {*HELP_SHOWS, *HELP_HIDES} <= {tuple(c) for c in COMMANDS}
+
 
 # Runs in the fresh interpreter: argv lists in sys.argv[1] (JSON); prints one JSON line per command.
 SCRIPT = """
