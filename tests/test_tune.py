@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cliwalk import cli
 from helpers import DATA, ROOT, assert_cli_error, cli_env, last_line, run_cli
 from mariana.platform.core.config import read_config_values
 
@@ -175,7 +176,8 @@ def test_killed_tuner_resumes_without_losing_or_repeating_trials(tmp_path: Path,
     assert f"auc {best:.4f}" in last_line(proc.stdout)
 
 
-def test_bad_space_files_are_one_line_errors(tmp_path: Path, frappe_slice: Path):
+def test_bad_space_files_are_one_line_errors(tmp_path: Path, frappe_slice: Path, capfd):
+    """Refused before any trial starts: run in this process (`cliwalk.cli`)."""
     out = tmp_path / "tune"
     cases = [
         (SPACE.replace("[params.dropout]", "[params.bogus_rate]"), "params.bogus_rate", "--bogus-rate"),
@@ -191,9 +193,9 @@ def test_bad_space_files_are_one_line_errors(tmp_path: Path, frappe_slice: Path)
     for i, (text, key, what) in enumerate(cases):
         space = tmp_path / f"space{i}.toml"
         space.write_text(text)
-        proc = run_cli(_tune_args(space, out, frappe_slice, 2, "--local"), timeout=60)
+        proc = cli(_tune_args(space, out, frappe_slice, 2, "--local"), capfd)
         assert_cli_error(proc, f"{space}: {key}", what)
-    proc = run_cli(_tune_args(_space(tmp_path), out, frappe_slice, 2, "--local", "--no-such-flag", "1"))
+    proc = cli(_tune_args(_space(tmp_path), out, frappe_slice, 2, "--local", "--no-such-flag", "1"), capfd)
     assert_cli_error(proc, "--no-such-flag")
     assert not out.exists()  # nothing was started
 
