@@ -9,7 +9,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import assert_cli_error, run_cli
+from cliwalk import cli
+from helpers import assert_cli_error
 from mariana.apps.asr.decode import BigramLM, beam_decode, decode_options, greedy_decode
 from mariana.platform.core.errors import MarianaError
 
@@ -171,10 +172,9 @@ def tiny(data_dir, tmp_path_factory):
             name = f"{digit}_{spk}_0.wav"
             (fsdd / name).symlink_to(data_dir / "fsdd/recordings" / name)
     data = d / "data"
-    run_cli(
+    cli(
         ["asr", "prepare", "--data", fsdd, "--out", data, "--test-speakers", "jackson"]
         + ["--utterances", "4", "--max-digits", "2"],
-        timeout=120,
         check=True,
     )
     cfg = dataclasses.asdict(PRESETS["debug"]) | {"beam": 4}
@@ -208,16 +208,16 @@ def test_eval_records_the_values_used_and_old_exports_decode_as_before(tiny):
     assert old["hypotheses"] == base["hypotheses"]  # the LM weight ignored: decoded exactly as before
 
 
-def test_cli_flags(tiny):
+def test_cli_flags(tiny, capfd):
+    """The flags through the CLI, run in this process (`cliwalk.cli`)."""
     data, runs = tiny
     wav = sorted((data / "test" / "wav").glob("*.wav"))[0]
-    t = run_cli(
-        ["asr", "transcribe", "--model", runs["old"], "--lm-weight", "1", wav], timeout=120, check=True
-    )
+    t = cli(["asr", "transcribe", "--model", runs["old"], "--lm-weight", "1", wav], capfd, check=True)
     assert "note:" in t.stderr and "ignored" in t.stderr
-    e = run_cli(["asr", "eval", "--model", runs["new"], "--data", data / "test", "--lm-weight", "-1"])
+    e = cli(["asr", "eval", "--model", runs["new"], "--data", data / "test", "--lm-weight", "-1"], capfd)
     assert_cli_error(e, "--lm-weight must be >= 0")
-    e = run_cli(
-        ["asr", "eval", "--model", runs["new"], "--data", data / "test", "--beam", "0", "--word-bonus", "1"]
+    e = cli(
+        ["asr", "eval", "--model", runs["new"], "--data", data / "test", "--beam", "0", "--word-bonus", "1"],
+        capfd,
     )
     assert_cli_error(e, "--beam >= 1")

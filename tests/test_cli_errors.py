@@ -2,7 +2,9 @@
 (config files, choices, --out, --resume, numeric flags, mlp eval), plus the console of multi-worker jobs
 (Ctrl-C, a crashing worker, a quiet successful run) and ``--version``.
 
-Most cases fail before any training starts. Paths in the table: ``{data}`` a 600-row libFM file, ``{tmp}``
+Most cases fail before any training starts. The table runs the CLI in this process (`cliwalk.cli`); what
+only a real process shows (the exit code the shell sees, ``--version`` through ``python -m``, signals, a
+crashing worker) runs as one. Paths in the table: ``{data}`` a 600-row libFM file, ``{tmp}``
 a folder holding the config files below, ``{run}`` a trained mlp run (2 steps, debug preset, batch 32),
 ``{pctr}`` an exported model whose model.json names another app.
 """
@@ -16,6 +18,7 @@ import time
 
 import pytest
 import torch
+from cliwalk import cli
 from helpers import ROOT, assert_cli_error, cli_env, run_cli
 
 FRAPPE_ROWS = 600
@@ -40,7 +43,7 @@ def env(tmp_path_factory, data_dir):
     (tmp / "x.bin").write_bytes(bytes(range(256)) * 4)
     (tmp / "a-file").write_text("not a directory\n")
     run = tmp / "run"
-    run_cli(
+    cli(
         ["mlp", "train", "--data", data, "--out", run, "--preset", "debug", "--max-steps", "2"]
         + ["--no-progress"],
         check=True,
@@ -142,8 +145,8 @@ def _fill(argv, env):
 
 
 @pytest.mark.parametrize("argv,code,fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_is_one_line(env, argv, code, fragment):
-    p = run_cli(_fill(argv, env), timeout=120)
+def test_bad_input_is_one_line(env, argv, code, fragment, capfd):
+    p = cli(_fill(argv, env), capfd)
     assert_cli_error(p, fragment, code=code)
     assert "launching" not in p.stderr  # caught before any worker started
     assert "app=None" not in p.stderr
@@ -151,56 +154,77 @@ def test_bad_input_is_one_line(env, argv, code, fragment):
     assert len(errors) == 1, p.stderr
 
 
-def test_resume_allows_listed_changes_and_keeps_config(env, tmp_path):
+def test_resume_allows_listed_changes_and_keeps_config(env, tmp_path, monkeypatch, capfd):
     """A run started with relative --data/--out records absolute paths; resuming it with absolute paths and
     a changed --max-steps/--log-every (changes that are allowed) continues it, and config.toml then holds
     the new values of only those fields."""
     run = tmp_path / "run"
     rel = os.path.relpath(env["data"], tmp_path)
-    first = subprocess.run(
-        [sys.executable, "-m", "mariana.platform.cli", *TRAIN[:3], rel, "--out", "run", "--max-steps", "2"]
-        + ["--preset", "debug", "--no-progress"],
-        cwd=tmp_path,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    monkeypatch.chdir(tmp_path)  # the command's working directory, as `cd TMP; mariana ...`
+    first = cli(
+        [*TRAIN[:3], rel, "--out", "run", "--max-steps", "2", "--preset", "debug", "--no-progress"], capfd
     )
     assert first.returncode == 0, first.stderr
     saved = (run / "config.toml").read_text()
     assert f'data = "{env["data"]}"' in saved and f'out = "{run}"' in saved
     base = ["mlp", "train", "--data", env["data"], "--out", run, "--preset", "debug", "--no-progress"]
-    p = run_cli([*base, "--max-steps", "4", "--log-every", "2", "--resume"], check=True)
+    p = cli([*base, "--max-steps", "4", "--log-every", "2", "--resume"], capfd, check=True)
     assert p.stdout.strip().splitlines()[-1].startswith("validation AUC")
     assert json.loads((run / "metrics.json").read_text())["steps"] == 4
     saved = (run / "config.toml").read_text()
     assert "max_steps = 4\n" in saved and "log_every = 2\n" in saved and "batch_size = 32\n" in saved
 
 
-def test_mlp_eval_split_names_what_it_scores(env):
+def test_mlp_eval_split_names_what_it_scores(env, capfd):
     """--split test scores the held-out last rows; the line says which rows, the JSON is per data/split."""
-    p = run_cli([*_fill(EVAL, env), "--split", "test"], check=True)
+    p = cli([*_fill(EVAL, env), "--split", "test"], capfd, check=True)
     last = p.stdout.strip().splitlines()[-1]
     assert last.startswith("AUC ") and last.endswith("on tiny.libfm (test, 60 rows)"), last
     result = json.loads((env["run"] / "eval" / "tiny-test.json").read_text())
     assert result["rows"] == 60 and result["split"] == "test" and 0 <= result["auc"] <= 1
 
 
+def test_an_in_process_run_leaves_no_state_behind(env, tmp_path, capfd):
+    """What the in-process table relies on (`cliwalk.process_state`): a training run's loggers (``mariana``
+    no longer propagating, its console and RUN/logs handlers), environment, working directory, thread count
+    and random state are as before it, as they would be after a subprocess."""
+    import logging
+    import random
+
+    lg = logging.getLogger("mariana")
+    before = (lg.handlers[:], lg.propagate, lg.level, dict(os.environ), os.getcwd(), torch.get_num_threads())
+    rng = (torch.random.get_rng_state(), random.getstate())
+    p = cli(
+        [*_fill(TRAIN[:5], env), tmp_path / "r", "--preset", "debug", "--max-steps", "1", "--no-progress"],
+        capfd,
+    )
+    assert p.returncode == 0 and (tmp_path / "r" / "logs" / "rank-0.log").is_file(), p.stderr
+    assert (
+        lg.handlers,
+        lg.propagate,
+        lg.level,
+        dict(os.environ),
+        os.getcwd(),
+        torch.get_num_threads(),
+    ) == before
+    assert torch.equal(torch.random.get_rng_state(), rng[0]) and random.getstate() == rng[1]
+
+
+def test_refusal_exit_code_as_the_shell_sees_it(env):
+    """One table case as a real process (``python -m mariana.platform.cli``): the MarianaError's exit code
+    is the process's, and its line is all of stderr."""
+    p = run_cli(_fill([*TRAIN, "--lr", "nan"], env), timeout=120)
+    assert_cli_error(p, "--lr must be a finite number >= 0, got nan", code=2)
+    assert p.stderr.strip().splitlines() == ["mariana: error: --lr must be a finite number >= 0, got nan"]
+
+
 def test_version():
+    """Through the real entry point: argparse's version action exits the process with 0."""
     p = run_cli(["--version"])
     assert p.returncode == 0
     from importlib.metadata import version
 
     assert p.stdout.strip() == f"mariana {version('mariana')} (torch {version('torch')})"
-
-
-@pytest.mark.parametrize("args", [["--help"], ["mlp", "train", "--help"], ["mlp", "eval", "--help"]])
-def test_help(args):
-    p = run_cli(args)
-    assert p.returncode == 0 and "usage: mariana" in p.stdout
-    assert "(default: None)" not in p.stdout and "(default: '')" not in p.stdout
-    if args[-2:] == ["train", "--help"]:
-        assert "--preset {debug,small}" in p.stdout and "--optimizer {sgd,adam,adamw}" in p.stdout
 
 
 # --- the console of multi-worker jobs ---------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Bad input to ``mariana asr ...``: one line ``mariana: error: ...`` naming what is wrong, exit 2, no
-traceback (issue 21). One table of (argv, exit code, stderr fragments), run as real CLI processes on tiny
-inputs: WAVs written with the `wave` module, a 20-file FSDD folder, and an untrained exported model."""
+traceback (issue 21). One table of (argv, exit code, stderr fragments), run through the CLI in this
+process (`cliwalk.cli`; the exit code as a process sees it is tested in test_cli_errors.py) on tiny inputs: WAVs written with the `wave` module, a 20-file FSDD folder, and an untrained exported model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import assert_cli_error, run_cli
+from cliwalk import cli
+from helpers import assert_cli_error
 
 
 def _write_wav(path: Path, samples: int, sr: int = 8000) -> Path:
@@ -95,19 +96,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_asr_cli_error(inputs, case):
+def test_asr_cli_error(inputs, case, capfd):
     name, argv, code, fragments = case
-    proc = run_cli([a.format(**inputs) for a in argv.split()], timeout=120)
+    proc = cli([a.format(**inputs) for a in argv.split()], capfd)
     assert_cli_error(proc, *fragments, code=code)
     if name == "transcribe-bad-files":  # the good file is still transcribed; no line for a skipped one
         lines = proc.stdout.splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"{inputs['ok']}\t"), proc.stdout
         assert proc.stderr.count("mariana: error:") == 6, proc.stderr
-
-
-def test_help_lists_choices_and_no_default_none():
-    for cmd in ("prepare", "train", "eval", "transcribe"):
-        out = run_cli(["asr", cmd, "--help"], timeout=60, check=True).stdout
-        assert "(default: None)" not in out, (cmd, out)
-    ev = run_cli(["asr", "eval", "--help"], timeout=60, check=True).stdout
-    assert "{speaker,file}" in ev

@@ -1,5 +1,5 @@
 """Bad input to `mariana pctr train|eval`: one line `mariana: error: ...`, exit 2, no traceback, and no
-training process started. Each case is (argv after `pctr`, exit code, fragment of stderr); ``{data}``,
+training process started; run through the CLI in this process (`cliwalk.cli`). Each case is (argv after `pctr`, exit code, fragment of stderr); ``{data}``,
 ``{out}``, ``{toml}`` and ``{run}`` are filled in per test."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from helpers import assert_cli_error, run_cli
+from cliwalk import cli
+from helpers import assert_cli_error
 from mariana.apps.pctr.configs import PctrConfig
 from mariana.platform.core.config import save_config
 
@@ -76,7 +77,7 @@ def fake_run(folder, data) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_is_one_clear_line(case, tiny, tmp_path):
+def test_bad_input_is_one_clear_line(case, tiny, tmp_path, capfd):
     _, argv, toml, code, fragment = case
     run = tmp_path / "run"
     fake_run(run, tiny)
@@ -87,12 +88,12 @@ def test_bad_input_is_one_clear_line(case, tiny, tmp_path):
         "toml": str(tmp_path / "job.toml"),
         "run": str(run),
     }
-    p = run_cli(["pctr", *(a.format(**subst) for a in argv)], timeout=120)
+    p = cli(["pctr", *(a.format(**subst) for a in argv)], capfd)
     assert_cli_error(p, fragment, code=code)
     assert not (tmp_path / "out" / "metrics.jsonl").exists()  # nothing was trained
 
 
-def test_legacy_run_without_checkpoint_is_not_trained_over(tiny, tmp_path):
+def test_legacy_run_without_checkpoint_is_not_trained_over(tiny, tmp_path, capfd):
     """A finished run from before the marker, proven by its own files (issue 41 point 1: config.toml of
     pctr's sections plus metrics.jsonl; a metrics.json alone is a user's file, tests/test_newcomer_run_folders.py)."""
     from mariana.apps.pctr.configs import PctrConfig
@@ -103,22 +104,5 @@ def test_legacy_run_without_checkpoint_is_not_trained_over(tiny, tmp_path):
     save_config(PctrConfig(out=str(run)), run / "config.toml")
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     (run / "metrics.json").write_text("{}\n")
-    p = run_cli(["pctr", "train", "--data", tiny, "--out", run, "--preset", "debug"], timeout=120)
+    p = cli(["pctr", "train", "--data", tiny, "--out", run, "--preset", "debug"], capfd)
     assert_cli_error(p, "already holds a trained run; pass --resume")
-
-
-def test_help_lists_only_the_options_pctr_uses():
-    p = run_cli(["pctr", "train", "--help"], timeout=60, check=True)
-    for unused in ("--grad-comm", "--grad-accum", "--momentum", "--num-workers"):
-        assert unused not in p.stdout
-    for used in (
-        "--schedule",
-        "--warmup-steps",
-        "--clip-grad",
-        "--eval-every",
-        "--ckpt-every",
-        "--resume",
-        "--weight-decay",
-        "--l2-emb",
-    ):
-        assert used in p.stdout

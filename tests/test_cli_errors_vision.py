@@ -1,6 +1,8 @@
 """Bad input to `mariana vision ...` and `mariana serve` gets one line ``mariana: error: ...`` naming the flag
 and what was expected, exit code 2, no traceback, and nothing launched; `serve --port 0` prints the port
-it really bound. Everything runs on a few random JPEGs made here and one tiny model trained for one step."""
+it really bound. Everything runs on a few random JPEGs made here and one tiny model trained for one step.
+The commands run in this process (`cliwalk.cli`) with CUDA hidden (`no_cuda`, as `helpers.cli_env` hides it
+from a subprocess); serving on a port runs as a real process."""
 
 from __future__ import annotations
 
@@ -13,8 +15,20 @@ import time
 import httpx
 import numpy as np
 import pytest
-from helpers import ROOT, assert_cli_error, cli_env, run_cli
+import torch
+from cliwalk import cli
+from helpers import ROOT, assert_cli_error, cli_env
 from PIL import Image
+
+
+def _hide_cuda(mp: pytest.MonkeyPatch) -> None:
+    mp.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """This process without a GPU, as the commands' subprocesses were (CUDA_VISIBLE_DEVICES="")."""
+    _hide_cuda(monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +45,15 @@ def tiny(tmp_path_factory):
     (root / "afile").write_text("not a directory\n")
     (root / "notimg.jpg").write_text("hello\n")
     # a model file exported by another app (only its safetensors metadata matters here)
-    import torch
     from safetensors.torch import save_file
 
     (root / "pctr-run").mkdir()
     save_file({"w": torch.zeros(2)}, root / "pctr-run" / "model.safetensors", {"mariana": '{"app": "pctr"}'})
     run = root / "run"
     args = ["vision", "train", "--data", root / "imgs", "--out", run, "--preset", "debug", "--limit", "0"]
-    run_cli([*args, "--max-steps", "1", "--batch-size", "4", "--no-progress"], check=True)
+    with pytest.MonkeyPatch.context() as mp:
+        _hide_cuda(mp)
+        cli([*args, "--max-steps", "1", "--batch-size", "4", "--no-progress"], check=True)
     return {
         "data": root / "imgs",
         "run": run,
@@ -94,23 +109,23 @@ CASES = [
     (CLASSIFY + ["-k", "0"], 2, "-k must be >= 1"),
     (CLASSIFY + ["-k", "11"], 2, "-k 11: the model knows only 2 classes"),
     (CLASSIFY + ["{notimg}", "{root}/missing.jpg"], 2, "classified 1 of 3 image(s): 2 failed"),
-    (CLASSIFY + ["--device", "cuda"], 2, "CUDA is not available"),  # cli_env hides every GPU
+    (CLASSIFY + ["--device", "cuda"], 2, "CUDA is not available"),  # no_cuda hides every GPU
     (["serve"], 2, "nothing to serve"),
     (["serve", "--vision", "{run}", "--port", "70000"], 2, "expected 0..65535"),
 ]
 
 
 @pytest.mark.parametrize("argv,code,fragment", CASES, ids=[c[2] for c in CASES])
-def test_bad_input_is_one_line_error(tiny, argv, code, fragment):
+def test_bad_input_is_one_line_error(tiny, argv, code, fragment, no_cuda, capfd):
     fill = {k: str(v) for k, v in tiny.items()}
-    proc = run_cli([a.format(**fill) for a in argv], timeout=120)
+    proc = cli([a.format(**fill) for a in argv], capfd)
     assert_cli_error(proc, fragment.format(**fill), code=code)
     assert "launching" not in proc.stderr  # refused before any worker process started
     assert ": error: " in proc.stderr.splitlines()[-1], proc.stderr  # the cause is the last line
 
 
-def test_eval_writes_one_result_per_data_set(tiny):
-    proc = run_cli(["vision", "eval", "--model", tiny["run"], "--data", tiny["data"]], check=True)
+def test_eval_writes_one_result_per_data_set(tiny, no_cuda, capfd):
+    proc = cli(["vision", "eval", "--model", tiny["run"], "--data", tiny["data"]], capfd, check=True)
     out = tiny["run"] / "eval" / "imgs.json"
     assert f"result written to {out}" in proc.stdout
     assert re.fullmatch(r"top-1 \d+\.\d\d% top-5 100\.00%", proc.stdout.splitlines()[-1])
@@ -156,31 +171,10 @@ def test_serve_port_0_prints_the_bound_port(tiny):
         proc.wait(20)
 
 
-def test_serve_busy_port_is_one_line_error(tiny):
+def test_serve_busy_port_is_one_line_error(tiny, no_cuda, capfd):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        proc = run_cli(["serve", "--vision", tiny["run"], "--port", port], timeout=60)
+        proc = cli(["serve", "--vision", tiny["run"], "--port", port], capfd)
     assert_cli_error(proc, f"--host 127.0.0.1 --port {port}: cannot bind")
-
-
-@pytest.mark.parametrize(
-    "argv,choices",
-    [
-        (
-            ["vision", "train"],
-            ["--preset {debug,fast,gpu94,small}", "{flip-crop,flip,none,alt-flip-translate}"],
-        ),
-        (["vision", "eval"], ["--device {auto,cpu,cuda}"]),
-        (["vision", "classify"], ["--device {auto,cpu,cuda}"]),
-        (["serve"], ["{critical,error,warning,info,debug}"]),
-    ],
-)
-def test_help_lists_choices_and_no_none_defaults(argv, choices):
-    proc = run_cli([*argv, "--help"], timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    text = " ".join(proc.stdout.split())  # argparse wraps lines
-    assert "(default: None)" not in text and "(default: '')" not in text
-    for c in choices:
-        assert c in text, c

@@ -1,7 +1,7 @@
 """Issue 30, point 17: every app that leaves out bad input says so in one line of the same shape
 (`mariana.platform.cli.console.warn_skipped`): pCTR and mlp training over a libFM file with a malformed line,
 vision training over a tar with a corrupt JPEG, ASR preparation over recordings with an unreadable WAV, each
-through the real CLI (one-process runs, debug presets)."""
+through the CLI run in this process (`cliwalk.cli`; one-process runs, debug presets)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 import shutil
 import tarfile
 
-from helpers import run_cli
+from cliwalk import cli
 
 # mariana: warning: skipped N <unit>s in <data> (first: <where>: <why>)
 SHAPE = re.compile(
@@ -28,7 +28,7 @@ def _warnings(stderr: str) -> list[tuple[str, ...]]:
     return found
 
 
-def test_every_app_words_skipped_input_the_same(data_dir, tmp_path):
+def test_every_app_words_skipped_input_the_same(data_dir, tmp_path, capfd):
     lines = (data_dir / "frappe" / "frappe.validation.libfm").read_text().splitlines()[:400]
     lines[6] = "x 1:1"  # line 7: not a label
     libfm = tmp_path / "bad.libfm"
@@ -36,7 +36,7 @@ def test_every_app_words_skipped_input_the_same(data_dir, tmp_path):
     common = ["--data", libfm, "--preset", "debug", "--max-steps", "2", "--no-progress"]
     seen = {}
     for app in ("pctr", "mlp"):
-        p = run_cli([app, "train", *common, "--out", tmp_path / app], timeout=120, check=True)
+        p = cli([app, "train", *common, "--out", tmp_path / app], capfd, check=True)
         seen[app] = _warnings(p.stderr)
     for app in ("pctr", "mlp"):
         ((n, unit, data, where, why),) = seen[app]
@@ -52,10 +52,10 @@ def test_every_app_words_skipped_input_the_same(data_dir, tmp_path):
         info = tarfile.TarInfo("test/cat/broken.jpg")
         info.size = len(junk)
         dst.addfile(info, io.BytesIO(junk))
-    p = run_cli(
+    p = cli(
         ["vision", "train", "--data", shard, "--out", tmp_path / "vision", "--preset", "debug",
          "--max-steps", "1", "--no-progress"],
-        timeout=120,
+        capfd,
         check=True,
     )  # fmt: skip
     ((n, unit, data, where, why),) = _warnings(p.stderr)
@@ -67,10 +67,10 @@ def test_every_app_words_skipped_input_the_same(data_dir, tmp_path):
         shutil.copy(f, rec)
     bad = rec / "5_george_9.wav"
     bad.write_bytes(b"RIFF\x00\x00\x00\x00WAVEfmt garbage")
-    p = run_cli(
+    p = cli(
         ["asr", "prepare", "--data", rec, "--out", tmp_path / "asr", "--test-speakers", "lucas",
          "--utterances", "4"],
-        timeout=120,
+        capfd,
         check=True,
     )  # fmt: skip
     ((n, unit, data, where, why),) = _warnings(p.stderr)

@@ -251,15 +251,3 @@ def test_no_section_over_the_limit_and_names_unique_in_a_composition():
     with pytest.raises(AssertionError, match="is in sections a and b"):
         type("Twice", (Config,), {}, sections=(section("a", 2), section("b", 1)))
     type("Fine", (Config,), {}, sections=(section("a", MAX_FIELDS), section("b", 1, "g")))
-
-
-@pytest.mark.parametrize("argv", [["pctr", "--help"], ["pctr", "train", "--help"], ["pctr", "stream", "--help"],
-                                  ["mlp", "train", "--help"]], ids=" ".join)  # fmt: skip
-def test_help_imports_neither_torch_nor_numpy(argv):
-    p = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "mariana.platform.cli", *argv],
-        capture_output=True, text=True, env=cli_env(), timeout=120,
-    )  # fmt: skip
-    assert p.returncode == 0 and "usage: mariana" in p.stdout
-    heavy = [line for line in p.stderr.splitlines() if line.rstrip().endswith((" torch", " numpy"))]
-    assert not heavy, heavy
