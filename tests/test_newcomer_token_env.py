@@ -56,9 +56,13 @@ def test_cpu_kernels_off_logs_the_promised_warning(monkeypatch, caplog):
 
     monkeypatch.setenv("MARIANA_CPU_KERNELS", "OFF")
     cpu_rows.kernels.cache_clear()
+    # caplog's handler on the platform logger itself: an in-process CLI run earlier in the same worker may have
+    # set 'mariana' not to propagate to the root logger, where caplog listens by default.
+    cpu_rows.log.addHandler(caplog.handler)
     try:
-        with caplog.at_level(logging.WARNING):
+        with caplog.at_level(logging.WARNING, logger=cpu_rows.log.name):
             assert cpu_rows.kernels() is None
     finally:
+        cpu_rows.log.removeHandler(caplog.handler)
         cpu_rows.kernels.cache_clear()
     assert any("MARIANA_CPU_KERNELS=off" in r.getMessage() for r in caplog.records), caplog.text
