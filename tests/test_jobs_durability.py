@@ -28,19 +28,26 @@ def test_kill9_restart_readopts_and_finalises(tmp_path):
 
         long = post(["mlp", "train", "--data", str(FRAPPE), "--epochs", "50", "--batch-size", "64",
                      "--log-every", "20", "--no-progress"])  # fmt: skip
+
+        def long_metrics():
+            n = len(svc.http.get(f"/api/jobs/{long}/metrics").json()["records"])
+            return svc.job(long)["state"] == "running" and n >= 2 and n
+
+        # The short job (a few seconds) starts only once the long one has metrics in the database: submitted
+        # together, the short one could end before the long one logged anything under a loaded machine.
+        wait_for(long_metrics, 180, "the long job running with metrics in the database")
         short = post(["mlp", "train", "--data", str(small), "--max-steps", "30", "--batch-size", "32",
                       "--log-every", "5", "--no-progress"])  # fmt: skip
         # Needs both slots, so it waits behind the long job (and must still be waiting after the restart).
         queued = post(
             ["mlp", "train", "--data", str(small), "--workers", "2", "--max-steps", "2"], priority=5
         )
-
-        def progress():
-            a, b = svc.job(long), svc.job(short)
-            n = len(svc.http.get(f"/api/jobs/{long}/metrics").json()["records"])
-            return a["state"] == b["state"] == "running" and b["pid"] and n >= 2 and n
-
-        before = wait_for(progress, 180, "both jobs running, the long one with metrics in the database")
+        wait_for(
+            lambda: svc.job(short)["state"] == "running" and svc.job(short)["pid"],
+            180,
+            "the short job running",
+        )
+        before = long_metrics()  # the long job's records just before the kill
         a = svc.job(long)
         svc.kill9()
 
