@@ -10,8 +10,10 @@ import sys
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import httpx
+from cliwalk import cli
 from helpers import ROOT, cli_env
 
 
@@ -102,17 +104,5 @@ def run_in_process(argv: list, capsys, env: dict[str, str] | None = None, check:
     processes it starts (trials) get it too; os.environ is put back after. Returns a CompletedProcess as
     `run_cli` does (exit code, stdout, stderr); ``check=True`` raises with both streams on a non-zero exit.
     No interpreter start-up per command: the commands under test are the same code either way."""
-    from cliwalk import run_main
-
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(cli_env(env))
-    try:
-        rc, out, err = run_main([str(a) for a in argv], capsys)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    if check and rc != 0:
-        raise AssertionError(f"mariana {' '.join(map(str, argv))} exited {rc}\n--- stdout\n{out[-4000:]}"
-                             f"\n--- stderr\n{err[-8000:]}")  # fmt: skip
-    return subprocess.CompletedProcess([str(a) for a in argv], rc, out, err)
+    with mock.patch.dict(os.environ, cli_env(env), clear=True):
+        return cli(argv, capsys, check)

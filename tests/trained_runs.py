@@ -11,9 +11,6 @@ another --out from it, loads it) takes ``run.path``; one that writes into it (``
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +18,7 @@ from unittest import mock
 
 import pytest
 import torch
+from cliwalk import run_main
 from helpers import DATA
 
 FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
@@ -49,29 +47,11 @@ class Trained:
 
 
 def cli_in_process(argv: list) -> tuple[int, str, str]:
-    """``mariana ARGV`` run by `main` in this process without a CUDA device: (exit code, stdout, stderr).
-    The ``mariana`` logger's handlers (a stream on the captured stderr, a file in the run's logs) are closed
-    afterwards, so nothing later is logged into them."""
-    from mariana.platform.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        with (
-            mock.patch.object(torch.cuda, "is_available", return_value=False),
-            contextlib.redirect_stdout(out),
-            contextlib.redirect_stderr(err),
-        ):
-            try:
-                rc = main([str(a) for a in argv])
-            except SystemExit as e:  # argparse errors and --help
-                rc = int(e.code or 0)
-    finally:
-        log = logging.getLogger("mariana")
-        for h in list(log.handlers):
-            log.removeHandler(h)
-            h.close()
-        torch.set_flush_denormal(False)  # `asr train` sets it for its process (see conftest.py)
-    return rc, out.getvalue(), err.getvalue()
+    """``mariana ARGV`` run by `cliwalk.run_main` in this process without a CUDA device (as `helpers.run_cli`
+    hides it): (exit code, stdout, stderr). The process state the command changes (loggers and their handlers,
+    env, threads, flush-denormal, RNG) is put back afterwards."""
+    with mock.patch.object(torch.cuda, "is_available", return_value=False):
+        return run_main(argv)
 
 
 def run_ok(argv: list) -> tuple[str, str]:
