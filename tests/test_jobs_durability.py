@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import threading
 
 import pytest
-from helpers import DATA
+from helpers import DATA, ROOT, cli_env
 from jobs_helpers import Service, wait_for
-from mariana.platform.jobs.executor import process_alive
+from mariana.platform.jobs.executor import LocalExecutor, process_alive
 
 FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
 pytestmark = pytest.mark.slow
@@ -142,3 +144,17 @@ def test_logstore_tails_metrics_and_counters_incrementally(tmp_path):
     assert j.counters["workers"]["worker-0"]["records"] == 3 and j.counters["corrupt_lines"] == 1
     assert j.counters["servers"]["server-0"] == {"pulls": 7, "pushes": 3}
     assert j.counters["final"] == {"restarts": 0, "wall_s": 1.5} and j.last_step == 5
+
+
+def test_an_ending_job_wakes_the_scheduler_and_keeps_its_exit_status(tmp_path):
+    """The LocalExecutor calls ``on_exit`` (the scheduler's wake) as soon as a job's runner ends, without
+    reaping it: `poll` still reads the job's status (0 here, a `--help` that prints its usage)."""
+    ended = threading.Event()
+    executor = LocalExecutor()
+    executor.on_exit = ended.set
+    run = tmp_path / "run"
+    handle = executor.start(1, ["mlp", "eval", "--help"], run, str(ROOT), cli_env())
+    assert ended.wait(60), (run / "job.log").read_text()
+    assert os.waitid(os.P_PID, handle.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None  # not reaped
+    assert executor.poll(handle, run) == 0
+    assert "usage: mariana mlp eval" in (run / "job.log").read_text()

@@ -145,6 +145,7 @@ class LocalExecutor(Executor):
         self._procs: dict[int, subprocess.Popen] = {}  # pid -> our child (reaped by poll)
         self._tree: dict[int, set[tuple[int, int]]] = {}  # pid -> descendants seen at terminate
         self._lock = threading.Lock()
+        self.on_exit = None  # called (no arguments) when a job's runner ends: the scheduler's wake
 
     def check(self, resources: dict, options: set[str]) -> None:
         bad = {k: v for k, v in resources.items() if k in ("nodes", "tasks_per_node", "time", "partition")}
@@ -192,7 +193,18 @@ class LocalExecutor(Executor):
         st = proc_stat(proc.pid)
         with self._lock:
             self._procs[proc.pid] = proc
+        if self.on_exit is not None:
+            threading.Thread(target=self._notify_exit, args=(proc.pid,), daemon=True).start()
         return Handle(proc.pid, st[2] if st else None)
+
+    def _notify_exit(self, pid: int) -> None:
+        """Call ``on_exit`` when the runner ``pid`` ends, so its slot is given to the next job at once instead
+        of at the scheduler's next tick. WNOWAIT leaves the child unreaped: `poll` reaps it as before."""
+        try:
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:  # already reaped by `poll`: the scheduler has seen the exit
+            return
+        self.on_exit()
 
     def poll(self, handle: Handle, run_dir: Path) -> int | None:
         with self._lock:

@@ -10,10 +10,11 @@ parameter servers), default 1. The sum over running jobs never exceeds ``slots``
 strictly in order (priority desc, id asc), so a big job at the head is not starved by smaller ones behind
 it. A job asking for more than the whole budget is refused at submit.
 
-Every ``tick`` (about twice a second, on the service's background thread) reads running jobs' files into
-the database (LogStore), finalises those whose process ended, escalates cancels (SIGTERM, then SIGKILL
-after ``grace_s``) and starts what fits. ``recover`` runs once at start-up: running jobs whose process is
-still alive (pid + start time) are re-adopted; dead ones are finalised from their ``RUN/job.exit``.
+Every ``tick`` (about twice a second, and at once when a local job's process ends, on the service's
+background thread) reads running jobs' files into the database (LogStore), finalises those whose process
+ended, escalates cancels (SIGTERM, then SIGKILL after ``grace_s``) and starts what fits. ``recover`` runs
+once at start-up: running jobs whose process is still alive (pid + start time) are re-adopted; dead ones
+are finalised from their ``RUN/job.exit``.
 """
 
 from __future__ import annotations
@@ -146,6 +147,8 @@ class Scheduler:
         self.home = Path(home)
         self.slots = slots
         self.executor = executor or LocalExecutor()
+        if isinstance(self.executor, LocalExecutor):
+            self.executor.on_exit = self.wake  # a job that ends wakes the loop: its slot frees at once
         self.logstore = LogStore(db)
         self.catalog = CommandCatalog(build_parser)
         self.grace_s = grace_s
