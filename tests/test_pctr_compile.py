@@ -45,7 +45,7 @@ def local_step(device: str, steps: int, **kw) -> LocalStep:
     ``steps`` steps of a cosine schedule (both learning rates change every step); ``kw`` over the settings."""
     kw = {"amp": "off", **kw}
     cfg = with_defaults(
-        model="deepfm", dim=4, hidden="16,8", rows_per_field=R_, schedule="cosine",
+        model="deepfm", dim=4, hidden="16,8", rows_per_field=R_, schedule="cosine", dropout=0.0,
         clip_grad=5.0, weight_decay=1e-4, device=str(device), **kw,
     )  # fmt: skip
     schema = SimpleNamespace(num_rows=F_ * R_, num_fields=F_, num_dense=D_)

@@ -27,6 +27,7 @@ ROWS = 1024
 COMMON = [
     "--format", "criteo", "--model", "deepfm", "--dim", "4", "--hidden", "8", "--rows-per-field", "256",
     "--split", "1,0,0", "--epochs", "1", "--batch-size", "256", "--no-progress", "--seed", "5",
+    "--schedule", "constant",  # one run over three days equals three runs only at a constant rate
 ]  # fmt: skip
 
 

@@ -47,7 +47,7 @@ def in_process(args: list, capsys) -> str:
 
 
 def test_async_two_servers_two_workers_matches_single_process(frappe, tmp_path, capsys):
-    one = in_process(lr_args(frappe, tmp_path / "one"), capsys)
+    one = in_process(lr_args(frappe, tmp_path / "one", "--schedule", "constant"), capsys)  # as the servers
     ps = run_cli(lr_args(frappe, tmp_path / "ps", "--servers", "2", "--workers", "2"), check=True)
     a1, a2 = final(tmp_path / "one")["val_auc"], final(tmp_path / "ps")["val_auc"]
     assert a1 > 0.85, a1  # LR on Frappe: well above chance after one epoch
@@ -96,7 +96,7 @@ def test_staleness_zero_equals_synchronous_sgd(frappe, tmp_path, capsys):
     in_process(
         lr_args(
             str(tmp_path / "side_by_side.libfm"), tmp_path / "sync", "--batch-size", "1024", "--no-shuffle",
-            "--l2-emb", "0",
+            "--l2-emb", "0", "--schedule", "constant",
         ),
         capsys,
     )  # fmt: skip

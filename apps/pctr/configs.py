@@ -104,7 +104,7 @@ class Net(Section):
         "256,128", "MLP widths of dnn/deepfm/dcn, comma-separated", applies=only("model", *MLP_MODELS)
     )
     cross_layers: int = opt(3, "DCN-v2 cross layers", applies=only("model", "dcn"))
-    dropout: float = opt(0.0, "MLP dropout", applies=only("model", *MLP_MODELS))
+    dropout: float = opt(0.2, "MLP dropout", applies=only("model", *MLP_MODELS))
     compile: str = opt(
         "auto",
         "torch.compile the one-process step (one graph; with inductor on a GPU replayed as a CUDA graph): "
@@ -250,8 +250,9 @@ class Decay(Section):
     APPLIES: ClassVar[tuple] = (only("servers", 0),)
 
     schedule: str = opt(
-        "constant",
-        "learning-rate schedule after warm-up, of the dense and the table learning rates",
+        "cosine",
+        "learning-rate schedule after warm-up, of the dense and the table learning rates, over --epochs (or "
+        "--max-steps) whether or not early stopping ends the run sooner",
         ["constant", "cosine", "linear"],
     )
     warmup_steps: int = opt(0, "linear warm-up steps of both learning rates")
@@ -437,7 +438,8 @@ class PctrConfig(PctrMethods, TrainJob, sections=TRAIN_SECTIONS):
 
 PRESETS = {
     "debug": PctrConfig(
-        batch_size=256, max_steps=20, dim=4, hidden="16", rows_per_field=1024, log_every=5, early_stop=0
+        batch_size=256, max_steps=20, dim=4, hidden="16", rows_per_field=1024, log_every=5, early_stop=0,
+        dropout=0.0, schedule="constant",  # the parameter-server paths run at a constant rate
     ),
     "frappe": PctrConfig(
         batch_size=512,
