@@ -139,13 +139,8 @@ class EmbeddingShard:
         not ``seen`` (a key map handed them to new keys)."""
         if rows.numel() == 0:
             return
-        dev = self.weight[name].device
-        rows, weight = rows.to(dev), weight.to(dev, self.weight[name].dtype)
         with self.locks[name]:
-            self.weight[name].index_copy_(0, rows, weight)
-            for k, v in init_state(self.opt.rule, weight, self.opt).items():
-                self.state[name][k].index_copy_(0, rows, v)
-            self.seen[name][rows] = False
+            self.rows[name].reset(rows.to(self.weight[name].device), weight, self.opt)
 
     def worker_step(self, worker: int) -> int:
         """Last step of ``worker`` applied on every table of this shard (-1: none)."""

@@ -127,14 +127,9 @@ class LocalStep:
         a resumed run redraws the same values."""
         rows, evicted = self.idmap.assign(batch.ids.cpu().numpy())
         if len(evicted):
-            w, store = self.store.weight, self.store
-            idx = torch.from_numpy(evicted).to(w.device)
-            # the same redraw as PSWorkerStep's (fresh_rows)
+            w = self.store.weight  # the same redraw as PSWorkerStep's (fresh_rows), the servers' reset
             fresh = fresh_rows(self.cfg.seed, self.cfg.init_std, len(evicted), w.shape[1], self.t)
-            w.index_copy_(0, idx, fresh.to(w.device, w.dtype))
-            for k, v in init_state(self.rows_opt.rule, fresh.to(w.device, w.dtype), self.rows_opt).items():
-                store.state[k].index_copy_(0, idx, v)
-            store.seen[idx] = False
+            self.store.reset(torch.from_numpy(evicted).to(w.device), fresh, self.rows_opt)
         return replace(batch, ids=torch.from_numpy(rows).to(batch.ids.device))
 
     def evaluate(self, fn) -> dict[str, float]:

@@ -127,6 +127,15 @@ class TorchRows:
         apply_rows(self.weight, self.state, rows, grad, rule, scale)
         self.seen.index_fill_(0, rows, True)
 
+    def reset(self, rows: torch.Tensor, weight: torch.Tensor, rule: RowOptConfig) -> None:
+        """Start ``rows`` [E] over as new rows (a key map handed them to new keys): weights ``weight`` [E, K],
+        the rule's fresh state, not ``seen``."""
+        weight = weight.to(self.weight.device, self.weight.dtype)
+        self.weight.index_copy_(0, rows, weight)
+        for k, v in rules.init_state(rule.rule, weight, rule).items():
+            self.state[k].index_copy_(0, rows, v)
+        self.seen[rows] = False
+
     def pull(self, reqs: dict[str, torch.Tensor], step: int = -1, want_dense: bool = False):
         """The workers' client read (``reqs``: table -> rows [U]; one table here) -> (table -> [U, K], None)."""
         return {n: self.weight.index_select(0, r.to(self.weight.device)) for n, r in reqs.items()}, None
