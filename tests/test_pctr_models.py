@@ -45,8 +45,8 @@ def test_fm_term_is_the_sum_of_pairwise_products():
 
 
 def _trained_rows(rule: str, model: CTRModel, steps: int = 3, **row_kw) -> torch.Tensor:
-    """``model``'s table after ``steps`` batches of the one-process training step (`train_step` on an
-    in-process shard: `sparse_step` over the shard's own row store with the row optimiser ``rule``), dense
+    """``model``'s table after ``steps`` batches of the sparse step (`train_step` on an in-process shard:
+    `sparse_step`, its pushes applied by the shard's row store with the row optimiser ``rule``), dense
     parameters left alone."""
     from mariana.apps.pctr.data.encoding import Batch
     from mariana.platform.ps.pull import TABLE, train_step

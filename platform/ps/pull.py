@@ -1,7 +1,6 @@
 """The parameter-server worker's side of the sparse step: `RemoteRows`, the row store whose rows live on
 the servers (pull a batch's unique rows, push exactly those rows' gradients with the dense ones), and
-`train_step`, the one sparse step (`mariana.platform.sparse.step.sparse_step`) over it, or over an
-in-process shard's own store; `predict_batches` scores batches through any client. Models, batches and
+`train_step`, the one sparse step (`mariana.platform.sparse.step.sparse_step`) over it; `predict_batches` scores batches through any client. Models, batches and
 settings are the application's (`protocol.py`).
 """
 
@@ -16,11 +15,10 @@ import torch.nn.functional as F
 
 from ..core.rundir import RunDir
 from ..sparse.local import fresh_rows
-from ..sparse.step import sparse_step
+from ..sparse.step import sparse_step, step_dense
 from ..sparse.store import Gathered, row_sums
 from .dense import flatten, unflatten_into
 from .protocol import TABLE, SparseBatch, SparseModel
-from .worker import LocalClient
 
 __all__ = [
     "TABLE",
@@ -75,7 +73,7 @@ def gather_rows(client, ids: torch.Tensor, step: int, device, want_dense: bool =
 
 class RemoteRows:
     """The row store (`mariana.platform.sparse.store`'s calls) of one worker step whose rows live behind
-    ``client`` (a `PSClient`, or any client with its ``pull``/``push``): ``gather`` pulls the batch's unique
+    ``client`` (a `PSClient`, or a `LocalClient` over an in-process shard): ``gather`` pulls the batch's unique
     rows (or takes ``pulled``, sent ahead) and, with ``remote_dense``, the dense parameters into ``model``;
     ``update`` pushes the rows' gradients (and the dense ones, flat) for ``step``; the servers apply them."""
 
@@ -129,24 +127,16 @@ def train_step(
 ):
     """One pull -> forward/backward -> push (`sparse_step`, whose docstring says what ``clip_grad``,
     ``l2_emb`` and ``weight_decay`` add). Returns the mean log-loss (float tensor). ``pulled``: this batch's
-    pull, sent ahead (`send_pull`). An in-process shard (a `LocalClient`, the dense parameters here) is
-    updated through its own store, as the one-process step does; otherwise through `RemoteRows`.
-    ``dense_opt`` (if any) is stepped with the dense gradients; ``remote_dense``: they travel with the push
-    instead and the servers' dense parameters are pulled first."""
-    if isinstance(client, LocalClient) and not remote_dense and pulled is None:
-        store, rule = client.shard.rows[TABLE], client.shard.opt
-        vals = batch.vals
-    else:
-        store, rule = RemoteRows(client, step, device, model, remote_dense, pulled), None
-        vals = None if bool((batch.vals == 1).all()) else batch.vals  # one-hot data: skip the products
+    pull, sent ahead (`send_pull`). ``dense_opt`` (if any) is stepped with the dense gradients;
+    ``remote_dense``: they travel with the push instead and the servers' dense parameters are pulled first.
+    The servers (or a `LocalClient`'s in-process shard) apply the rows' gradients with their rule."""
+    store = RemoteRows(client, step, device, model, remote_dense, pulled)
+    vals = None if bool((batch.vals == 1).all()) else batch.vals  # one-hot data: skip the products
     loss, grads = sparse_step(
-        model, store, batch.ids, vals, batch.dense, batch.labels, rule,
+        model, store, batch.ids, vals, batch.dense, batch.labels, None,
         autocast=autocast, clip_grad=clip_grad, l2_emb=l2_emb, weight_decay=weight_decay,
     )  # fmt: skip
-    for p, g in zip(model.dense_parameters(), grads):
-        p.grad = g
-    if dense_opt is not None:
-        dense_opt.step()
+    step_dense(model, grads, dense_opt)
     return loss
 
 

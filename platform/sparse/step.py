@@ -221,12 +221,17 @@ class SparseStep:
         return {n for n, g in zip(self.names, grads) if g is not None}
 
 
-def apply_dense(step: SparseStep, batch, rule: RowOptConfig, dense_opt) -> torch.Tensor:
-    """Run ``step`` on ``batch`` (its rows updated in place), hand the dense gradients to the model's
-    parameters and step ``dense_opt`` (if any). Returns the loss []."""
-    loss, grads = step(batch.ids, batch.vals, batch.dense, batch.labels, rule)
-    for p, g in zip(step.model.dense_parameters(), grads):
+def step_dense(model: nn.Module, grads: list, dense_opt) -> None:
+    """Hand a step's dense gradients (`sparse_step`'s) to ``model``'s dense parameters and step
+    ``dense_opt`` (if any)."""
+    for p, g in zip(model.dense_parameters(), grads):
         p.grad = g
     if dense_opt is not None:
         dense_opt.step()
+
+
+def apply_dense(step: SparseStep, batch, rule: RowOptConfig, dense_opt) -> torch.Tensor:
+    """Run ``step`` on ``batch`` (its rows updated in place), then `step_dense`. Returns the loss []."""
+    loss, grads = step(batch.ids, batch.vals, batch.dense, batch.labels, rule)
+    step_dense(step.model, grads, dense_opt)
     return loss
