@@ -8,7 +8,7 @@ both sides run in the same process on the same batches, alternating blocks of ``
 load change hits both sides of a round alike.
 
 - ``ours``: the step ``pctr train`` runs on a CPU (`apps/pctr/models/step.py:make_local_step`: `LocalStep` ->
-  `FixedShapeStep` with the trimmed unique-row path, its table work in `cpu_rows`' C loops, Adagrad rows at 0.05, fused Adam on the dense layers
+  `SparseStep` with the trimmed unique-row path, its table work in `sparse.kernels`' C loops, Adagrad rows at 0.05, fused Adam on the dense layers
   at 1e-3, ``--amp off|bf16``), DeepFM on Criteo's layout: 13 bucketed-count + 26 categorical fields of
   ``R`` rows each, rows of 1 + 16 floats, 13 dense features, MLP 637-256-128-1 (the CLI's defaults);
 - ``ours_compiled``: the same with ``--compile on`` (inductor: the fixed-shape step as one compiled C++

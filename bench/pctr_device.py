@@ -6,7 +6,7 @@ ids), 13 dense features, rows of 1 + ``dim`` floats (linear weight + embedding),
 issue's sizes, Adagrad rows (lr 0.05) and Adam dense layers (lr 1e-3), fp32:
 
 - ``ours``: the `LocalStep` `pctr train --device DEVICE` runs by default (``--compile auto``): on CUDA
-  `FixedShapeStep` compiled by inductor and replayed as a CUDA graph, on the CPU eager;
+  `SparseStep` compiled by inductor and replayed as a CUDA graph, on the CPU eager;
 - ``ours_eager``: the same with ``--compile off`` (fixed shapes, no host reads, ``trim`` off on CUDA);
 - ``ours_compiled_nograph`` (``--compile``, CUDA): compiled by inductor without CUDA graphs;
 - ``plain``: ``nn.EmbeddingBag(sum, sparse=True)`` over all rows + the same FM and MLP,
@@ -48,9 +48,7 @@ def ours_step(R: int, dim: int, hidden, device, compile: str = "auto"):
     from mariana.apps.pctr.configs import with_defaults
     from mariana.apps.pctr.models.nets import CTRModel
     from mariana.apps.pctr.models.optim import build_dense, row_config
-    from mariana.platform.ps.local import LocalStep
-    from mariana.platform.ps.protocol import TABLE
-    from mariana.platform.ps.shard import TableSpec
+    from mariana.platform.sparse.local import LocalStep
 
     cfg = with_defaults(
         model="deepfm", dim=dim, hidden=",".join(map(str, hidden)), rows_per_field=R, sparse_lr=0.05, lr=1e-3,
@@ -58,10 +56,9 @@ def ours_step(R: int, dim: int, hidden, device, compile: str = "auto"):
     )  # fmt: skip
     torch.manual_seed(0)
     model = CTRModel("deepfm", F_ * R, F_, D_, dim, hidden).to(device)
-    spec = TableSpec(TABLE, F_ * R, 1 + dim)
     dense_opt = build_dense(cfg.optim, model.dense_parameters())
     local = LocalStep(
-        cfg, model, model.table.weight.data, spec, row_config(cfg.table), dense_opt, device, unit_vals=True
+        cfg, model, model.table.weight.data, row_config(cfg.table), dense_opt, device, unit_vals=True
     )
     local.setup(1 << 30)
     if compile == "nograph":

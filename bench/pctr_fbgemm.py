@@ -3,7 +3,7 @@
 Both train the same DeepFM (26 fields, ``--rows-per-field`` rows each, dim 16 + a linear weight per row,
 MLP 416-256-128-1, Adam on the dense layers) on the same power-law ids, batch ``--batch``, fp32:
 
-- ``ours``: `mariana.platform.ps.sparse_step.FixedShapeStep` (one gather, autograd, per-coordinate row
+- ``ours``: `mariana.platform.sparse.step.SparseStep` (one gather, autograd, per-coordinate row
   Adagrad on the batch's distinct rows) -- the step `pctr train` runs;
 - ``fbgemm``: ``SplitTableBatchedEmbeddingBagsCodegen`` (one lookup for all 26 tables, backward with the
   optimiser fused, ``EXACT_ROWWISE_ADAGRAD``: one accumulator per row, FBGEMM's only Adagrad) on CPU; its rows are 20 floats wide (a multiple of 4 is required), 3 unused.
@@ -52,16 +52,14 @@ class Head(nn.Module):
 
 
 def ours(R: int):
-    from mariana.platform.ps.rowopt import RowOptConfig, init_state
-    from mariana.platform.ps.sparse_step import FixedShapeStep
+    from mariana.platform.sparse.rules import RowOptConfig, init_state
+    from mariana.platform.sparse.step import SparseStep
 
     torch.manual_seed(0)
     head = Head()
     weight = torch.randn(F_ * R, 1 + DIM) * 0.01
     opt = RowOptConfig("adagrad", 0.05)
-    fx = FixedShapeStep(
-        head, weight, init_state("adagrad", weight, opt), torch.zeros(F_ * R, dtype=torch.bool)
-    )
+    fx = SparseStep(head, weight, init_state("adagrad", weight, opt), torch.zeros(F_ * R, dtype=torch.bool))
     fx.unit_vals = True
     dense_opt = torch.optim.Adam(head.parameters(), 1e-3)
     base = torch.arange(F_) * R

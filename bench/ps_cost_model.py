@@ -103,11 +103,11 @@ def job(out: str, rows: int, width: int, dense: int, reps: int) -> int:
     """torchrun entry: rank 0 serves one table of ``rows x width`` and ``dense`` values; rank 1 times pulls
     and pushes of U unique rows (+ the dense vector) for U in SWEEP_U, writing ``out`` (JSON)."""
     from mariana.platform.ps.dense import DenseStore
-    from mariana.platform.ps.rowopt import RowOptConfig
     from mariana.platform.ps.runtime import role_from_env, rpc_session
     from mariana.platform.ps.server import ParamServer, install
     from mariana.platform.ps.shard import EmbeddingShard, TableSpec
     from mariana.platform.ps.worker import PSClient
+    from mariana.platform.sparse.rules import RowOptConfig
 
     torch.set_num_threads(1)
     role = role_from_env(1, 1)

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import torch
-from mariana.platform.ps.rowopt import RowOptConfig
 from mariana.platform.ps.runtime import role_from_env, rpc_session
 from mariana.platform.ps.server import ParamServer, install
 from mariana.platform.ps.shard import EmbeddingShard, TableSpec
 from mariana.platform.ps.worker import PSClient
+from mariana.platform.sparse.rules import RowOptConfig
 
 SPEC = TableSpec("t", 10, 3, init_std=1.0)
 PUSHED = [7, 1, 4]

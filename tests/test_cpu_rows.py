@@ -1,17 +1,19 @@
-"""The CPU step's C loops (`mariana.platform.ps.cpu_rows`, `rows.c`) against the torch ops they replace:
+"""The CPU step's C loops (`mariana.platform.sparse.kernels`, `rows.c`) against the torch ops they replace:
 gather and split, distinct rows + per-row gradient sums, the row optimiser; the whole eager step with and
 without them over models x row optimisers; bad ids; the fallback when no library can be built."""
 
 from __future__ import annotations
 
 import logging
+import platform
+import subprocess
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from mariana.platform.ps import cpu_rows
-from mariana.platform.ps.rowopt import RowOptConfig, apply_rows, sum_rows
+from mariana.platform.sparse import kernels as cpu_rows
+from mariana.platform.sparse.rules import RowOptConfig, apply_rows, sum_rows
 from test_ps_fixed_step import CASES, hashed_batch, make
 
 
@@ -102,7 +104,7 @@ def test_an_id_outside_the_table_raises_like_embedding(bad):
 @pytest.mark.parametrize("clip", [0.0, 5.0])
 @pytest.mark.parametrize("kind,rule", CASES)
 def test_the_eager_step_gives_the_torch_ops_numbers(kind, rule, clip, monkeypatch):
-    """Three steps of `FixedShapeStep` (l2_emb on; clipping off: l2 is added inside the row update, on:
+    """Three steps of `SparseStep` (l2_emb on; clipping off: l2 is added inside the row update, on:
     before the norm) with the loops and with torch's ops."""
     out = {}
     for name in ("loops", "torch"):
@@ -121,7 +123,9 @@ def test_the_eager_step_gives_the_torch_ops_numbers(kind, rule, clip, monkeypatc
                 for n, g in zip(fixed.names, grads):
                     if g is not None:
                         params[f"m.{n}"].sub_(0.1 * g)
-        assert (fixed.scratch is not None) == (name == "loops")  # each path ran what it names
+        assert (getattr(fixed.store, "scratch", None) is not None) == (
+            name == "loops"
+        )  # each path ran what it names
         out[name] = (torch.stack(losses), fixed.weight.clone(), dict(fixed.state), fixed.seen.clone())
     (la, wa, sa, seen_a), (lb, wb, sb, seen_b) = out["loops"], out["torch"]
     # the same bits but where Adagrad's square root (1 ulp, see above) or clipping's norm (summed over the
@@ -146,9 +150,9 @@ class Records(logging.Handler):
         self.seen.append(record.getMessage())
 
 
-def test_without_a_compiler_the_step_keeps_torch_ops(tmp_path, monkeypatch):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("MARIANA_KERNEL_CACHE", str(tmp_path / "cache"))
+def test_without_the_library_the_step_keeps_torch_ops(tmp_path, monkeypatch):
+    # an install without a C compiler leaves no library: one warning naming it, and the torch ops
+    monkeypatch.setattr(cpu_rows, "LIBRARY", tmp_path / "no-such.so")
     cpu_rows.kernels.cache_clear()
     records = Records()
     cpu_rows.log.addHandler(records)
@@ -156,39 +160,35 @@ def test_without_a_compiler_the_step_keeps_torch_ops(tmp_path, monkeypatch):
         assert cpu_rows.kernels() is None
         assert not cpu_rows.usable(torch.zeros(4, 3))
         assert len(records.seen) == 1 and "C row kernels unavailable" in records.seen[0]
-        assert "no-such-cc" in records.seen[0]  # the reason, named
+        assert "no-such.so" in records.seen[0]  # the reason, named
         model, fixed, opt = make("deepfm", "adagrad", trim=True)
         ids, vals, dense, y = hashed_batch()
         loss, _ = fixed(ids, vals, dense, y, opt)
-        assert torch.isfinite(loss) and fixed.scratch is None and fixed.seen.any()
+        assert torch.isfinite(loss) and getattr(fixed.store, "scratch", None) is None and fixed.seen.any()
     finally:
         cpu_rows.log.removeHandler(records)
         cpu_rows.kernels.cache_clear()
 
 
-def test_the_library_is_built_once_and_reused(tmp_path, monkeypatch):
-    monkeypatch.setenv("MARIANA_KERNEL_CACHE", str(tmp_path))
+def test_the_installed_library_is_portable_and_a_stale_one_is_refused(tmp_path, monkeypatch):
+    """The library ``pip install -e .`` built (setup.py's extension) carries this rows.c's identity, and each
+    loop as an ifunc (its x86-64-v3/v4 clones picked by the CPU at load; no ``-march=native`` build that a
+    second CPU generation could not run); a library built from another rows.c is refused at load (kernels()
+    None, one warning) rather than called with signatures it does not have."""
+    assert cpu_rows.load(cpu_rows.LIBRARY).mariana_rows_source().decode() == cpu_rows.source_id()
+    assert "-march=native" not in " ".join(cpu_rows.FLAGS)
+    if platform.machine() == "x86_64":
+        symbols = subprocess.run(["nm", "-D", str(cpu_rows.LIBRARY)], capture_output=True, text=True).stdout
+        for name in cpu_rows.SIGNATURES:
+            assert f" i {name}" in symbols, symbols  # an indirect function: the CPU's clone
+    stale = tmp_path / "stale.so"
+    cc = ["cc", "-shared", "-fPIC", '-DMARIANA_ROWS_SOURCE="0123456789abcdef"', "-o", str(stale)]
+    subprocess.run(cc + [str(cpu_rows.SOURCE), "-lm"], check=True)
+    with pytest.raises(OSError, match="built from another rows.c"):
+        cpu_rows.load(stale)
+    monkeypatch.setattr(cpu_rows, "LIBRARY", stale)
     cpu_rows.kernels.cache_clear()
     try:
-        assert cpu_rows.kernels() is not None
-        built = list(tmp_path.glob("rows-*.so"))
-        assert len(built) == 1 and list(tmp_path.iterdir()) == built  # no temporary left behind
-        stamp = built[0].stat().st_mtime_ns
-        cpu_rows.kernels.cache_clear()
-        assert cpu_rows.kernels() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
-    finally:
-        cpu_rows.kernels.cache_clear()
-
-
-def test_a_cache_folder_that_cannot_be_written_falls_back_to_the_temporary_one(tmp_path, monkeypatch):
-    blocked = tmp_path / "file"
-    blocked.write_text("not a folder")
-    monkeypatch.setenv("MARIANA_KERNEL_CACHE", str(blocked / "kernels"))
-    monkeypatch.setattr(cpu_rows.tempfile, "tempdir", str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
-    cpu_rows.kernels.cache_clear()
-    try:
-        assert cpu_rows.kernels() is not None
-        assert len(list((tmp_path / "tmp").glob("mariana-kernels-*/rows-*.so"))) == 1
+        assert cpu_rows.kernels() is None
     finally:
         cpu_rows.kernels.cache_clear()

@@ -44,7 +44,7 @@ def test_a_sendable_token_is_read_with_its_newline_stripped(tmp_path: Path):
 @pytest.mark.parametrize("value", ["maybe", "true-ish", "2", ""])
 def test_an_undocumented_cpu_kernels_value_is_refused(monkeypatch, value):
     from mariana.platform.core.errors import MarianaError
-    from mariana.platform.ps import cpu_rows
+    from mariana.platform.sparse import kernels as cpu_rows
 
     monkeypatch.setenv("MARIANA_CPU_KERNELS", value)
     with pytest.raises(MarianaError, match="MARIANA_CPU_KERNELS=.*expected on or off"):
@@ -52,7 +52,7 @@ def test_an_undocumented_cpu_kernels_value_is_refused(monkeypatch, value):
 
 
 def test_cpu_kernels_off_logs_the_promised_warning(monkeypatch, caplog):
-    from mariana.platform.ps import cpu_rows
+    from mariana.platform.sparse import kernels as cpu_rows
 
     monkeypatch.setenv("MARIANA_CPU_KERNELS", "OFF")
     cpu_rows.kernels.cache_clear()

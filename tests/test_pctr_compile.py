@@ -1,4 +1,4 @@
-"""The compiled one-process pCTR step (`FixedShapeStep.compile`, `LocalStep`, ``--compile``): the row
+"""The compiled one-process pCTR step (`SparseStep.compile`, `LocalStep`, ``--compile``): the row
 optimiser's learning rate reaches the graph as a 0-d tensor (a schedule does not recompile it), ``pctr train
 --compile on`` trains the eager step's model, and on a GPU the default (inductor, CUDA graphs) trains the
 eager model with no recompile, no host sync and graphs that replay."""
@@ -16,12 +16,12 @@ from mariana.apps.pctr.data.encoding import Batch
 from mariana.apps.pctr.models.nets import build_model
 from mariana.apps.pctr.models.optim import build_dense, row_config
 from mariana.platform.core.export import load_exported
-from mariana.platform.ps import sparse_step
-from mariana.platform.ps.local import LocalStep, compile_mode
 from mariana.platform.ps.protocol import TABLE
-from mariana.platform.ps.rowopt import RULES, RowOptConfig, apply_rows, apply_slots, init_state
 from mariana.platform.ps.shard import TableSpec, init_rows
-from mariana.platform.ps.sparse_step import slots_of
+from mariana.platform.sparse import rules
+from mariana.platform.sparse.local import LocalStep, compile_mode
+from mariana.platform.sparse.rules import RULES, RowOptConfig, apply_rows, apply_slots, init_state
+from mariana.platform.sparse.store import slots_of
 from torch._dynamo.exc import RecompileError
 from torch._dynamo.utils import counters
 
@@ -54,15 +54,15 @@ def local_step(device: str, steps: int, **kw) -> LocalStep:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, schema, table=init_rows(spec, cfg.seed)).to(device)
     opt = build_dense(cfg, model.dense_parameters())
-    step = LocalStep(cfg, model, model.table.weight.data, spec, row_config(cfg), opt, device, unit_vals=True)
+    step = LocalStep(cfg, model, model.table.weight.data, row_config(cfg), opt, device, unit_vals=True)
     step.setup(steps + 1)  # the last step's factor is not 0
     return step
 
 
 def state_of(step: LocalStep) -> dict[str, torch.Tensor]:
     """What training changed: the model (dense layers and table), the row-optimiser state, ``seen``."""
-    rows = {f"rows.{k}": v for k, v in step.shard.state[TABLE].items()}
-    return {**step.model.state_dict(), **rows, "seen": step.shard.seen[TABLE]}
+    rows = {f"rows.{k}": v for k, v in step.store.state.items()}
+    return {**step.model.state_dict(), **rows, "seen": step.store.seen}
 
 
 def train(step: LocalStep, data: list[Batch]) -> list[float]:
@@ -106,8 +106,8 @@ def test_changing_learning_rates_reach_one_compiled_graph_and_train_the_eager_mo
 def test_a_float_learning_rate_recompiles_the_step(monkeypatch):
     # The fault the tensor learning rate removes, planted: the row update drops the tensor and reads the
     # float row_opt.lr, which the graph then guards on: the second learning rate recompiles.
-    real = sparse_step.apply_slots
-    monkeypatch.setattr(sparse_step, "apply_slots", lambda *a, lr=None, **kw: real(*a, **kw))
+    real = rules.apply_slots
+    monkeypatch.setattr(rules, "apply_slots", lambda *a, lr=None, **kw: real(*a, **kw))
     torch._dynamo.reset()
     step = local_step("cpu", 3, compile="on", compile_backend="aot_eager")
     data = batches(3)
@@ -175,7 +175,7 @@ def test_padded_row_update_does_not_depend_on_the_order_of_the_slots(rule):
     w0, st0, s, U, grad, cfg = padded_update(rule)
     want, want_st = w0.clone(), {k: v.clone() for k, v in st0.items()}
     apply_rows(want, want_st, s.rows[:U], grad[:U], cfg)
-    spread = torch.where(s.valid, s.rows, torch.arange(s.rows.numel()) % len(w0))  # as FixedShapeStep
+    spread = torch.where(s.valid, s.rows, torch.arange(s.rows.numel()) % len(w0))  # as TorchRows.update
     n = s.rows.numel()
     orders = {"at once": None, "in order": torch.arange(n), "reversed": torch.arange(n).flip(0)}
     for name, order in orders.items():

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from mariana.apps.pctr.models.nets import MODELS, CTRModel
-from mariana.platform.ps.rowopt import RowOptConfig, apply_rows, init_state
+from mariana.platform.sparse.rules import RowOptConfig, apply_rows, init_state
 
 
 def batch(B=6, nf=4, R=10, nd=2, seed=0):
@@ -45,18 +45,20 @@ def test_fm_term_is_the_sum_of_pairwise_products():
 
 
 def _trained_rows(rule: str, model: CTRModel, steps: int = 3, **row_kw) -> torch.Tensor:
-    """``model``'s table after ``steps`` batches of the one-process training step (`local_step`, the
-    framework's `FixedShapeStep` with the row optimiser ``rule``), dense parameters left alone."""
+    """``model``'s table after ``steps`` batches of the sparse step (`train_step` on an in-process shard:
+    `sparse_step`, its pushes applied by the shard's row store with the row optimiser ``rule``), dense
+    parameters left alone."""
     from mariana.apps.pctr.data.encoding import Batch
-    from mariana.platform.ps.pull import TABLE, local_step
+    from mariana.platform.ps.pull import TABLE, train_step
     from mariana.platform.ps.shard import EmbeddingShard, TableSpec
+    from mariana.platform.ps.worker import LocalClient
 
     spec = TableSpec(TABLE, 40, model.table.weight.shape[1], 0.01)
     cfg = RowOptConfig(rule=rule, lr=0.1, **row_kw)
     shard = EmbeddingShard([spec], 0, 1, cfg, weights={TABLE: model.table.weight.data})
     for s in range(steps):
         ids, vals, _ = batch(nd=0, seed=s)
-        local_step(model, shard, Batch(ids, vals, torch.zeros(6, 0), torch.ones(6)), None)
+        train_step(model, LocalClient(shard), Batch(ids, vals, torch.zeros(6, 0), torch.ones(6)), s, "cpu")
     return model.table.weight.detach()
 
 

@@ -1,7 +1,22 @@
-"""The one-process sparse step at fixed shapes (`mariana.platform.ps.sparse_step`): its slots equal
-``torch.unique``'s rows and inverse, and the whole step (gather, forward/backward, row update) compiles with
-``torch.compile(fullgraph=True)``, i.e. without a host read or a data-dependent size, and gives the eager
-step's numbers."""
+"""The one sparse step (`mariana.platform.sparse.step.sparse_step`) over its row stores: the padded slots
+equal ``torch.unique``'s rows and inverse, and the whole step (gather, forward/backward, row update) compiles
+with ``torch.compile(fullgraph=True)``, i.e. without a host read or a data-dependent size, and gives the eager
+step's numbers.
+
+Each pair of paths of the step and of the row update, and how equal they are (issue 42):
+
+| paths                                                     | equal                                  | test |
+|-----------------------------------------------------------|----------------------------------------|------|
+| `TorchRows` (unique rows) vs padded `TorchRows`, compiled  | fp tolerance (``assert_close``): ``w + (new - w)`` vs ``new``, torch.func vs autograd | here |
+| `CRows` (C loops) vs `TorchRows`, 3 steps, every rule      | bits for sgd/ftrl unclipped; rtol 1e-5, atol 1e-7 with adagrad (sqrt 1 ulp) or clipping (norm summed in another row order) | test_cpu_rows |
+| `kernels.update_rows` vs `rules.apply_rows`                | bits, but adagrad's weights: 1e-6 (bits against a correctly rounded sqrt) | test_cpu_rows |
+| `rules.apply_slots` (any slot order) vs `apply_rows`       | rtol 1e-6, atol 1e-7                   | test_pctr_compile |
+| `LocalStep` compiled vs eager, lr changing every step      | rtol 1e-5, atol 1e-6 (1e-4/1e-5 on CUDA) | test_pctr_compile |
+| `train_step` on a shard's store vs autograd through ``nn.Embedding`` | ``assert_close`` defaults     | test_pctr_models |
+| 2 servers x 2 workers bulk-synchronous vs one process      | atol 1e-5                              | test_ps_train |
+| killed and restarted servers/workers vs uninterrupted      | bits                                   | test_ps_train |
+| stopped/killed and resumed one process vs uninterrupted    | atol 1e-6                              | test_pctr_resume |
+"""
 
 from __future__ import annotations
 
@@ -9,8 +24,9 @@ import pytest
 import torch
 from mariana.apps.pctr.configs import MODELS
 from mariana.apps.pctr.models.nets import CTRModel
-from mariana.platform.ps.rowopt import RULES, RowOptConfig, init_state
-from mariana.platform.ps.sparse_step import FixedShapeStep, slots_of
+from mariana.platform.sparse.rules import RULES, RowOptConfig, init_state
+from mariana.platform.sparse.step import SparseStep
+from mariana.platform.sparse.store import slots_of
 
 
 def hashed_batch(B=32, F=4, R=50, seed=0):
@@ -38,7 +54,7 @@ def make(kind, rule, trim, seed=0):
     model = CTRModel(kind, 200, 4, 2, dim=3, hidden=(8, 4), cross_layers=1)
     w = model.table.weight.data
     opt = RowOptConfig(rule=rule, lr=0.3, ftrl_l1=0.01)
-    fixed = FixedShapeStep(
+    fixed = SparseStep(
         model,
         w,
         init_state(rule, w, opt),

@@ -3,7 +3,8 @@ application on it. An ast walk over the sources (no imports, milliseconds):
 
 - `apps/pctr` imports nothing from ``torch.distributed`` (RPC is the framework's business);
 - `platform/ps` imports nothing from ``mariana.apps``;
-- the step classes, the pull-ahead loader and the server checkpointer are defined under `platform/ps`;
+- the parameter-server step classes, the pull-ahead loader and the server checkpointer are defined under
+  `platform/ps`, the one-process step (`LocalStep`, issue 42) under `platform/sparse`;
 - `platform/ps/server.py` (and the stream's coordinator) reach their objects without forwarding functions
   to a module global (``def _pull(*a): return _PS.pull(*a)``) or ``global`` rebinding.
 """
@@ -14,7 +15,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FRAMEWORK_CLASSES = {"LocalStep", "PSWorkerStep", "PullAheadLoader", "ServerCheckpointer"}
+FRAMEWORK_CLASSES = {"PSWorkerStep", "PullAheadLoader", "ServerCheckpointer"}
+SPARSE_CLASSES = {"LocalStep", "SparseStep"}  # issue 42: the one-process step left platform/ps
 
 
 def _trees(folder: Path) -> dict[Path, ast.Module]:
@@ -87,8 +89,15 @@ def check_layout(root: Path) -> list[str]:
     ]
     missing = FRAMEWORK_CLASSES - classes_defined(ps)
     problems += [f"{c} is not defined under platform/ps" for c in sorted(missing)]
+    sparse = root / "platform" / "sparse"
+    missing = SPARSE_CLASSES - (classes_defined(sparse) if sparse.is_dir() else set())
+    problems += [f"{c} is not defined under platform/sparse" for c in sorted(missing)]
     problems += [
-        f"{c} is still defined in apps/pctr" for c in sorted(FRAMEWORK_CLASSES & classes_defined(pctr))
+        f"{c} is still defined under platform/ps" for c in sorted(SPARSE_CLASSES & classes_defined(ps))
+    ]
+    problems += [
+        f"{c} is still defined in apps/pctr"
+        for c in sorted((FRAMEWORK_CLASSES | SPARSE_CLASSES) & classes_defined(pctr))
     ]
     for path in [ps / "server.py", *(p for p in [pctr / "streams" / "servers.py"] if p.is_file())]:
         problems += [f"forwarding function in {path.relative_to(root)}: {f}" for f in forwarders(path)]
@@ -107,6 +116,7 @@ def test_the_walk_sees_each_kind_of_violation(tmp_path):
     (pctr / "ps.py").write_text("def f():\n    from torch.distributed import rpc\n\nclass LocalStep: ...\n")
     (ps / "step.py").write_text(
         "from ...apps.pctr.model import CTRModel\n\nclass PSWorkerStep: ...\nclass PullAheadLoader: ...\n"
+        "class SparseStep: ...\n"
     )
     (ps / "server.py").write_text(
         '_PS = None\n\ndef _pull(*a):\n    """doc"""\n    return _PS.pull(*a)\n\n'
@@ -117,7 +127,8 @@ def test_the_walk_sees_each_kind_of_violation(tmp_path):
     assert "mariana.apps in platform/ps: platform/ps/step.py:1 mariana.apps.pctr.model" in got
     assert "ServerCheckpointer is not defined under platform/ps" in got
     assert (
-        "LocalStep is not defined under platform/ps" in got
+        "LocalStep is not defined under platform/sparse" in got
         and "LocalStep is still defined in apps/pctr" in got
+        and "SparseStep is still defined under platform/ps" in got
     )
     assert "_pull -> _PS.pull" in got and "install (global)" in got and ": fine" not in got

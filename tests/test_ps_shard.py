@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 from helpers import ROOT, run_torchrun
-from mariana.platform.ps.rowopt import RowOptConfig, apply_rows, coalesce, init_state
 from mariana.platform.ps.server import ParamServer
 from mariana.platform.ps.shard import EmbeddingShard, TableSpec, init_rows, local_rows, split_by_shard
+from mariana.platform.sparse.rules import RowOptConfig, apply_rows, coalesce, init_state
 
 
 def test_rows_are_placed_round_robin_and_init_does_not_depend_on_sharding():

@@ -11,10 +11,10 @@ from mariana.platform.core import faults
 from mariana.platform.core.loop import Trainer
 from mariana.platform.core.rundir import RunDir
 from mariana.platform.core.steps import ModuleStep
-from mariana.platform.ps.rowopt import RowOptConfig
 from mariana.platform.ps.server import ParamServer
 from mariana.platform.ps.shard import EmbeddingShard, TableSpec
 from mariana.platform.runtime.dist import DistContext
+from mariana.platform.sparse.rules import RowOptConfig
 from test_trainer import Loader, cfg_, make, mse
 
 

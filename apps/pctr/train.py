@@ -29,12 +29,12 @@ from mariana.platform.core.prefetch import Prefetcher
 from mariana.platform.core.rundir import RunDir, setup_logging
 from mariana.platform.core.warmstart import load_init
 from mariana.platform.ps.loader import PullAheadLoader
-from mariana.platform.ps.local import LocalStep
-from mariana.platform.ps.memory import keep_freed_memory
 from mariana.platform.ps.protocol import TABLE
 from mariana.platform.ps.pull import predict_batches
 from mariana.platform.ps.shard import TableSpec
 from mariana.platform.runtime.dist import DistContext, resolve_device
+from mariana.platform.sparse.local import LocalStep
+from mariana.platform.sparse.memory import keep_freed_memory
 from mariana.platform.train.spec import TrainSpec, build_trainer
 
 from .configs import PctrConfig
@@ -191,7 +191,7 @@ def warm_start(step, setup: Setup, cfg: PctrConfig) -> None:
             f"--init-from {cfg.init_from}: dense layers do not fit this model ({str(e).splitlines()[0]})"
         ) from None
     live.copy_(table)
-    step.shard.seen[TABLE].copy_(seen.bool())
+    step.store.seen.copy_(seen.bool())
     if row_key is not None:  # the rows' ids (counts restart; --init-row-state below takes them too)
         try:
             step.idmap.load_rows(row_key.numpy())

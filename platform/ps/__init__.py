@@ -1,15 +1,17 @@
 """Parameter-server framework: sharded embedding tables on RPC servers, asynchronous (or bounded-stale,
 or bulk-synchronous) sparse pull/push from workers, a torchrun-launched master that restarts failures and
-restores checkpoints, and per-worker counters; and the training steps applications run on it.
+restores checkpoints, and per-worker counters. The sparse step, its row stores and row rules are
+`mariana.platform.sparse`'s (the one-process step too); this package adds the servers and their clients.
 
 - protocol.py: what an application supplies (its model, batches, settings, optional key map);
-- pull.py, sparse_step.py: the sparse step math; local.py: `LocalStep` (one process);
+- pull.py: `RemoteRows` (the row store on the servers) and the workers' `train_step`;
   worker_step.py: `PSWorkerStep`; loader.py: `PullAheadLoader`; checkpoint.py: `ServerCheckpointer`;
 - server.py (`ParamServer`, served by RRef), worker.py (`PSClient`, `LocalClient`), shard.py, dense.py,
-  rowopt.py; coordinator.py: announcements of one worker to all (a stream's files);
+  rowopt.py (the rules' names for server.py and job.py); coordinator.py: announcements of one worker to
+  all (a stream's files);
 - job.py: process start-up, serving, `assemble_model`; master.py, runtime.py: launching and RPC set-up."""
 
-from .rowopt import RowOptConfig, apply_rows, coalesce
+from ..sparse.rules import RowOptConfig, apply_rows, coalesce
 from .shard import EmbeddingShard, TableSpec, split_by_shard
 
 __all__ = ["EmbeddingShard", "RowOptConfig", "TableSpec", "apply_rows", "coalesce", "split_by_shard"]

@@ -4,7 +4,9 @@ Global row ``r`` of a table lives on shard ``r % S`` at local index ``r // S`` (
 spread evenly and hot rows of one field do not pile onto one server). A shard holds, per table, the weight
 ``[ceil((N - s) / S), K]``, the row optimiser state, a ``seen`` flag per row (set by the first push: rows
 never trained are mapped to the out-of-vocabulary row at prediction time) and, per worker, the last step
-whose push it applied (so that a push replayed after a restore is applied exactly once).
+whose push it applied (so that a push replayed after a restore is applied exactly once). Pushes are applied
+through each table's row store (`mariana.platform.sparse.store.local_store`: the C loops on a float32 CPU
+table for the rules they cover), the one-process step's own.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .memory import table_empty
-from .rowopt import RowOptConfig, apply_rows, init_state
+from ..sparse.memory import table_empty
+from ..sparse.rules import RowOptConfig, init_state
+from ..sparse.store import local_store
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,8 @@ class EmbeddingShard:
             assert self.weight[t.name].shape == (n, t.dim), (self.weight[t.name].shape, n, t.dim)
             self.state[t.name] = init_state(opt.rule, self.weight[t.name], opt)
             self.seen[t.name] = torch.zeros(n, dtype=torch.bool, device=self.weight[t.name].device)
+        # table -> its row store over weight, state and seen (made anew when a checkpoint replaces them)
+        self.rows = {n: local_store(self.weight[n], self.state[n], self.seen[n]) for n in self.specs}
 
     def pull(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         return self.weight[name].index_select(0, rows.to(self.weight[name].device))
@@ -126,8 +131,7 @@ class EmbeddingShard:
                 if step <= self.last_step.get(key, -1):
                     return False
                 self.last_step[key] = step
-            apply_rows(self.weight[name], self.state[name], rows, grad, self.opt, scale)
-            self.seen[name][rows] = True
+            self.rows[name].apply(rows, grad, self.opt, scale)
         return True
 
     def reset(self, name: str, rows: torch.Tensor, weight: torch.Tensor) -> None:
@@ -135,13 +139,8 @@ class EmbeddingShard:
         not ``seen`` (a key map handed them to new keys)."""
         if rows.numel() == 0:
             return
-        dev = self.weight[name].device
-        rows, weight = rows.to(dev), weight.to(dev, self.weight[name].dtype)
         with self.locks[name]:
-            self.weight[name].index_copy_(0, rows, weight)
-            for k, v in init_state(self.opt.rule, weight, self.opt).items():
-                self.state[name][k].index_copy_(0, rows, v)
-            self.seen[name][rows] = False
+            self.rows[name].reset(rows.to(self.weight[name].device), weight, self.opt)
 
     def worker_step(self, worker: int) -> int:
         """Last step of ``worker`` applied on every table of this shard (-1: none)."""
@@ -185,3 +184,4 @@ class EmbeddingShard:
                 self.state[name] = {k: v.to(dev) for k, v in t["state"].items()}
                 for w, s in t["last_step"].items():
                     self.last_step[(name, int(w))] = int(s)
+                self.rows[name] = local_store(self.weight[name], self.state[name], self.seen[name])

@@ -1,12 +1,12 @@
 """pCTR's optimisers from its flags: the row rule the parameter-server framework applies to the table's
-rows (`mariana.platform.ps.rowopt`: SGD, Adagrad or FTRL-Proximal, on the touched rows only, locally or on
+rows (`mariana.platform.sparse.rules`: SGD, Adagrad or FTRL-Proximal, on the touched rows only, locally or on
 the servers) and the torch optimiser of the dense parameters (`build_dense`)."""
 
 from __future__ import annotations
 
 import torch
 from mariana.platform.ps.dense import build_dense_optimizer
-from mariana.platform.ps.rowopt import RowOptConfig
+from mariana.platform.sparse.rules import RowOptConfig
 
 from ..configs import DenseOptim, Table
 

@@ -1,6 +1,6 @@
 """pCTR's click models on the parameter-server framework's steps (`mariana.platform.ps`).
 
-The framework's `LocalStep` (one process) and `PSWorkerStep` (a worker of a parameter-server job) take a
+The platform's `LocalStep` (one process, `mariana.platform.sparse`) and `PSWorkerStep` (a worker of a parameter-server job) take a
 model implementing `mariana.platform.ps.protocol.SparseModel`; `CTRModel` does. This module builds them
 from the config's sections: the model (``net``; dense layers first, then the table: see `CTRModel`), the
 row and dense optimisers (``table``, ``optim``), and with ``--ids dynamic`` the id map (``rows``).
@@ -9,9 +9,9 @@ row and dense optimisers (``table``, ``optim``), and with ``--ids dynamic`` the 
 from __future__ import annotations
 
 import torch
-from mariana.platform.ps.local import LocalStep
 from mariana.platform.ps.shard import init_rows
 from mariana.platform.ps.worker_step import PSWorkerStep
+from mariana.platform.sparse.local import LocalStep
 
 from ..configs import Ids, Net, PctrConfig
 from ..ids.idmap import IdMap
@@ -45,7 +45,6 @@ def make_local_step(cfg: PctrConfig, setup, device: torch.device) -> LocalStep:
         cfg,
         model,
         model.table.weight.data,
-        setup.spec,
         row_config(cfg.table),
         build_dense(cfg.optim, model.dense_parameters()),
         device,

@@ -60,10 +60,9 @@ from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.loop import Trainer
 from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.rundir import RunDir, setup_logging
-from mariana.platform.ps.memory import keep_freed_memory
-from mariana.platform.ps.protocol import TABLE
 from mariana.platform.ps.pull import predict_batches
 from mariana.platform.runtime.dist import DistContext, resolve_device
+from mariana.platform.sparse.memory import keep_freed_memory
 
 from ..data.reader import ClickSource
 from ..models.step import make_local_step
@@ -180,7 +179,7 @@ class Streamer(StreamRecords):
             batches,
             s.client,
             self.device,
-            s.shard.seen[TABLE],
+            s.store.seen,
             self.setup.schema.rows_per_field,
             **({"idmap": s.idmap} if getattr(s, "idmap", None) is not None else {}),  # --ids dynamic
         )

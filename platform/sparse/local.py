@@ -1,10 +1,11 @@
-"""`LocalStep`: the `TrainStep` of one-process training on the parameter-server framework's step.
+"""`LocalStep`: the `TrainStep` of one-process sparse training (pCTR's ``--servers 0``).
 
-The table lives in this process (CPU or CUDA) as a one-shard `EmbeddingShard` whose weight the model's
-table adopts; each batch runs `FixedShapeStep` (one gather, the rows' gradient summed per row, the row
-optimiser's update in place), compiled (and on CUDA replayed as a CUDA graph) where `compile_mode` says
-so; dense parameters use the given torch optimiser. Checkpoints hold everything
-the next step depends on. The application builds the model and the optimisers (`protocol.py`).
+The table lives in this process (CPU or CUDA): the model's table weight itself, with the rule's state and
+``seen`` flags, in a local row store (`store.local_store`); each batch runs `SparseStep` (one gather, the
+rows' gradient summed per row, the row update in place), compiled (and on CUDA replayed as a CUDA graph)
+where `compile_mode` says so; dense parameters use the given torch optimiser. Checkpoints hold everything
+the next step depends on. The application builds the model and the optimisers (the shapes of
+`mariana.platform.ps.protocol`, which this package does not import: the framework imports it).
 """
 
 from __future__ import annotations
@@ -15,21 +16,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..core.errors import MarianaError
 from ..core.optim import build_scheduler, lr_factor
 from ..core.steps import autocast_for
-from .protocol import TABLE, KeyMap, SparseBatch, SparseModel, StepConfig
-from .pull import apply_dense, fresh_rows
-from .rowopt import RowOptConfig, init_state
-from .shard import EmbeddingShard, TableSpec
-from .sparse_step import FixedShapeStep
-from .worker import LocalClient
+from .rules import RowOptConfig, init_state
+from .step import SparseStep, apply_dense
 
 
-def compile_mode(cfg: StepConfig, device: torch.device) -> tuple[str, str | None] | None:
+def fresh_rows(seed: int, init_std: float, n: int, width: int, step: int, worker: int = 0) -> torch.Tensor:
+    """Weights [n, width] for ``n`` rows that `--ids dynamic` evicted at ``step``: N(0, init_std), linear
+    weight (column 0) 0, as a new table's rows. Seeded by (seed, step), and the worker on parameter-server
+    workers other than 0, so that a resumed run, and worker 0 of a one-worker job, redraw exactly what one
+    process draws."""
+    seed = seed * 7919 + 104729 + step + (worker * 1_000_003 if worker else 0)
+    fresh = torch.randn(n, width, generator=torch.Generator().manual_seed(seed)) * init_std
+    fresh[:, 0] = 0.0
+    return fresh
+
+
+def compile_mode(cfg, device: torch.device) -> tuple[str, str | None] | None:
     """How the one-process step runs on ``device``: None (eager) or ``(backend, mode)`` for
-    `FixedShapeStep.compile`. ``cfg.compile`` "on" / "off", or "auto": compiled on CUDA (the step is
+    `SparseStep.compile`. ``cfg.compile`` "on" / "off", or "auto": compiled on CUDA (the step is
     launch-bound there: one fused graph) and eager on the CPU (where the eager step's unique-row update
     touches fewer rows). Inductor on CUDA captures the step in a CUDA graph (``reduce-overhead``)."""
     on = cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda")
@@ -40,7 +49,7 @@ def compile_mode(cfg: StepConfig, device: torch.device) -> tuple[str, str | None
 
 
 class LocalStep:
-    """`TrainStep` of one-process training: the model's table is the local shard's table (one tensor).
+    """`TrainStep` of one-process training: the model's table is the store's table (one tensor).
 
     ``evaluate(fn)`` calls ``fn(self)`` (``self.model``, ``self.client``, ``self.device`` score the
     validation rows); the dense learning rate follows ``--schedule``/``--warmup-steps`` and the table's
@@ -50,40 +59,39 @@ class LocalStep:
 
     def __init__(
         self,
-        cfg: StepConfig,
-        model: SparseModel,
+        cfg,
+        model: nn.Module,
         table: torch.Tensor,
-        spec: TableSpec,
         rows_opt: RowOptConfig,
         dense_opt: torch.optim.Optimizer,
         device: torch.device,
         unit_vals: bool = False,
-        idmap: KeyMap | None = None,
+        idmap=None,
     ):
-        """``model`` on ``device``, whose table adopted ``table`` [spec.num_rows, spec.dim] (the shard
-        trains it in place); ``rows_opt``: the row optimiser; ``dense_opt``: over the model's dense
-        parameters; ``unit_vals``: every value of the data set is 1 (decided once per data set);
-        ``idmap``: keys -> rows, batch by batch in training order (pCTR's ``--ids dynamic``)."""
+        """``cfg``: a `StepConfig`; ``model`` (a `SparseModel`) on ``device``, whose table adopted ``table``
+        [rows, 1 + dim] (trained in place); ``rows_opt``: the row optimiser; ``dense_opt``: over the model's
+        dense parameters; ``unit_vals``: every value of the data set is 1 (decided once per data set);
+        ``idmap``: keys -> rows (a `KeyMap`), batch by batch in training order (pCTR's ``--ids dynamic``)."""
         self.cfg, self.device, self.model = cfg, device, model
-        self.rows_opt = rows_opt
-        self.shard = EmbeddingShard([spec], 0, 1, rows_opt, cfg.seed, device, {TABLE: table})
-        self.client = LocalClient(self.shard)
+        self.rows_opt = self.opt = rows_opt
         self.dense_opt = dense_opt
         self.amp = functools.partial(autocast_for, cfg, device)
         self.t, self.total, self.sched = 0, 1, None
         self.idmap = idmap
         self._lrs = {"lr": cfg.lr, "sparse_lr": cfg.sparse_lr}
-        self.fixed = FixedShapeStep(
+        seen = torch.zeros(table.shape[0], dtype=torch.bool, device=table.device)
+        self.fixed = SparseStep(
             self.model,
-            self.shard.weight[TABLE],
-            self.shard.state[TABLE],
-            self.shard.seen[TABLE],
+            table,
+            init_state(rows_opt.rule, table, rows_opt),
+            seen,
             unit_vals=unit_vals,
             autocast=self.amp,
             clip_grad=cfg.clip_grad,
             l2_emb=cfg.l2_emb_value(),
             weight_decay=cfg.weight_decay,
         )
+        self.store = self.client = self.fixed.store  # the table, its state and seen; `pull` for validation
         self.compiled = compile_mode(cfg, device)  # (backend, mode), or None: eager
         if self.compiled is not None:
             self.fixed.compile(*self.compiled)
@@ -92,17 +100,17 @@ class LocalStep:
         self.total = total_steps
         self.sched = build_scheduler(self.cfg, self.dense_opt, total_steps)
 
-    def train_step(self, micro_batches: list[SparseBatch]) -> tuple[torch.Tensor, int]:
+    def train_step(self, micro_batches: list) -> tuple[torch.Tensor, int]:
         cfg = self.cfg
         factor = lr_factor(self.t, self.total, cfg.warmup_steps, cfg.schedule)
-        self.shard.opt = replace(self.rows_opt, lr=cfg.sparse_lr * factor)
-        self._lrs = {"lr": self.dense_opt.param_groups[0]["lr"], "sparse_lr": self.shard.opt.lr}
+        self.opt = replace(self.rows_opt, lr=cfg.sparse_lr * factor)
+        self._lrs = {"lr": self.dense_opt.param_groups[0]["lr"], "sparse_lr": self.opt.lr}
         loss, n = torch.zeros((), device=self.device), 0
         for batch in micro_batches:
             batch = batch.to(self.device)
             if self.idmap is not None:
                 batch = self.map_ids(batch)
-            loss = loss + apply_dense(self.fixed, batch, self.shard.opt, self.dense_opt)
+            loss = loss + apply_dense(self.fixed, batch, self.opt, self.dense_opt)
             n += len(batch)
         self.sched.step()
         self.t += 1
@@ -111,7 +119,7 @@ class LocalStep:
     def mean_loss(self, loss_sum: torch.Tensor, steps: int) -> float:
         return float(loss_sum) / max(1, steps)
 
-    def map_ids(self, batch: SparseBatch) -> SparseBatch:
+    def map_ids(self, batch):
         """`--ids dynamic`: the batch's keys [B, F] -> rows through the id map (counting, admitting,
         evicting). An evicted row starts over as a fresh row of a new table: weights redrawn from
         N(0, init_std) (linear weight 0, as `init_rows`), row-optimiser state reset, ``seen`` cleared, so the
@@ -119,14 +127,9 @@ class LocalStep:
         a resumed run redraws the same values."""
         rows, evicted = self.idmap.assign(batch.ids.cpu().numpy())
         if len(evicted):
-            w = self.shard.weight[TABLE]
-            idx = torch.from_numpy(evicted).to(w.device)
-            # the same redraw as PSWorkerStep's (fresh_rows)
+            w = self.store.weight  # the same redraw as PSWorkerStep's (fresh_rows), the servers' reset
             fresh = fresh_rows(self.cfg.seed, self.cfg.init_std, len(evicted), w.shape[1], self.t)
-            w.index_copy_(0, idx, fresh.to(w.device, w.dtype))
-            for k, v in init_state(self.rows_opt.rule, fresh.to(w.device, w.dtype), self.rows_opt).items():
-                self.shard.state[TABLE][k].index_copy_(0, idx, v)
-            self.shard.seen[TABLE][idx] = False
+            self.store.reset(torch.from_numpy(evicted).to(w.device), fresh, self.rows_opt)
         return replace(batch, ids=torch.from_numpy(rows).to(batch.ids.device))
 
     def evaluate(self, fn) -> dict[str, float]:
@@ -140,8 +143,8 @@ class LocalStep:
             "dense_opt": self.dense_opt.state_dict(),
             "scheduler": self.sched.state_dict(),
             "rows": {
-                "state": dict(self.shard.state[TABLE]),
-                "seen": self.shard.seen[TABLE],
+                "state": dict(self.store.state),
+                "seen": self.store.seen,
                 **({"idmap": self.idmap.state_dict()} if self.idmap is not None else {}),
             },
             "t": self.t,
@@ -162,14 +165,14 @@ class LocalStep:
             ) from None
 
     def load_row_state(self, rows: dict[str, Any]) -> None:
-        live = self.shard.state[TABLE]
+        live = self.store.state
         if sorted(live) != sorted(rows["state"]):
             raise ValueError(f"row optimiser state {sorted(rows['state'])}, expected {sorted(live)}")
         if ("idmap" in rows) != (self.idmap is not None):
             raise ValueError(f"id map {'present' if 'idmap' in rows else 'absent'}: the run's --ids differs")
         for k, v in rows["state"].items():
             live[k].copy_(v)
-        self.shard.seen[TABLE].copy_(rows["seen"])
+        self.store.seen.copy_(rows["seen"])
         if self.idmap is not None:
             self.idmap.load_state_dict(rows["idmap"])
 
@@ -185,4 +188,4 @@ class LocalStep:
 
     def table(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(table [rows, 1 + dim], seen [rows] bool) for export."""
-        return self.shard.weight[TABLE], self.shard.seen[TABLE]
+        return self.store.weight, self.store.seen
