@@ -3,10 +3,12 @@
 clf = load_classifier("runs/vision")          # RUN/model.safetensors + its metadata; no pickle
 clf.classify_bytes(jpeg_bytes, k=5)           # -> [("cat", 0.83), ("dog", 0.09), ...]
 clf.version                                   # "3f2a9c1e7b4d05aa": the exported weights' digest
+clf.onnx_graph(2, gen) / clf.use_onnx(fn)     # the network as `mariana export --format onnx` writes it / run it
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -52,6 +54,23 @@ class Classifier:
         x = (images.to(self.device).float() - self.mean) / self.std
         return tta_probabilities(self.model, x, tta_mode(tta))
 
+    def onnx_graph(self, batch: int, gen: torch.Generator) -> tuple:
+        """What `mariana export --format onnx` writes: (the network alone: normalised images float32
+        ``[B,3,S,S]`` -> logits ``[B, classes]``, example images of ``batch`` drawn with ``gen``, the output's
+        name, the dynamic axes). Decoding, normalisation, TTA and softmax stay here. A copy whose global
+        max-pool is written as ``amax``: torch's ONNX exporter has no translation of adaptive_max_pool2d."""
+        net = copy.deepcopy(self.model)
+        for module in net.modules():
+            for name, child in module.named_children():
+                if isinstance(child, torch.nn.AdaptiveMaxPool2d) and child.output_size in (1, (1, 1)):
+                    setattr(module, name, GlobalMaxPool())
+        x = torch.randn(batch, 3, self.image_size, self.image_size, generator=gen)
+        return net, {"images": x}, "logits", {"images": {0: "batch"}}
+
+    def use_onnx(self, run) -> None:
+        """Classify through ``run(images) -> logits`` (the `onnx_graph` network in a runtime)."""
+        self.model = run
+
     def classify_bytes(self, data: bytes, k: int = 5, tta: bool | str = False) -> list[tuple[str, float]]:
         """Encoded image (JPEG/PNG/GIF bytes) -> the top-``k`` (label, probability), best first
         (``tta``: see `probabilities`). Raises MarianaError when the bytes are not a decodable image."""
@@ -73,6 +92,13 @@ class Classifier:
             return self.classify_bytes(p.read_bytes(), k, tta)
         except MarianaError as e:
             raise MarianaError(f"{p}: {e}") from None
+
+
+class GlobalMaxPool(torch.nn.Module):
+    """``AdaptiveMaxPool2d(1)`` as ``amax``: ``[B, C, H, W]`` -> ``[B, C, 1, 1]``, the same values."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.amax((2, 3), keepdim=True)
 
 
 def load_classifier(run_dir: str | Path, device: str | torch.device = "cpu") -> Classifier:
