@@ -13,28 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import onnxruntime as ort
-import torch
 from mariana.platform.core.errors import MarianaError
-from mariana.platform.core.onnx_export import ONNX_FILE, ONNX_META
+from mariana.platform.core.onnx_export import ONNX_FILE, ONNX_META, OrtGraph
 from mariana.platform.core.registry import AppSpec
-
-RUNTIMES = ("torch", "onnxruntime")
-
-
-class OrtGraph:
-    """``graph(*inputs) -> output``: torch tensors in the graph's input order -> its first output as a
-    torch tensor (CPU), run by an ONNX Runtime session on as many threads as torch uses."""
-
-    def __init__(self, path: Path):
-        options = ort.SessionOptions()
-        options.intra_op_num_threads, options.inter_op_num_threads = torch.get_num_threads(), 1
-        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        self.names = [i.name for i in self.session.get_inputs()]
-
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        feeds = {n: t.detach().cpu().numpy() for n, t in zip(self.names, inputs, strict=True)}
-        return torch.from_numpy(self.session.run(None, feeds)[0])
 
 
 def load(spec: AppSpec, run_dir: str) -> Any:

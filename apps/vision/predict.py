@@ -8,7 +8,6 @@ clf.onnx_graph(2, gen) / clf.use_onnx(fn)     # the network as `mariana export -
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
@@ -57,15 +56,9 @@ class Classifier:
     def onnx_graph(self, batch: int, gen: torch.Generator) -> tuple:
         """What `mariana export --format onnx` writes: (the network alone: normalised images float32
         ``[B,3,S,S]`` -> logits ``[B, classes]``, example images of ``batch`` drawn with ``gen``, the output's
-        name, the dynamic axes). Decoding, normalisation, TTA and softmax stay here. A copy whose global
-        max-pool is written as ``amax``: torch's ONNX exporter has no translation of adaptive_max_pool2d."""
-        net = copy.deepcopy(self.model)
-        for module in net.modules():
-            for name, child in module.named_children():
-                if isinstance(child, torch.nn.AdaptiveMaxPool2d) and child.output_size in (1, (1, 1)):
-                    setattr(module, name, GlobalMaxPool())
+        name, the dynamic axes). Decoding, normalisation, TTA and softmax stay here."""
         x = torch.randn(batch, 3, self.image_size, self.image_size, generator=gen)
-        return net, {"images": x}, "logits", {"images": {0: "batch"}}
+        return self.model, {"images": x}, "logits", {"images": {0: "batch"}}
 
     def use_onnx(self, run) -> None:
         """Classify through ``run(images) -> logits`` (the `onnx_graph` network in a runtime)."""
@@ -92,13 +85,6 @@ class Classifier:
             return self.classify_bytes(p.read_bytes(), k, tta)
         except MarianaError as e:
             raise MarianaError(f"{p}: {e}") from None
-
-
-class GlobalMaxPool(torch.nn.Module):
-    """``AdaptiveMaxPool2d(1)`` as ``amax``: ``[B, C, H, W]`` -> ``[B, C, 1, 1]``, the same values."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.amax((2, 3), keepdim=True)
 
 
 def load_classifier(run_dir: str | Path, device: str | torch.device = "cpu") -> Classifier:

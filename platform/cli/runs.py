@@ -101,48 +101,42 @@ def _last_records(path: Path, tail: int = 1 << 16) -> dict:
 
 
 def describe(folder: Path, command: str) -> dict:
-    """What ``runs show`` prints about the run ``folder`` made by ``command``."""
+    """What ``runs show`` says about the run ``folder`` made by ``command`` (its ``--json``)."""
     try:
         config = tomllib.loads((folder / "config.toml").read_text())
     except (OSError, tomllib.TOMLDecodeError):
         config = {}
-    final, model, onnx = (
-        _json(folder / "metrics.json") or {},
-        _json(folder / "model.json"),
-        _json(folder / "model.onnx.json"),
-    )
+    final, model, onnx = (_json(folder / n) for n in ("metrics.json", "model.json", "model.onnx.json"))
     ckpt = folder / "checkpoints"
-    steps = sorted(int(p.name[5:]) for p in ckpt.glob("step_*") if p.name[5:].isdigit())
     latest = checkpoint_step(ckpt / "latest") if (ckpt / "latest").is_file() else None
     max_steps = int(config.get("loop", {}).get("max_steps") or 0)
+    resume = {"can": latest is not None and not 0 < max_steps <= latest, "from_step": latest}
     if latest is None:
         resume = {"can": False, "why": "no checkpoint: start it again without --resume"}
-    elif max_steps and latest >= max_steps:
-        resume = {
-            "can": False,
-            "from_step": latest,
-            "why": f"did its --max-steps {max_steps}; pass a larger one",
-        }
+    elif not resume["can"]:
+        resume["why"] = f"did its --max-steps {max_steps}; pass a larger one"
     else:
-        resume = {"can": True, "from_step": latest, "to_step": max_steps or "the end of its epochs"}
+        resume["to_step"] = max_steps or "the end of its epochs"
+    if onnx and model:  # exported from the weights the run holds now (else serving it refuses it)
+        onnx["current"] = onnx.get("source_version") == model.get("version")
     return {
         "run": str(folder), "command": command, "app": (model or {}).get("app", command.split()[0]),
-        "config": config, "best": {k: v for k, v in final.items() if k.startswith("best_") or k == "monitor"},
-        "last": _last_records(folder / "metrics.jsonl"), "checkpoints": steps, "latest_checkpoint": latest,
-        "model": model and {k: model.get(k) for k in ("arch", "version", "created")} | {"file": "model.safetensors"},
-        "onnx": onnx and {k: onnx.get(k) for k in ("digest", "opset", "source_version")} | {"file": "model.onnx",
-                 "current": model is not None and onnx.get("source_version") == model.get("version")},
-        "resume": resume,
+        "config": config, "best": {k: v for k, v in (final or {}).items() if k.startswith("best_") or k == "monitor"},
+        "last": _last_records(folder / "metrics.jsonl"), "latest_checkpoint": latest,
+        "checkpoints": sorted(int(p.name[5:]) for p in ckpt.glob("step_*") if p.name[5:].isdigit()),
+        "model": model and {k: model.get(k) for k in ("arch", "version", "created")},
+        "onnx": onnx and {k: onnx.get(k) for k in ("digest", "opset", "source_version", "current")}, "resume": resume,
     }  # fmt: skip
 
 
-def _resume_text(r: dict) -> str:
-    if r["can"]:
-        return f"--resume continues from step {r['from_step']} to {r['to_step']}"
-    return f"--resume cannot continue it ({r['why']})"
+def _pairs(m: dict) -> str:
+    return (
+        " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in (m or {}).items()) or "-"
+    )
 
 
 def show(args: argparse.Namespace, argv: list[str]) -> int:
+    """``mariana runs show RUN [--json]``: one line per item (config: one per section), the resume line last."""
     folder = Path(args.path)
     if not folder.is_dir():
         raise MarianaError(f"{folder}: no such run directory")
@@ -155,19 +149,16 @@ def show(args: argparse.Namespace, argv: list[str]) -> int:
     if args.json:
         print(json.dumps(d, indent=2, default=str))
         return 0
-    fmt = lambda m: " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())  # noqa: E731
-    print(f"run          {folder} (mariana {command}; app {d['app']})")
-    for section, values in d["config"].items():
-        print(f"config       [{section}] {fmt(values) if isinstance(values, dict) else values}")
-    print(f"best         {fmt(d['best']) or '-'}\nlast         {fmt(d['last']) or '-'}")
-    print(f"checkpoints  {', '.join(map(str, d['checkpoints'])) or '-'} (latest {d['latest_checkpoint']})")
-    m, o = d["model"], d["onnx"]
-    model = f"model.safetensors {m['arch']} version {m['version']} ({m['created']})" if m else "-"
-    print(f"model        {model}")
-    if o:
-        print(f"onnx         model.onnx digest {o['digest']} opset {o['opset']} from {o['source_version']}"
-              + ("" if o["current"] else " (stale: export again)"))  # fmt: skip
-    print(f"resume       {_resume_text(d['resume'])}")
+    r = d["resume"]
+    lines = [("run", f"{folder} (mariana {command}; app {d['app']})")]
+    lines += [("config", f"[{k}] {_pairs(v) if isinstance(v, dict) else v}") for k, v in d["config"].items()]
+    lines += [(k, _pairs(d[k])) for k in ("best", "last", "model", "onnx")]
+    lines += [
+        ("checkpoints", f"{', '.join(map(str, d['checkpoints'])) or '-'} (latest {d['latest_checkpoint']})")
+    ]
+    lines += [("resume", f"--resume continues from step {r['from_step']} to {r['to_step']}" if r["can"]
+               else f"--resume cannot continue it ({r['why']})")]  # fmt: skip
+    print("\n".join(f"{k:<12} {v}" for k, v in lines))
     return 0
 
 
@@ -193,8 +184,8 @@ def ls(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
     for d in runs:
         best = " ".join(f"{k}={v:.4g}" for k, v in d["best"].items() if isinstance(v, float)) or "-"
-        model = d["model"]["version"] if d["model"] else "-"
-        print(f"{d['run']}  {d['command']}  step {d['last'].get('step', '-')}  best {best}  model {model}"
-              f"{'  onnx' if d['onnx'] else ''}  resume {d['resume'].get('from_step', '-') if d['resume']['can'] else 'no'}")  # fmt: skip
+        resume = d["resume"]["from_step"] if d["resume"]["can"] else "no"
+        print(f"{d['run']}  {d['command']}  step {d['last'].get('step', '-')}  best {best}  model "
+              f"{(d['model'] or {}).get('version', '-')}{'  onnx' * bool(d['onnx'])}  resume {resume}")  # fmt: skip
     print(f"{len(runs)} run{'s' * (len(runs) != 1)} under {top}")
     return 0

@@ -46,6 +46,21 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+class OrtGraph:
+    """``graph(*inputs) -> output``: torch tensors in the graph's input order -> its output as a CPU torch
+    tensor, run by an ONNX Runtime session on as many threads as torch uses (what ``obj.use_onnx`` takes)."""
+
+    def __init__(self, path: str | Path):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads, options.inter_op_num_threads = torch.get_num_threads(), 1
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self.names = [i.name for i in self.session.get_inputs()]
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        feeds = {n: t.detach().cpu().numpy() for n, t in zip(self.names, inputs, strict=True)}
+        return torch.from_numpy(self.session.run(None, feeds)[0])
+
+
 def _export(module: torch.nn.Module, example: dict, output: str, axes: dict, path: str) -> None:
     dims: dict[str, torch.export.Dim] = {}
     shapes = tuple(
@@ -62,10 +77,8 @@ def _compare(obj, module: torch.nn.Module, path: str, atol: float, rtol: float) 
     """ONNX Runtime vs torch on held-out inputs (batch 3, another seed): their shapes and the largest
     difference; MarianaError when outside the tolerance."""
     held, output = obj.onnx_graph(3, torch.Generator().manual_seed(1))[1:3]
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    got = session.run([output], {k: v.numpy() for k, v in held.items()})[0]
     with torch.no_grad():
-        want = module(*held.values()).float().numpy()
+        got, want = OrtGraph(path)(*held.values()).numpy(), module(*held.values()).float().numpy()
     diff = float(np.abs(got - want).max()) if want.size else 0.0
     if got.shape != want.shape or not np.allclose(got, want, rtol=rtol, atol=atol):
         raise MarianaError(
