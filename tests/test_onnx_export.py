@@ -10,6 +10,7 @@ the torch runtime; a model.onnx exported from other weights, or none, is refused
 
 from __future__ import annotations
 
+import bisect
 import json
 import shutil
 import tarfile
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -92,6 +94,28 @@ def test_pctr_onnxruntime_equals_torch(name, request, tmp_path):
     ort_probs, ort_errors = load_onnx(get_app("pctr"), str(run)).predict_lines(lines)
     assert errors == ort_errors and len(torch_probs) == len(lines)
     np.testing.assert_allclose(np.array(ort_probs, float), np.array(torch_probs, float), atol=ATOL, rtol=0)
+
+
+def test_pctr_ids_as_documented(frappe_deepfm, tmp_path):
+    """apps/pctr/README.md's ONNX section, followed by a client with no mariana code: a libFM id goes to the
+    field whose range (``schema.field_starts``) holds it, row ``f * R + 1 + id % (R - 1)``; model.onnx fed so
+    answers what the torch predictor does."""
+    run = fresh_copy(frappe_deepfm, tmp_path / "run")
+    _export(run)
+    schema = json.loads((run / "model.json").read_text())["schema"]
+    R, starts = schema["rows_per_field"], schema["field_starts"]
+    lines = _held_out_lines(FRAPPE, 100)
+    pairs = [
+        sorted((int(i), float(v)) for i, v in (tok.split(":") for tok in line.split())) for line in lines
+    ]
+    field = lambda i: bisect.bisect_right(starts, i) - 1  # noqa: E731
+    assert all([field(i) for i, _ in p] == list(range(schema["num_fields"])) for p in pairs)
+    ids = np.array([[f * R + 1 + i % (R - 1) for f, (i, _) in enumerate(p)] for p in pairs], np.int64)
+    vals = np.array([[v for _, v in p] for p in pairs], np.float32)
+    session = onnxruntime.InferenceSession(str(run / "model.onnx"), providers=["CPUExecutionProvider"])
+    probs = session.run(None, {"ids": ids, "vals": vals, "dense": np.zeros((len(lines), 0), np.float32)})[0]
+    want, _ = get_app("pctr").load(str(run)).predict_lines(lines)
+    np.testing.assert_allclose(probs, want, atol=ATOL, rtol=0)
 
 
 def _jpegs(n: int = 8) -> list[bytes]:
