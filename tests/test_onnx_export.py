@@ -176,6 +176,9 @@ def test_serve_onnxruntime_answers_as_torch(frappe_deepfm, vision_run, asr_run, 
             asr = c.post("/v1/asr/transcribe", files={"file": ("a.wav", wav, "audio/wav")}).json()
         answers.append(({a: m["version"] for a, m in health.items()}, pctr, vision, asr))
     (v_t, p_t, c_t, a_t), (v_o, p_o, c_o, a_o) = answers
+    (runs["vision"] / "model.onnx").unlink()  # the onnxruntime server really loads model.onnx
+    with pytest.raises(MarianaError, match=r"--vision .*: no model.onnx"):
+        create_app(ServeConfig(models={"vision": str(runs["vision"])}, threads=1, runtime="onnxruntime"))
     assert v_t == v_o and p_t["model_version"] == p_o["model_version"]
     np.testing.assert_allclose(p_o["probabilities"], p_t["probabilities"], atol=ATOL, rtol=0)
     assert [x["label"] for x in c_o["labels"]] == [x["label"] for x in c_t["labels"]], (c_t, c_o)
