@@ -34,7 +34,7 @@ def test_show_says_what_the_run_holds_and_what_resume_does(frappe_deepfm, tmp_pa
     assert d["model"]["version"] == model["version"] and d["onnx"] is None
     assert d["resume"] == {"can": False, "from_step": 60, "why": "did its --max-steps 60; pass a larger one"}
     text = run_ok(["runs", "show", run])[0]
-    assert f"model.safetensors deepfm version {model['version']}" in text
+    assert f"\nmodel        arch=deepfm version={model['version']} created=" in text
     assert (
         text.splitlines()[-1]
         == "resume       --resume cannot continue it (did its --max-steps 60; pass a larger one)"
