@@ -1,6 +1,8 @@
-"""Serving latency/throughput benchmark: `mariana serve --pctr` against a naive FastAPI endpoint.
+"""Serving latency/throughput benchmark: `mariana serve --pctr` against a naive FastAPI endpoint, or (with
+--runtimes) `mariana serve --runtime R` for each runtime R.
 
     .venv/bin/python bench/serving_latency.py [--pctr RUN] [--duration 4] [--rates 100,250,500,750,1000,1500]
+    .venv/bin/python bench/serving_latency.py --runtimes torch,onnxruntime [--rounds 5] [--rate 200]
 
 Both servers run the same exported model in their own processes; the load comes from
 `bench/loadgen.py` in a third process (open loop at fixed rates, bounded in time):
@@ -16,6 +18,11 @@ parse + predict each request by itself, response through the response model. Wit
 DeepFM is trained on Frappe first (``mariana pctr train --preset debug``).
 Targets (issue 6): p99 <= 10 ms at 500 req/s, >= 50k predictions/s batched, >= 3x the naive sustainable
 rate at equal p99. Writes bench/results/serving_latency-cpu.json and prints one table.
+
+--runtimes: the same model served once per runtime (``model.onnx`` exported first with `mariana export RUN
+--format onnx` when missing), all servers up together and measured in interleaved rounds (A B, B A, ...): per
+round single-instance requests at --rate (p50/p99) then batch requests (predictions/s); one table of every
+round and the medians, bench/results/serving_runtimes-cpu.json.
 """
 
 import argparse
@@ -129,6 +136,52 @@ def sustainable(rows: list[dict], budget_ms: float) -> float:
     return best
 
 
+# ----------------------------------------------------------------------------------------- runtimes
+def compare_runtimes(a, run: str, n: int, one: Path, batch: Path, tmp: Path) -> int:
+    """--runtimes: one `mariana serve --runtime R` per runtime, interleaved rounds (see the module)."""
+    from importlib.metadata import version
+
+    from common import median_round, table, write_result
+
+    runtimes = a.runtimes.split(",")
+    if "onnxruntime" in runtimes and not (Path(run) / "model.onnx").is_file():
+        cmd = [sys.executable, "-m", "mariana.platform.cli", "export", run, "--format", "onnx"]
+        subprocess.run(cmd, cwd=ROOT, env=env(), check=True, capture_output=True)
+    procs, urls, rows = [], {}, []
+    try:
+        for rt in runtimes:
+            port = free_port()
+            cmd = [sys.executable, "-m", "mariana.platform.cli", "serve", "--pctr", run, "--runtime", rt]
+            procs.append(start([*cmd, "--port", str(port)], port, tmp / f"{rt}.log"))
+            urls[rt] = f"http://127.0.0.1:{port}/v1/pctr/predict"
+            loadgen(urls[rt], one, "--rate", "100", "--duration", "1")  # warm-up
+        for i in range(a.rounds):
+            for rt in runtimes if i % 2 == 0 else runtimes[::-1]:
+                r = loadgen(urls[rt], one, "--rate", str(a.rate), "--duration", str(a.duration))
+                b = loadgen(urls[rt], batch, "--concurrency", "2", "--duration", str(a.duration))
+                rows.append({"round": i + 1, "runtime": rt, "rate": a.rate, "sent": r["sent"], "errors": r["errors"],
+                             "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"],
+                             "predictions_per_s": round(b["achieved_rps"] * n), "batch_errors": b["errors"]})  # fmt: skip
+    finally:
+        for proc in procs:
+            stop(proc)
+    keys = ("p50_ms", "p99_ms", "predictions_per_s")
+    summary = {
+        rt: {k: median_round([r for r in rows if r["runtime"] == rt], k)[k] for k in keys} for rt in runtimes
+    }
+    versions = {d: version(d) for d in ("torch", "onnx", "onnxruntime", "onnxscript")}
+    payload = {"run": run, "rounds": a.rounds, "rate": a.rate, "batch": n, "duration_s": a.duration,
+               "versions": versions, "load": os.getloadavg(), "rows": rows, "median": summary}  # fmt: skip
+    path = write_result("serving_runtimes", payload)
+    medians = [{"round": "median", "runtime": rt, "rate": a.rate, **m} for rt, m in summary.items()]
+    print(table(rows + medians, ["round", "runtime", "rate", "sent", "errors", *keys, "batch_errors"]))
+    print(f"load average during the run: {os.getloadavg()} (machine shared; numbers are pessimistic)")
+    print(f"wrote {path}")
+    print("; ".join(f"{rt}: p50 {m['p50_ms']} ms p99 {m['p99_ms']} ms, {m['predictions_per_s']} predictions/s batched"
+                    for rt, m in summary.items()))  # fmt: skip
+    return 0
+
+
 # --------------------------------------------------------------------------------------------- main
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -137,6 +190,11 @@ def main() -> int:
     p.add_argument("--rates", default="100,250,500,750,1000,1500", help="open-loop request rates (req/s)")
     p.add_argument("--duration", type=float, default=4.0, help="seconds of load per rate")
     p.add_argument("--batch", type=int, default=1000, help="instances per batch request")
+    p.add_argument("--runtimes", help="compare these `serve --runtime` values instead (torch,onnxruntime)")
+    p.add_argument("--rounds", type=int, default=5, help="--runtimes: interleaved rounds")
+    p.add_argument(
+        "--rate", type=float, default=200.0, help="--runtimes: single-instance requests/s per round"
+    )
     p.add_argument("--naive-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.naive_server:
@@ -160,6 +218,8 @@ def main() -> int:
     one, batch = tmp / "one.json", tmp / "batch.json"
     one.write_text(json.dumps({"instances": lines[:1]}))
     batch.write_text(json.dumps({"instances": lines}))
+    if a.runtimes:
+        return compare_runtimes(a, run, len(lines), one, batch, tmp)
 
     servers = {
         "mariana": [sys.executable, "-m", "mariana.platform.cli", "serve", "--pctr", run],

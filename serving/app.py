@@ -205,6 +205,7 @@ class Service:
                         1, {"app": ld.app, "version": ld.version, "run_dir": ld.run_dir}, by="app"
                     ),
                     on_reload=lambda result, app=app: metrics.reloads.inc({"app": app, "result": result}),
+                    runtime=cfg.runtime,
                 )
         # One inference thread per model: calls on one model are serialised, its ops use torch's threads.
         self.executors = {app: ThreadPoolExecutor(1, thread_name_prefix=f"infer-{app}") for app in self.slots}

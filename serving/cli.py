@@ -76,6 +76,8 @@ def register(sub) -> None:
         help="file holding a bearer token: /v1/admin requests and every request from another host must send "
         "`Authorization: Bearer TOKEN`; required with a --host other than loopback",
     )
+    p.add_argument("--runtime", default="torch", choices=["torch", "onnxruntime"],
+                   help="run the models in torch, or in ONNX Runtime from RUN/model.onnx (`mariana export`)")  # fmt: skip
     p.add_argument(
         "--log-level",
         default="warning",

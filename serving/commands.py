@@ -103,6 +103,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         watch=args.watch or args.workers > 1,  # with several processes, file watching keeps them in step
         watch_interval_s=watch_interval(args),
         reload_roots=[os.path.abspath(r) for r in args.reload_root or []],
+        runtime=args.runtime,
         token=token,
     )
 
@@ -123,7 +124,7 @@ def _serve_workers(cfg: ServeConfig, sock: socket.socket, common: dict, url: str
     """Serve in ``workers`` uvicorn processes sharing ``sock`` until Ctrl-C; each builds its app from
     ``MARIANA_SERVE_CONFIG``. The models are loaded here once first, so a bad one fails before forking."""
     for app, run_dir in cfg.models.items():
-        load_model(app, run_dir)
+        load_model(app, run_dir, cfg.runtime)
     os.environ["MARIANA_SERVE_CONFIG"] = cfg.to_json()
     config = uvicorn.Config("mariana.serving.app:app_from_env", factory=True, workers=workers, **common)
     print(f"serving {', '.join(cfg.models)} with {workers} worker processes on {url}", flush=True)

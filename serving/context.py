@@ -47,6 +47,7 @@ class ServeConfig:
     # POST /v1/admin/reload may switch only to run dirs inside these folders (symlinks resolved); empty:
     # the folders holding the run dirs served at start (runs/day1 -> any run under runs/)
     reload_roots: list[str] = field(default_factory=list)
+    runtime: str = "torch"  # or "onnxruntime": the models' ONNX exports (`onnx_runtime`)
     token: str | None = None  # bearer token: needed by /v1/admin/* always, by anything from off loopback
 
     def roots(self) -> list[Path]:

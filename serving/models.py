@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mariana.platform.core.errors import MarianaError
-from mariana.platform.core.registry import AppSpec, find_app, serving_apps
+from mariana.platform.core.registry import AppSpec, find_app, resolve, serving_apps
 
 log = logging.getLogger("mariana.serving")
 
@@ -68,16 +68,21 @@ def serving_spec(app: str) -> AppSpec:
     return spec
 
 
-def load_model(app: str, run_dir: str | Path) -> Loaded:
-    """Load ``app``'s model from ``run_dir`` with the app's serving loader; raises MarianaError (naming the
-    run dir) when it cannot."""
+def load_model(app: str, run_dir: str | Path, runtime: str = "torch") -> Loaded:
+    """Load ``app``'s model from ``run_dir`` with the app's serving loader (``runtime`` "onnxruntime": scoring
+    through its ONNX export, `mariana.serving.onnx_runtime`); raises MarianaError (naming the run dir) when
+    it cannot."""
     spec = serving_spec(app)
     run_dir = str(run_dir)
     if not Path(run_dir).exists():
         raise MarianaError(f"--{app} {run_dir}: no such run directory")
     sig = files_signature(run_dir)  # before loading: a change during the load triggers another reload
     try:
-        obj = spec.load(run_dir)
+        obj = (
+            resolve("mariana.serving.onnx_runtime:load")(spec, run_dir)
+            if runtime != "torch"
+            else spec.load(run_dir)
+        )
     except MarianaError as e:
         raise MarianaError(f"--{app} {run_dir}: {e}") from None
     except ModuleNotFoundError as e:
@@ -102,8 +107,9 @@ class ModelSlot:
         run_dir: str,
         on_change: Callable[[Loaded], None] | None = None,
         on_reload: Callable[[str], None] | None = None,
+        runtime: str = "torch",
     ):
-        self.app, self.on_change, self.on_reload = app, on_change, on_reload
+        self.app, self.on_change, self.on_reload, self.runtime = app, on_change, on_reload, runtime
         self._reload_lock = threading.Lock()  # one reload at a time; serving never takes it
         self.current: Loaded = self._load(run_dir)
         self._last_failed_sig: tuple | None = None
@@ -111,7 +117,7 @@ class ModelSlot:
             on_change(self.current)
 
     def _load(self, run_dir: str) -> Loaded:
-        return load_model(self.app, run_dir)
+        return load_model(self.app, run_dir, self.runtime)
 
     def reload_sync(self, run_dir: str | None = None) -> tuple[Loaded, Loaded]:
         """Load ``run_dir`` (default: the current run dir) and swap it in; returns (old, new).

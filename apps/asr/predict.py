@@ -56,6 +56,19 @@ class Transcriber:
         units = self.decoding.decode(logp)
         return " ".join(self.vocab[k] for k in units)
 
+    def onnx_graph(self, batch: int, gen: torch.Generator) -> tuple:
+        """What `mariana export --format onnx` writes: (the acoustic model alone: normalised features float32
+        ``[B, T, bins]`` -> log-probabilities ``[B, T, units]``, example features of ``batch`` noise signals
+        drawn with ``gen`` (their length grows with ``batch``), the output's name, the dynamic axes).
+        Features, CMVN and decoding stay here."""
+        n = self.settings.sample_rate * (batch + 2) // 4
+        feats = torch.stack([self.features(0.1 * torch.randn(n, generator=gen)) for _ in range(batch)])
+        return self.model, {"feats": feats}, "log_probs", {"feats": {0: "batch", 1: "frames"}}
+
+    def use_onnx(self, run) -> None:
+        """Transcribe through ``run(feats) -> log-probabilities`` (the `onnx_graph` model in a runtime)."""
+        self.model = run
+
     def transcribe_wav_bytes(self, data: bytes) -> str:
         """WAV file contents -> transcript. Raises MarianaError on undecodable or too short audio."""
         return self.transcribe_samples(load_audio(io.BytesIO(data), self.settings))

@@ -43,6 +43,14 @@ def conv_bn(cin: int, cout: int, pool: bool = False) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+class GlobalMaxPool(nn.Module):
+    """``[B, C, H, W]`` -> ``[B, C, 1, 1]``, the maximum over H and W (``AdaptiveMaxPool2d(1)``'s values, as
+    ``amax``: torch's ONNX exporter has no translation of adaptive_max_pool2d)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.amax((2, 3), keepdim=True)
+
+
 class Residual(nn.Module):
     """``x + f(x)``."""
 
@@ -67,7 +75,7 @@ def resnet9_layout(num_classes: int = 10, width: int = 32) -> nn.Sequential:
             layer2=conv_bn(2 * w, 4 * w, pool=True),
             layer3=conv_bn(4 * w, 8 * w, pool=True),
             res3=Residual(nn.Sequential(conv_bn(8 * w, 8 * w), conv_bn(8 * w, 8 * w))),
-            pool=nn.AdaptiveMaxPool2d(1),
+            pool=GlobalMaxPool(),
             flatten=nn.Flatten(),
             fc=nn.Linear(8 * w, num_classes),
             scale=Scale(0.125),

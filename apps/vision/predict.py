@@ -3,6 +3,7 @@
 clf = load_classifier("runs/vision")          # RUN/model.safetensors + its metadata; no pickle
 clf.classify_bytes(jpeg_bytes, k=5)           # -> [("cat", 0.83), ("dog", 0.09), ...]
 clf.version                                   # "3f2a9c1e7b4d05aa": the exported weights' digest
+clf.onnx_graph(2, gen) / clf.use_onnx(fn)     # the network as `mariana export --format onnx` writes it / run it
 """
 
 from __future__ import annotations
@@ -51,6 +52,17 @@ class Classifier:
         down-right, each also mirrored (6x); False/``"none"`` the images alone."""
         x = (images.to(self.device).float() - self.mean) / self.std
         return tta_probabilities(self.model, x, tta_mode(tta))
+
+    def onnx_graph(self, batch: int, gen: torch.Generator) -> tuple:
+        """What `mariana export --format onnx` writes: (the network alone: normalised images float32
+        ``[B,3,S,S]`` -> logits ``[B, classes]``, example images of ``batch`` drawn with ``gen``, the output's
+        name, the dynamic axes). Decoding, normalisation, TTA and softmax stay here."""
+        x = torch.randn(batch, 3, self.image_size, self.image_size, generator=gen)
+        return self.model, {"images": x}, "logits", {"images": {0: "batch"}}
+
+    def use_onnx(self, run) -> None:
+        """Classify through ``run(images) -> logits`` (the `onnx_graph` network in a runtime)."""
+        self.model = run
 
     def classify_bytes(self, data: bytes, k: int = 5, tta: bool | str = False) -> list[tuple[str, float]]:
         """Encoded image (JPEG/PNG/GIF bytes) -> the top-``k`` (label, probability), best first

@@ -27,6 +27,7 @@ PLATFORM_COMMANDS = [
     "mariana.serving.cli",
     "mariana.platform.jobs.cli",
     "mariana.platform.tune.cli",
+    "mariana.platform.cli.runs",
 ]
 
 

@@ -13,6 +13,8 @@ Predictor:
   (absent key = missing); libfm ``{"features": [[id, value], ...]}`` or ``{"features": {"id": value}}``.
 - ``.predict(batch) -> np.ndarray float32 [B]`` click probabilities.
 - ``.predict_lines(lines) -> (probs: list[float | None], errors)`` (None where the line was invalid).
+- ``.onnx_graph`` / ``.use_onnx``: the graph `mariana export --format onnx` writes (`ClickScorer`), and scoring
+  through a runtime of it (``mariana serve --runtime onnxruntime``).
 Ids unseen in training (their hashed row received no gradient) are scored with the field's OOV row.
 With ``--ids dynamic`` the batch holds keys, mapped through the exported id map (``idmap.row_key``): an id
 that holds no row (never seen, not admitted, or evicted) is scored with the OOV row.
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import load_exported
+from torch import nn
 
 from ..data.encoding import CRITEO_CATS, CRITEO_INTS, Batch, Encoder, Schema
 from ..ids.keys import FrozenIdMap
@@ -97,6 +100,7 @@ class Predictor:
             raise MarianaError(f"the exported model does not match its metadata: {e}") from None
         self.model.to(self.device).eval()
         self.R = self.schema.rows_per_field
+        self.onnx = None  # `use_onnx`: rows, values, dense -> probabilities, instead of the torch model
 
     def map_oov(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows never trained -> the field's missing/OOV row (``field * R``)."""
@@ -157,11 +161,29 @@ class Predictor:
         ids = b.ids
         if self.idmap is not None:  # keys -> rows of the exported map
             ids = torch.from_numpy(self.idmap.lookup(ids.cpu().numpy())).to(self.device)
+        if self.onnx is not None:
+            return self.onnx(ids, b.vals, b.dense).numpy()
         ids = self.map_oov(ids)
         uniq, inv = torch.unique(ids, return_inverse=True)
         rows = self.model.table.weight.index_select(0, uniq)
         logits = self.model.forward_rows(F.embedding(inv, rows), b.vals, b.dense)
         return torch.sigmoid(logits).float().cpu().numpy()
+
+    def onnx_graph(self, batch: int, gen: torch.Generator) -> tuple:
+        """What `mariana export --format onnx` writes: (`ClickScorer`, example inputs of ``batch`` records
+        drawn with ``gen`` (rows of every field, trained or not), the output's name, the dynamic axes)."""
+        f, d = self.schema.num_fields, self.schema.num_dense
+        ids = torch.randint(0, self.schema.num_rows, (batch, f), generator=gen)
+        inputs = {
+            "ids": ids,
+            "vals": torch.rand(batch, f, generator=gen),
+            "dense": torch.rand(batch, d, generator=gen),
+        }
+        return ClickScorer(self), inputs, "probs", {k: {0: "batch"} for k in inputs}
+
+    def use_onnx(self, run) -> None:
+        """Score through ``run(ids, vals, dense) -> probabilities`` (`ClickScorer`'s graph in a runtime)."""
+        self.onnx = run
 
     def predict_lines(self, lines: list[str]) -> tuple[list[float | None], dict[int, str]]:
         batch, errors = self.parse(lines)
@@ -175,6 +197,21 @@ class Predictor:
                 out.append(float(probs[k]))
                 k += 1
         return out, errors
+
+
+class ClickScorer(nn.Module):
+    """A predictor's model as one graph (the ONNX export): ``ids`` int64 [B, F] the encoder's rows (with
+    ``--ids dynamic``, rows the exported id map gave the keys), ``vals`` float32 [B, F], ``dense`` float32
+    [B, D] -> click probabilities float32 [B]. Rows never trained are mapped to their field's OOV row here."""
+
+    def __init__(self, pred: Predictor):
+        super().__init__()
+        self.model, self.R = pred.model, pred.R
+        self.register_buffer("seen", pred.seen)
+
+    def forward(self, ids: torch.Tensor, vals: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        ids = torch.where(self.seen[ids], ids, ids - ids % self.R)
+        return torch.sigmoid(self.model(ids, vals, dense))
 
 
 def load_predictor(
