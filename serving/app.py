@@ -30,6 +30,7 @@ from mariana.platform.core.registry import serving_apps
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import open_inference
 from .batcher import MicroBatcher, Overloaded
 from .context import AppContext, ServeConfig, error
 from .metrics import Registry
@@ -38,7 +39,7 @@ from .models import ModelSlot, serving_spec, watch
 log = logging.getLogger("mariana.serving")
 
 SMALL_BODY = 64 * 1024  # routes without a payload (health, metrics, admin)
-GENERIC_PATHS = ("/healthz", "/metrics", "/v1/admin/reload")
+GENERIC_PATHS = ("/healthz", "/health", "/metrics", "/v1/admin/reload")
 
 
 def set_threads(cfg: ServeConfig) -> int:
@@ -88,7 +89,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 async def _mariana_error(request: Request, exc: MarianaError) -> JSONResponse:
     if isinstance(exc, Overloaded):  # 429, not 503: the service is healthy, this client should back off
         return JSONResponse({"error": str(exc)}, status_code=429, headers={"Retry-After": "1"})
-    return error(400, str(exc))
+    return error(getattr(exc, "status", 400), str(exc))
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -182,8 +183,8 @@ class MetricsMiddleware:
             route = getattr(scope.get("route"), "path", None)
             if route is None:  # answered before routing (413) or no such route; keep label cardinality low
                 route = scope["path"] if scope["path"] in self.known_paths else "unmatched"
-            self.metrics.requests.inc({"route": route, "status": str(status)})
-            self.metrics.latency.observe(time.perf_counter() - t0, {"route": route})
+            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.latency.labels(route).observe(time.perf_counter() - t0)
 
 
 # ------------------------------------------------------------------------------------------- service
@@ -201,10 +202,8 @@ class Service:
                 self.slots[app] = ModelSlot(
                     app,
                     run_dir,
-                    on_change=lambda ld: metrics.model_info.set_exclusive(
-                        1, {"app": ld.app, "version": ld.version, "run_dir": ld.run_dir}, by="app"
-                    ),
-                    on_reload=lambda result, app=app: metrics.reloads.inc({"app": app, "result": result}),
+                    on_change=lambda ld: metrics.serving(ld.app, ld.version, ld.run_dir),
+                    on_reload=lambda result, app=app: metrics.reloads.labels(app, result).inc(),
                 )
         # One inference thread per model: calls on one model are serialised, its ops use torch's threads.
         self.executors = {app: ThreadPoolExecutor(1, thread_name_prefix=f"infer-{app}") for app in self.slots}
@@ -220,13 +219,23 @@ class Service:
         """Each servable app's router (from its spec), built on its context."""
         return [serving_spec(app).router(ctx) for app, ctx in self.contexts.items()]
 
+    def v2_paths(self, table: str) -> dict:
+        """Each app's ``/v2/models/APP/infer`` -> its /v1 route's entry in ``ctx.<table>`` (batchers or
+        limits; a v2 body is never only JSON: the binary extension sends application/octet-stream)."""
+        pairs = ((a, c, getattr(c, table).get(c.v2.path)) for a, c in self.contexts.items() if c.v2)
+        return {
+            f"/v2/models/{a}/infer": v if table == "batchers" else (v[0], False) for a, c, v in pairs if v
+        }
+
     @property
     def batchers(self) -> dict[str, MicroBatcher]:
-        return {path: b for ctx in self.contexts.values() for path, b in ctx.batchers.items()}
+        own = {path: b for ctx in self.contexts.values() for path, b in ctx.batchers.items()}
+        return own | self.v2_paths("batchers")
 
     @property
     def limits(self) -> dict[str, tuple[int, bool]]:
-        return {path: lim for ctx in self.contexts.values() for path, lim in ctx.limits.items()}
+        own = {path: lim for ctx in self.contexts.values() for path, lim in ctx.limits.items()}
+        return own | self.v2_paths("limits")
 
     async def start(self) -> None:
         for b in self.batchers.values():
@@ -259,6 +268,7 @@ def generic_router(svc: Service) -> APIRouter:
     r = APIRouter()
 
     @r.get("/healthz", summary="liveness + the served model versions")
+    @r.get("/health", summary="liveness + the served model versions (as /healthz)")
     async def healthz() -> dict:
         return {"status": "ok", "models": {a: s.current.describe() for a, s in svc.slots.items()}}
 
@@ -332,6 +342,7 @@ def create_app(cfg: ServeConfig | None = None) -> FastAPI:
     app.include_router(generic_router(svc))
     for router in svc.routers():
         app.include_router(router)
+    app.include_router(open_inference.router(svc.contexts))
     known = frozenset(GENERIC_PATHS) | {getattr(r, "path", "") for r in app.routes}
     if cfg.token:
         token = cfg.token

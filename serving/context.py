@@ -17,9 +17,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fastapi.responses import JSONResponse
+from mariana.platform.core.errors import MarianaError
 
 from .batcher import MicroBatcher
 
@@ -63,6 +64,25 @@ class ServeConfig:
         return cls(**json.loads(text))
 
 
+class RequestError(MarianaError):
+    """A request the model cannot answer, with its HTTP status (answered ``{"error": message}``)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class OpenInference(NamedTuple):
+    """An app's model in the Open Inference Protocol (`open_inference`): its tensors as ``(name, datatype,
+    shape)`` (-1: any size) and ``await infer({input: flat list}, parameters) -> ({output: nested list},
+    model_version)``, the code path of the /v1 route ``path`` (whose body limit and micro-batcher it shares)."""
+
+    path: str
+    inputs: tuple
+    outputs: tuple
+    infer: Callable
+
+
 def error(status: int, message: str, **extra) -> JSONResponse:
     """The service's client-error reply: ``{"error": message, ...}`` with HTTP ``status``."""
     return JSONResponse({"error": message, **extra}, status_code=status)
@@ -82,6 +102,7 @@ class AppContext:
         self.app, self.cfg, self.metrics, self.slot, self.executor = app, cfg, metrics, slot, executor
         self.limits: dict[str, tuple[int, bool]] = {}  # path -> (largest body, JSON content type only)
         self.batchers: dict[str, MicroBatcher] = {}  # path -> its micro-batcher
+        self.v2: OpenInference | None = None  # set by routes that speak the Open Inference Protocol
 
     @property
     def served(self) -> bool:
@@ -99,11 +120,14 @@ class AppContext:
         """A `MicroBatcher` running ``fn`` on this app's inference thread for the requests of ``path``
         (their arrival is announced to it, so it waits for requests already inside the server); its
         batch sizes, latencies and queue depth go to the metrics under this app's label."""
-        labels = {"app": self.app}
+        size, seconds, depth = (
+            m.labels(self.app)
+            for m in (self.metrics.batch_size, self.metrics.batch_latency, self.metrics.queue_depth)
+        )
 
-        def on_batch(n: int, seconds: float) -> None:
-            self.metrics.batch_size.observe(n, labels)
-            self.metrics.batch_latency.observe(seconds, labels)
+        def on_batch(n: int, s: float) -> None:
+            size.observe(n)
+            seconds.observe(s)
 
         batcher = MicroBatcher(
             fn,
@@ -113,9 +137,9 @@ class AppContext:
             max_queue=self.cfg.max_queue,
             inline_max=self.cfg.inline_max,
             on_batch=on_batch,
-            on_queue=lambda d: self.metrics.queue_depth.set(d, labels),
+            on_queue=depth.set,
         )
-        self.metrics.queue_depth.set(0, labels)
+        depth.set(0)
         self.batchers[path] = batcher
         return batcher
 
