@@ -207,11 +207,9 @@ class Service:
                 )
         # One inference thread per model: calls on one model are serialised, its ops use torch's threads.
         self.executors = {app: ThreadPoolExecutor(1, thread_name_prefix=f"infer-{app}") for app in self.slots}
+        apps = [spec.name for spec in serving_apps()]
         self.contexts = {
-            spec.name: AppContext(
-                spec.name, cfg, metrics, self.slots.get(spec.name), self.executors.get(spec.name)
-            )
-            for spec in serving_apps()
+            a: AppContext(a, cfg, metrics, self.slots.get(a), self.executors.get(a)) for a in apps
         }
         self._watch_task: asyncio.Task | None = None
 
@@ -219,23 +217,13 @@ class Service:
         """Each servable app's router (from its spec), built on its context."""
         return [serving_spec(app).router(ctx) for app, ctx in self.contexts.items()]
 
-    def v2_paths(self, table: str) -> dict:
-        """Each app's ``/v2/models/APP/infer`` -> its /v1 route's entry in ``ctx.<table>`` (batchers or
-        limits; a v2 body is never only JSON: the binary extension sends application/octet-stream)."""
-        pairs = ((a, c, getattr(c, table).get(c.v2.path)) for a, c in self.contexts.items() if c.v2)
-        return {
-            f"/v2/models/{a}/infer": v if table == "batchers" else (v[0], False) for a, c, v in pairs if v
-        }
-
     @property
     def batchers(self) -> dict[str, MicroBatcher]:
-        own = {path: b for ctx in self.contexts.values() for path, b in ctx.batchers.items()}
-        return own | self.v2_paths("batchers")
+        return {path: b for ctx in self.contexts.values() for path, b in ctx.batchers.items()}
 
     @property
     def limits(self) -> dict[str, tuple[int, bool]]:
-        own = {path: lim for ctx in self.contexts.values() for path, lim in ctx.limits.items()}
-        return own | self.v2_paths("limits")
+        return {path: lim for ctx in self.contexts.values() for path, lim in ctx.limits.items()}
 
     async def start(self) -> None:
         for b in self.batchers.values():

@@ -1,19 +1,16 @@
-"""The Open Inference Protocol (KServe v2) routes of ``mariana serve``, in its JSON tensor encoding and in
-Triton's binary tensor data extension (what ``tritonclient`` sends by default).
-
-``GET /v2``, ``/v2/health/live``, ``/v2/health/ready``, ``/v2/models/{name}`` (metadata: the tensors' names,
-datatypes and shapes, -1 = any size), ``/v2/models/{name}/ready`` and ``POST /v2/models/{name}/infer`` for
-every app whose routes declared an `OpenInference` (``ctx.v2``). The routes only translate tensors: the app's
-``infer`` is the code path of its ``/v1`` route (same micro-batcher, body limit, metrics and token rules).
-A binary request is ``JSON header + raw tensors`` with the header's byte length in the
-``Inference-Header-Content-Length`` header and each binary input's size in its ``binary_data_size``
-parameter; BYTES elements are a 4-byte little-endian length and the bytes. Outputs come back binary when
-the request asks (``binary_data_output``, or ``binary_data`` on a requested output). Protocol errors are
-``{"error": "..."}`` with 400 (bad request or input) or 404 (no such model).
+"""The Open Inference Protocol (KServe v2) routes of ``mariana serve``: server and model health, readiness
+and metadata (tensor names, datatypes, shapes; -1 = any size) and ``POST /v2/models/{name}/infer`` for each
+app that declared its tensors (`AppContext.open_inference`), whose ``infer`` is its /v1 route's code path:
+these routes translate tensors, nothing more. Tensors travel as JSON, or in Triton's binary tensor data
+extension (tritonclient's default): ``JSON header + raw tensors``, the header's length in the
+``Inference-Header-Content-Length`` header, each binary tensor's size in its ``binary_data_size`` parameter
+(BYTES elements: a 4-byte little-endian length, then the bytes); outputs are binary when the request asks
+(``binary_data_output``, or ``binary_data`` on an output). Errors: ``{"error": "..."}``, 400 or 404.
 """
 
 import json
 import struct
+from functools import partial
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -27,8 +24,7 @@ HEADER = "inference-header-content-length"
 NUMPY = {"FP32": "<f4", "FP64": "<f8", "INT32": "<i4", "INT64": "<i8", "BOOL": "?", "BYTES": object}
 
 
-class ProtocolError(MarianaError):
-    """The request does not follow the protocol (answered 400)."""
+ProtocolError = partial(RequestError, 400)  # the request does not follow the protocol
 
 
 def unpack_bytes(raw: bytes, where: str) -> list[bytes]:
@@ -74,6 +70,8 @@ def read_request(body: bytes, header_len: str | None) -> tuple[dict, dict[str, l
             data = unpack_bytes(raw, where) if is_bytes else np.frombuffer(raw, NUMPY[t["datatype"]]).tolist()
         else:
             data = [x.encode() if isinstance(x, str) else x for x in _flat(t.get("data", []))]
+        if not data:
+            raise ProtocolError(f"{where}: no elements (shape {shape})")
         if len(data) != (n := int(np.prod(shape))):
             raise ProtocolError(f"{where}: shape {shape} needs {n} elements, the data has {len(data)}")
         tensors[str(t.get("name"))] = data
@@ -93,9 +91,8 @@ def _check_inputs(req: dict, declared) -> None:
 
 def write_response(name: str, version: str, req: dict, outputs: dict[str, list], declared) -> Response:
     """The outputs (``{name: nested list}``, typed as ``declared``) as the protocol's answer to ``req``."""
-    asked = {
-        o.get("name"): o.get("parameters") or {} for o in req.get("outputs") or [] if isinstance(o, dict)
-    }
+    outs = [o for o in req.get("outputs") or [] if isinstance(o, dict)]
+    asked = {o.get("name"): o.get("parameters") or {} for o in outs}
     if unknown := set(asked) - set(outputs):
         raise ProtocolError(f"outputs: no output named {sorted(unknown)} (outputs: {sorted(outputs)})")
     default = bool((req.get("parameters") or {}).get("binary_data_output", False))
@@ -113,9 +110,8 @@ def write_response(name: str, version: str, req: dict, outputs: dict[str, list],
         else:
             t["data"] = arr.reshape(-1).tolist()
         head.append(t)
-    body = {"model_name": name, "model_version": version, "outputs": head}
-    if "id" in req:
-        body["id"] = req["id"]
+    ident = {"id": req["id"]} if "id" in req else {}
+    body = {"model_name": name, "model_version": version, "outputs": head, **ident}
     if not chunks:
         return JSONResponse(body)
     header = json.dumps(body).encode()

@@ -17,7 +17,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from mariana.platform.core.errors import MarianaError
-from mariana.serving.context import OpenInference
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, create_model
 
 from .models.predict import load_predictor
@@ -127,8 +126,7 @@ def router(ctx) -> APIRouter:
     instances = ctx.metrics.instances
 
     async def predict(items: list) -> tuple[list, list, str]:
-        """Both routes' scoring, micro-batched and counted: (probability or None per instance, [{"index",
-        "error"}] of the invalid ones, model version)."""
+        """Both routes' scoring, micro-batched, counted: (probability | None, [{"index", "error"}], version)."""
         results, version = await batcher.submit(items)
         probs = [r if isinstance(r, float) else None for r in results]
         errors = [{"index": i, "error": r} for i, r in enumerate(results) if not isinstance(r, float)]
@@ -138,15 +136,14 @@ def router(ctx) -> APIRouter:
         return probs, errors, version
 
     async def v2_infer(tensors: dict, parameters: dict) -> tuple[dict, str]:
-        """Open Inference: BYTES ``lines`` (as /v1's text instances) -> FP32 ``probabilities``; any invalid
-        line fails the request (a FP32 tensor has no null)."""
+        """Open Inference: BYTES ``lines`` (/v1's instances) -> FP32 ``probabilities``; no invalid line."""
         lines = [x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in tensors["lines"]]
         probs, errors, version = await predict(lines)
         if errors:
             raise MarianaError(f"lines[{errors[0]['index']}]: {errors[0]['error']} ({len(errors)} invalid)")
         return {"probabilities": probs}, version
 
-    ctx.v2 = OpenInference(PATH, (("lines", "BYTES", [-1]),), (("probabilities", "FP32", [-1]),), v2_infer)
+    ctx.open_inference(PATH, (("lines", "BYTES", [-1]),), (("probabilities", "FP32", [-1]),), v2_infer)
     req_model = create_model(
         "PctrRequest",
         __config__=ConfigDict(extra="forbid"),

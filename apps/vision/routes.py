@@ -7,15 +7,10 @@
 Imported only when vision routes are mounted (`AppSpec.router`).
 """
 
-import logging
-
 from fastapi import APIRouter, File, Query, UploadFile
-from mariana.platform.core.errors import MarianaError
-from mariana.serving.context import OpenInference, RequestError
+from mariana.serving.context import RequestError
 
 from .fast_recipe import tta_mode
-
-log = logging.getLogger("mariana.serving")
 
 PATH = "/v1/vision/classify"
 TTA_VALUES = ("true", "false", "1", "0", "none", "flip", "crops")
@@ -52,24 +47,12 @@ def router(ctx) -> APIRouter:
 
     async def classify(data: bytes, k: int, tta: str, field: str) -> dict:
         """Both routes' top-k of one encoded image; RequestError (4xx) naming ``field`` when it is none."""
-        if not data:
-            raise RequestError(422, f"{field}: empty upload")
-        if not is_image(data):
-            raise RequestError(415, f"{field}: not a JPEG/PNG/GIF image")
-        loaded = ctx.slot.current
         mode = tta_mode(tta)
-        try:
-            top = await ctx.run(loaded.obj.classify_bytes, data, k, mode)
-        except MarianaError as e:
-            raise RequestError(422, f"{field}: {e}") from None
-        except Exception as e:  # noqa: BLE001  -- a corrupt image must not become a 500
-            log.warning("vision: upload rejected: %s: %s", type(e).__name__, e)
-            raise RequestError(
-                422, f"{field}: image could not be decoded ({type(e).__name__}: {e})"
-            ) from None
+        what = "a JPEG/PNG/GIF image"
+        top, version = await ctx.on_upload("classify_bytes", data, field, is_image(data), what, k, mode)
         return {
             "labels": [{"label": lbl, "probability": float(p)} for lbl, p in top],
-            "model_version": loaded.version,
+            "model_version": version,
             "tta": mode != "none",
             "tta_mode": mode,
         }
@@ -80,15 +63,14 @@ def router(ctx) -> APIRouter:
         k, tta = parameters.get("k", 5), str(parameters.get("tta", "false")).lower()
         if not isinstance(k, int) or not 1 <= k <= 100 or tta not in TTA_VALUES:
             raise RequestError(
-                400, f"parameters: k must be 1..100 and tta one of {TTA_VALUES} (got {k}, {tta})"
+                400, f"parameters: expected k 1..100, tta one of {TTA_VALUES} (got {k}, {tta})"
             )
         tops = [await classify(x, k, tta, f"image[{i}]") for i, x in enumerate(tensors["image"])]
-        labels = [[t["label"] for t in top["labels"]] for top in tops]
-        return {
-            "labels": labels,
-            "probabilities": [[t["probability"] for t in top["labels"]] for top in tops],
-        }, (tops[0]["model_version"] if tops else ctx.slot.current.version)
+        labels, probs = (
+            [[t[key] for t in top["labels"]] for top in tops] for key in ("label", "probability")
+        )
+        return {"labels": labels, "probabilities": probs}, tops[0]["model_version"]
 
     outputs = (("labels", "BYTES", [-1, -1]), ("probabilities", "FP32", [-1, -1]))
-    ctx.v2 = OpenInference(PATH, (("image", "BYTES", [-1]),), outputs, v2_infer)
+    ctx.open_inference(PATH, (("image", "BYTES", [-1]),), outputs, v2_infer)
     return r
