@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import tarfile
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -15,7 +16,7 @@ import tritonclient.http as triton
 from helpers import DATA
 from prometheus_client.parser import text_string_to_metric_families
 from test_serving_helpers import FRAPPE, head_lines, pctr_probs, serve, strip_label
-from trained_runs import train
+from trained_runs import fresh_copy, train
 from tritonclient.utils import InferenceServerException
 
 CIFAR = DATA / "cifar10" / "test-dev.tar"
@@ -36,16 +37,18 @@ def _asr_run(d):
 
 
 @pytest.fixture(scope="module")
-def server(frappe_fm, tmp_path_factory):
-    """pCTR (the shared Frappe FM), vision and ASR (3 debug steps each), with a bearer token."""
+def server(frappe_fm, frappe_deepfm, tmp_path_factory):
+    """pCTR (a copy of the shared Frappe FM; the DeepFM beside it to reload), vision and ASR (3 debug steps
+    each), with a bearer token."""
     d = tmp_path_factory.mktemp("v2")
+    fresh_copy(frappe_deepfm, d / "deepfm")
     vision = train(
         ["vision", "train", "--data", CIFAR, "--preset", "debug", "--limit", "64", *STEPS], d / "vis"
     )
     (d / "token").write_text(TOKEN + "\n")
     args = [
         "--pctr",
-        frappe_fm.path,
+        fresh_copy(frappe_fm, d / "fm"),
         "--vision",
         vision.path,
         "--asr",
@@ -252,3 +255,23 @@ def test_metrics_parse_with_prometheus_client(server, client):
     r = httpx.get(server.url + "/metrics")
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
     assert json.loads(server.client.get("/v2").text)["extensions"] == ["binary_tensor_data"]
+
+
+def test_reload_switches_the_v2_answers_too(server, client):
+    lines = [strip_label(x, "libfm") for x in head_lines(FRAPPE, 5)]
+    before = infer(client, "pctr", "lines", [x.encode() for x in lines], True, ["probabilities"])
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    fm = before.get_response()["model_version"]
+    for run in ("deepfm", "fm"):
+        run_dir = str(Path(server.client.get("/healthz").json()["models"]["pctr"]["run_dir"]).parent / run)
+        r = server.client.post("/v1/admin/reload", json={"app": "pctr", "run_dir": run_dir}, headers=auth)
+        assert r.status_code == 200, r.text
+        res = infer(client, "pctr", "lines", [x.encode() for x in lines], False, ["probabilities"])
+        want = np.array(pctr_probs(server.predict(lines)), dtype=np.float32)
+        np.testing.assert_array_equal(res.as_numpy("probabilities"), want)
+        assert (
+            res.get_response()["model_version"]
+            == version(server, "pctr")
+            == client.get_model_metadata("pctr")["versions"][0]
+        )
+        assert (res.get_response()["model_version"] == fm) == (run == "fm")
