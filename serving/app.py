@@ -4,11 +4,11 @@
 app. Each app's routes come from its spec (`mariana.platform.core.registry.AppSpec.routes`, e.g.
 ``POST /v1/<app>/...``), mounted as one router per app; an app's routes exist whether or not its model
 was given (a stable API schema) and answer 404 naming the missing ``--<app>`` flag when it was not. The
-generic routes are here: ``GET /healthz``, ``GET /metrics`` (Prometheus text), ``POST /v1/admin/reload``,
-``/docs``. ``/v1/admin/reload`` switches only to run dirs inside ``ServeConfig.roots()`` (403 otherwise) and,
-with a token (``--token-file``), needs ``Authorization: Bearer TOKEN``, as does every request from off
-loopback. Every client error is a 4xx with a JSON body ``{"error": "<what is wrong>", ...}``; request
-bodies are size-limited (per route, as the app's routes declared) before they are read.
+generic routes are here: ``GET /healthz`` (= ``/health``), ``/metrics`` (Prometheus), ``/v1/admin/reload``,
+``/docs``, and `open_inference`'s ``/v2/...``. ``/v1/admin/reload`` switches only to run dirs inside
+``ServeConfig.roots()`` (403 otherwise) and, with a token (``--token-file``), needs ``Authorization: Bearer
+TOKEN``, as does every request from off loopback. Every client error is a 4xx with a JSON body ``{"error":
+"<what is wrong>", ...}``; request bodies are size-limited (per route, as declared) before they are read.
 """
 
 import asyncio
@@ -30,6 +30,7 @@ from mariana.platform.core.registry import serving_apps
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import open_inference
 from .batcher import MicroBatcher, Overloaded
 from .context import AppContext, ServeConfig, error
 from .metrics import Registry
@@ -38,7 +39,7 @@ from .models import ModelSlot, serving_spec, watch
 log = logging.getLogger("mariana.serving")
 
 SMALL_BODY = 64 * 1024  # routes without a payload (health, metrics, admin)
-GENERIC_PATHS = ("/healthz", "/metrics", "/v1/admin/reload")
+GENERIC_PATHS = ("/healthz", "/health", "/metrics", "/v1/admin/reload")
 
 
 def set_threads(cfg: ServeConfig) -> int:
@@ -88,7 +89,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 async def _mariana_error(request: Request, exc: MarianaError) -> JSONResponse:
     if isinstance(exc, Overloaded):  # 429, not 503: the service is healthy, this client should back off
         return JSONResponse({"error": str(exc)}, status_code=429, headers={"Retry-After": "1"})
-    return error(400, str(exc))
+    return error(getattr(exc, "status", 400), str(exc))
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -182,8 +183,8 @@ class MetricsMiddleware:
             route = getattr(scope.get("route"), "path", None)
             if route is None:  # answered before routing (413) or no such route; keep label cardinality low
                 route = scope["path"] if scope["path"] in self.known_paths else "unmatched"
-            self.metrics.requests.inc({"route": route, "status": str(status)})
-            self.metrics.latency.observe(time.perf_counter() - t0, {"route": route})
+            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.latency.labels(route).observe(time.perf_counter() - t0)
 
 
 # ------------------------------------------------------------------------------------------- service
@@ -201,19 +202,15 @@ class Service:
                 self.slots[app] = ModelSlot(
                     app,
                     run_dir,
-                    on_change=lambda ld: metrics.model_info.set_exclusive(
-                        1, {"app": ld.app, "version": ld.version, "run_dir": ld.run_dir}, by="app"
-                    ),
-                    on_reload=lambda result, app=app: metrics.reloads.inc({"app": app, "result": result}),
+                    on_change=lambda ld: metrics.serving(ld.app, ld.version, ld.run_dir),
+                    on_reload=lambda result, app=app: metrics.reloads.labels(app, result).inc(),
                     runtime=cfg.runtime,
                 )
         # One inference thread per model: calls on one model are serialised, its ops use torch's threads.
         self.executors = {app: ThreadPoolExecutor(1, thread_name_prefix=f"infer-{app}") for app in self.slots}
+        apps = [spec.name for spec in serving_apps()]
         self.contexts = {
-            spec.name: AppContext(
-                spec.name, cfg, metrics, self.slots.get(spec.name), self.executors.get(spec.name)
-            )
-            for spec in serving_apps()
+            a: AppContext(a, cfg, metrics, self.slots.get(a), self.executors.get(a)) for a in apps
         }
         self._watch_task: asyncio.Task | None = None
 
@@ -260,6 +257,7 @@ def generic_router(svc: Service) -> APIRouter:
     r = APIRouter()
 
     @r.get("/healthz", summary="liveness + the served model versions")
+    @r.get("/health", summary="liveness + the served model versions (as /healthz)")
     async def healthz() -> dict:
         return {"status": "ok", "models": {a: s.current.describe() for a, s in svc.slots.items()}}
 
@@ -333,6 +331,7 @@ def create_app(cfg: ServeConfig | None = None) -> FastAPI:
     app.include_router(generic_router(svc))
     for router in svc.routers():
         app.include_router(router)
+    app.include_router(open_inference.router(svc.contexts))
     known = frozenset(GENERIC_PATHS) | {getattr(r, "path", "") for r in app.routes}
     if cfg.token:
         token = cfg.token

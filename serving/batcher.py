@@ -140,10 +140,8 @@ class MicroBatcher:
             flat = [x for items, _, _ in batch for x in items]
             t0 = time.perf_counter()
             try:
-                if len(flat) <= self.inline_max:
-                    results, meta = self.fn(
-                        flat
-                    )  # small: cheaper than two thread switches and a GIL hand-off
+                if len(flat) <= self.inline_max:  # small: cheaper than two thread switches and a GIL hand-off
+                    results, meta = self.fn(flat)
                 else:
                     results, meta = await loop.run_in_executor(self.executor, self.fn, flat)
                 if len(results) != len(flat):

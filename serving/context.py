@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -20,8 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse
+from mariana.platform.core.errors import MarianaError
 
 from .batcher import MicroBatcher
+
+log = logging.getLogger("mariana.serving")
 
 if TYPE_CHECKING:
     from .metrics import Registry
@@ -64,6 +68,14 @@ class ServeConfig:
         return cls(**json.loads(text))
 
 
+class RequestError(MarianaError):
+    """A request the model cannot answer, with its HTTP status (answered ``{"error": message}``)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
 def error(status: int, message: str, **extra) -> JSONResponse:
     """The service's client-error reply: ``{"error": message, ...}`` with HTTP ``status``."""
     return JSONResponse({"error": message, **extra}, status_code=status)
@@ -83,6 +95,7 @@ class AppContext:
         self.app, self.cfg, self.metrics, self.slot, self.executor = app, cfg, metrics, slot, executor
         self.limits: dict[str, tuple[int, bool]] = {}  # path -> (largest body, JSON content type only)
         self.batchers: dict[str, MicroBatcher] = {}  # path -> its micro-batcher
+        self.v2: tuple | None = None  # (path, inputs, outputs, infer) of `open_inference`
 
     @property
     def served(self) -> bool:
@@ -100,12 +113,8 @@ class AppContext:
         """A `MicroBatcher` running ``fn`` on this app's inference thread for the requests of ``path``
         (their arrival is announced to it, so it waits for requests already inside the server); its
         batch sizes, latencies and queue depth go to the metrics under this app's label."""
-        labels = {"app": self.app}
-
-        def on_batch(n: int, seconds: float) -> None:
-            self.metrics.batch_size.observe(n, labels)
-            self.metrics.batch_latency.observe(seconds, labels)
-
+        mt = self.metrics
+        size, seconds, depth = (m.labels(self.app) for m in (mt.batch_size, mt.batch_latency, mt.queue_depth))
         batcher = MicroBatcher(
             fn,
             self.executor,
@@ -113,16 +122,47 @@ class AppContext:
             max_wait_s=self.cfg.max_wait_ms / 1000.0,
             max_queue=self.cfg.max_queue,
             inline_max=self.cfg.inline_max,
-            on_batch=on_batch,
-            on_queue=lambda d: self.metrics.queue_depth.set(d, labels),
+            on_batch=lambda n, s: (size.observe(n), seconds.observe(s)),
+            on_queue=depth.set,
         )
-        self.metrics.queue_depth.set(0, labels)
+        depth.set(0)
         self.batchers[path] = batcher
         return batcher
+
+    def open_inference(self, path: str, inputs: tuple, outputs: tuple, infer: Callable) -> None:
+        """This app's model in the Open Inference Protocol (`mariana.serving.open_inference`): its tensors as
+        ``(name, datatype, shape)`` (-1: any size), ``await infer({input: flat list}, parameters) ->
+        ({output: nested list}, model_version)`` the code path of the /v1 route ``path``, whose body limit
+        (any content type: the binary extension is not JSON) and micro-batcher ``/v2/models/APP/infer`` shares."""
+        self.v2 = (path, inputs, outputs, infer)
+        v2 = f"/v2/models/{self.app}/infer"
+        self.limits[v2] = (self.limits[path][0], False)
+        if path in self.batchers:
+            self.batchers[v2] = self.batchers[path]
 
     async def run(self, fn, *args):
         """Run a (non-batched) model call on this app's inference thread."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def on_upload(self, method: str, data: bytes, field: str, valid: bool, expected: str, *args):
+        """``current model.<method>(data, *args)`` on the inference thread for an uploaded file -> (its
+        answer, the model version); RequestError naming ``field``: 422 when it is empty or cannot be
+        decoded, 415 when not ``valid`` (its header is not ``expected``'s)."""
+        if not data:
+            raise RequestError(422, f"{field}: empty upload")
+        if not valid:
+            raise RequestError(415, f"{field}: not {expected}")
+        loaded = self.slot.current  # the answer comes from this version even if a reload lands
+        try:
+            return await self.run(getattr(loaded.obj, method), data, *args), loaded.version
+        except MarianaError as e:
+            raise RequestError(422, f"{field}: {e}") from None
+        except Exception as e:  # noqa: BLE001  -- a corrupt file must not become a 500
+            # The detail goes to the server log; the client gets a plain message, not an internal one.
+            log.warning("%s: upload rejected: %s: %s", self.app, type(e).__name__, e)
+            raise RequestError(
+                422, f"{field}: could not be decoded as {expected} ({type(e).__name__})"
+            ) from None
 
     def not_served(self) -> JSONResponse:
         return error(404, f"{self.app} is not served here (start the server with --{self.app} RUN)")

@@ -5,15 +5,9 @@
 Module-level imports are FastAPI only: a server without an ASR model never imports the model code.
 """
 
-import logging
-
 from fastapi import APIRouter, File, UploadFile
-from mariana.platform.core.errors import MarianaError
-from mariana.serving.context import error
 
 from .data import AUDIO_FORMATS
-
-log = logging.getLogger("mariana.serving")
 
 PATH = "/v1/asr/transcribe"
 WAV_MAGIC = (b"RIFF", b"RIFX", b"RF64")
@@ -42,22 +36,18 @@ def router(ctx) -> APIRouter:
     async def asr_transcribe(file: UploadFile = File(..., description=f"{AUDIO_FORMATS} audio")) -> dict:
         if not ctx.served:
             return ctx.not_served()
-        data = await file.read()
-        if not data:
-            return error(422, "file: empty upload")
-        if not is_audio(data):
-            return error(415, f"file: not a {AUDIO_FORMATS} file (expected a RIFF/WAVE, fLaC or OggS header)")
-        loaded = ctx.slot.current
-        try:
-            text = await ctx.run(loaded.obj.transcribe_wav_bytes, data)
-        except MarianaError as e:
-            return error(422, f"file: {e}")
-        except Exception as e:  # noqa: BLE001  -- undecodable audio must not become a 500
-            # The detail goes to the server log; the client gets a plain message, not an internal one.
-            log.warning("asr: upload rejected: %s: %s", type(e).__name__, e)
-            return error(
-                422, f"file: audio could not be decoded or transcribed (expected a {AUDIO_FORMATS} file)"
-            )
-        return {"transcript": text, "model_version": loaded.version}
+        return await transcribe(await file.read(), "file")
 
+    async def transcribe(data: bytes, field: str) -> dict:
+        """Both routes' transcript of one audio file; RequestError (4xx) naming ``field`` when it is none."""
+        what = f"a {AUDIO_FORMATS} file (a RIFF/WAVE, fLaC or OggS header)"
+        text, version = await ctx.on_upload("transcribe_wav_bytes", data, field, is_audio(data), what)
+        return {"transcript": text, "model_version": version}
+
+    async def v2_infer(tensors: dict, parameters: dict) -> tuple[dict, str]:
+        """Open Inference: BYTES ``audio`` (encoded files) -> BYTES ``transcript``, one per file."""
+        answers = [await transcribe(x, f"audio[{i}]") for i, x in enumerate(tensors["audio"])]
+        return {"transcript": [a["transcript"] for a in answers]}, answers[0]["model_version"]
+
+    ctx.open_inference(PATH, (("audio", "BYTES", [-1]),), (("transcript", "BYTES", [-1]),), v2_infer)
     return r

@@ -124,6 +124,26 @@ def router(ctx) -> APIRouter:
     ctx.json_body(PATH)
     batcher = ctx.micro_batcher(PATH, lambda items: score_batch(ctx.slot, items)) if ctx.served else None
     instances = ctx.metrics.instances
+
+    async def predict(items: list) -> tuple[list, list, str]:
+        """Both routes' scoring, micro-batched, counted: (probability | None, [{"index", "error"}], version)."""
+        results, version = await batcher.submit(items)
+        probs = [r if isinstance(r, float) else None for r in results]
+        errors = [{"index": i, "error": r} for i, r in enumerate(results) if not isinstance(r, float)]
+        instances.labels("pctr", "ok").inc(len(results) - len(errors))
+        if errors:
+            instances.labels("pctr", "error").inc(len(errors))
+        return probs, errors, version
+
+    async def v2_infer(tensors: dict, parameters: dict) -> tuple[dict, str]:
+        """Open Inference: BYTES ``lines`` (/v1's instances) -> FP32 ``probabilities``; no invalid line."""
+        lines = [x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in tensors["lines"]]
+        probs, errors, version = await predict(lines)
+        if errors:
+            raise MarianaError(f"lines[{errors[0]['index']}]: {errors[0]['error']} ({len(errors)} invalid)")
+        return {"probabilities": probs}, version
+
+    ctx.open_inference(PATH, (("lines", "BYTES", [-1]),), (("probabilities", "FP32", [-1]),), v2_infer)
     req_model = create_model(
         "PctrRequest",
         __config__=ConfigDict(extra="forbid"),
@@ -154,20 +174,9 @@ def router(ctx) -> APIRouter:
         if batcher is None:
             return ctx.not_served()
         batcher.arrived(request.scope)
-        results, version = await batcher.submit(body.instances)
-        probs, errors = [], []
-        for i, res in enumerate(results):
-            if isinstance(res, float):
-                probs.append(res)
-            else:
-                probs.append(None)
-                errors.append({"index": i, "error": res})
-        n_err = len(errors)
-        instances.inc({"app": "pctr", "result": "ok"}, len(results) - n_err)
-        if n_err:
-            instances.inc({"app": "pctr", "result": "error"}, n_err)
+        probs, errors, version = await predict(body.instances)
         payload = {"probabilities": probs, "errors": errors, "model_version": version}
-        if n_err == len(results):
+        if len(errors) == len(probs):
             payload["error"] = f"no valid instance: instance 0: {errors[0]['error']}"
             return Response(json.dumps(payload), status_code=422, media_type="application/json")
         # Serialised directly: jsonable_encoder on 10k floats costs more than the model.

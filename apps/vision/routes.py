@@ -7,17 +7,13 @@
 Imported only when vision routes are mounted (`AppSpec.router`).
 """
 
-import logging
-
 from fastapi import APIRouter, File, Query, UploadFile
-from mariana.platform.core.errors import MarianaError
-from mariana.serving.context import error
+from mariana.serving.context import RequestError
 
 from .fast_recipe import tta_mode
 
-log = logging.getLogger("mariana.serving")
-
 PATH = "/v1/vision/classify"
+TTA_VALUES = ("true", "false", "1", "0", "none", "flip", "crops")
 IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a")
 
 
@@ -40,32 +36,41 @@ def router(ctx) -> APIRouter:
         k: int = Query(5, ge=1, le=100, description="how many labels"),
         tta: str = Query(
             "false",
-            pattern="^(true|false|1|0|none|flip|crops)$",
+            pattern=f"^({'|'.join(TTA_VALUES)})$",
             description="test-time augmentation: true/flip = mean of the image's and its mirror's "
             "probabilities; crops = mean over 6 views (flip + 1 px translations)",
         ),
     ) -> dict:
         if not ctx.served:
             return ctx.not_served()
-        data = await file.read()
-        if not data:
-            return error(422, "file: empty upload")
-        if not is_image(data):
-            return error(415, "file: not a JPEG/PNG/GIF image")
-        loaded = ctx.slot.current
+        return await classify(await file.read(), k, tta, "file")
+
+    async def classify(data: bytes, k: int, tta: str, field: str) -> dict:
+        """Both routes' top-k of one encoded image; RequestError (4xx) naming ``field`` when it is none."""
         mode = tta_mode(tta)
-        try:
-            top = await ctx.run(loaded.obj.classify_bytes, data, k, mode)
-        except MarianaError as e:
-            return error(422, f"file: {e}")
-        except Exception as e:  # noqa: BLE001  -- a corrupt image must not become a 500
-            log.warning("vision: upload rejected: %s: %s", type(e).__name__, e)
-            return error(422, f"file: image could not be decoded ({type(e).__name__}: {e})")
+        what = "a JPEG/PNG/GIF image"
+        top, version = await ctx.on_upload("classify_bytes", data, field, is_image(data), what, k, mode)
         return {
             "labels": [{"label": lbl, "probability": float(p)} for lbl, p in top],
-            "model_version": loaded.version,
+            "model_version": version,
             "tta": mode != "none",
             "tta_mode": mode,
         }
 
+    async def v2_infer(tensors: dict, parameters: dict) -> tuple[dict, str]:
+        """Open Inference: BYTES ``image`` (encoded images) -> ``labels`` (BYTES) and ``probabilities`` (FP32),
+        both [images, k]; parameters ``k`` (default 5) and ``tta`` as /v1's query."""
+        k, tta = parameters.get("k", 5), str(parameters.get("tta", "false")).lower()
+        if not isinstance(k, int) or not 1 <= k <= 100 or tta not in TTA_VALUES:
+            raise RequestError(
+                400, f"parameters: expected k 1..100, tta one of {TTA_VALUES} (got {k}, {tta})"
+            )
+        tops = [await classify(x, k, tta, f"image[{i}]") for i, x in enumerate(tensors["image"])]
+        labels, probs = (
+            [[t[key] for t in top["labels"]] for top in tops] for key in ("label", "probability")
+        )
+        return {"labels": labels, "probabilities": probs}, tops[0]["model_version"]
+
+    outputs = (("labels", "BYTES", [-1, -1]), ("probabilities", "FP32", [-1, -1]))
+    ctx.open_inference(PATH, (("image", "BYTES", [-1]),), outputs, v2_infer)
     return r
