@@ -162,6 +162,12 @@ function renderHeader(job) {
     el("div", {}, el("span", {class: "muted"}, "command "), el("code", {id: "argv"}, argvText(job))),
     el("div", {}, el("span", {class: "muted"}, "run dir "), el("code", {}, job.run_dir || "–")),
   );
+  // the run's MLflow run (RUN/tracking.json, written by platform/core/tracking.py), when it has one
+  const mlflow = (job.tracking || {}).mlflow;
+  if (mlflow && mlflow.url) {
+    cmd.append(el("div", {}, el("span", {class: "muted"}, "tracking "),
+                  el("a", {id: "mlflow-link", href: mlflow.url, target: "_blank", rel: "noopener"}, "MLflow run")));
+  }
   const dl = document.getElementById("header");
   dl.replaceChildren();
   fact(dl, "app / command", jobCommand(job));
