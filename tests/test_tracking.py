@@ -73,9 +73,12 @@ def _records(run: Path, field: str) -> list[tuple[int, float]]:
     return [(r["step"], r[field]) for r in lines if field in r]
 
 
-def test_training_run_logs_params_metrics_tags_model_and_event_files(server, frappe_slice, tmp_path, capsys):
+def test_training_run_logs_params_metrics_tags_model_and_event_files(
+    server, frappe_slice, tmp_path, capsys, monkeypatch
+):
     run, board = tmp_path / "run", tmp_path / "tb"
     argv = ["mlp", "train", *TRAIN, "--data", frappe_slice, "--out", run, "--tensorboard", board]
+    monkeypatch.setattr(sys, "argv", ["mariana", *map(str, argv)])  # what a `mariana` process has
     proc = run_in_process(argv, capsys, {"MLFLOW_TRACKING_URI": server}, check=True)
     assert "validation AUC" in last_line(proc.stdout)  # the headline stays last (no MLflow URL lines)
     record = json.loads((run / "tracking.json").read_text())

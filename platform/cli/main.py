@@ -18,7 +18,6 @@ from importlib.metadata import PackageNotFoundError, version
 from ..core.config import resolve_config
 from ..core.errors import MarianaError
 from ..core.registry import all_apps
-from ..core.tracking import note_command
 from ..runtime.workerio import WorkerIO
 from .common import DefaultsHelpFormatter
 from .outputs import guard_parsed, mark_made
@@ -120,7 +119,6 @@ def _silence_stdout() -> None:
 
 def _main(argv: list[str], worker) -> int:
     args = build_parser().parse_args(argv)
-    note_command(argv)  # a tracked run's app and command tags
     outputs = []
     try:
         if worker is None:  # a worker re-runs its launcher's command: the launcher checked its outputs

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -25,7 +26,6 @@ log = logging.getLogger("mariana")
 PARENT_ENV = "MARIANA_MLFLOW_PARENT"  # a tune study's MLflow run id, inherited by its trial processes
 RECORD = "tracking.json"  # {"mlflow": {uri, run_id, experiment_id, url}, "tensorboard": folder}
 HERE = Path(__file__).parent
-_command: list[str] = []  # the CLI's first two words in this process (`note_command`)
 
 
 @dataclass
@@ -38,11 +38,6 @@ class TrackingSection(Section):
     tensorboard: str = opt("", "write TensorBoard event files to DIR/<run dir name>", path=True)
 
 
-def note_command(argv: list[str]) -> None:
-    """Remember ``pctr train`` (``tune pctr``) of a command line: the ``app`` and ``command`` tags."""
-    _command[:] = [a for a in argv if not a.startswith("-")][:2]
-
-
 def source_commit() -> str:
     """The git commit of the running sources ('unknown' outside a checkout)."""
     with contextlib.suppress(OSError):
@@ -51,21 +46,18 @@ def source_commit() -> str:
     return "unknown"
 
 
-def read_record(folder: Path) -> dict[str, Any]:
-    """``folder/tracking.json`` ({} when missing or unreadable)."""
+def _open(name: str, make: Callable[[], Any]) -> dict[str, Any]:
+    """``{name: make()}``, or {} after one warning: whatever an optional tracker raises, training goes on."""
     try:
-        return json.loads((Path(folder) / RECORD).read_text())
-    except (OSError, ValueError):
+        return {name: make()}
+    except Exception as e:  # noqa: BLE001
+        text = str(e).splitlines()[0][:200] if str(e) else ""
+        log.warning("%s tracking is off for this run (%s: %s)", name, type(e).__name__, text)
         return {}
 
 
-def _warn(name: str, e: Exception) -> None:
-    text = str(e).splitlines()[0][:200] if str(e) else ""
-    log.warning("%s tracking is off for this run (%s: %s); training goes on", name, type(e).__name__, text)
-
-
 class MlflowSink:
-    """A new MLflow run on the tracking server at ``uri`` (experiment: MLFLOW_EXPERIMENT_NAME, else Default)."""
+    """A new MLflow run at ``uri`` (experiment: MLFLOW_EXPERIMENT_NAME, made when missing, else Default)."""
 
     def __init__(self, uri: str, tags: dict[str, str], params: dict[str, str]):
         # a tracker that is down costs seconds, not MLflow's minutes of retries; stdout ends in the headline
@@ -114,27 +106,24 @@ class TensorBoardSink:
 
 
 class Tracker:
-    """Rank 0's sinks of one run (``{name: sink}``), recorded in ``folder/tracking.json``; a sink that
-    raises is warned about once and dropped."""
+    """Rank 0's sinks of a run (``{name: sink}``, recorded in ``folder/tracking.json``); a failed one goes."""
 
     def __init__(self, folder: Path, sinks: dict[str, Any]):
         self.folder, self.sinks = folder, sinks
         if sinks:
+            folder.mkdir(parents=True, exist_ok=True)
             record = {name: sink.record for name, sink in sinks.items()}
             atomic_write_text(folder / RECORD, jsonfile.dumps(record, indent=2) + "\n")
 
     def _each(self, what: str, *args: Any) -> None:
         for name, sink in list(self.sinks.items()):
-            try:
-                getattr(sink, what)(*args)
-            except Exception as e:  # noqa: BLE001  (whatever an optional tracker raises: warn, go on)
-                _warn(name, e)
+            if not _open(name, lambda call=getattr(sink, what): call(*args)):
                 del self.sinks[name]
 
     def log(self, record: dict[str, Any]) -> None:
         """One ``metrics.jsonl`` record: each numeric field a point at the record's ``step``."""
-        values = {k: float(v) for k, v in record.items()
-                  if k not in ("step", "time") and isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
+        numbers = {k: v for k, v in record.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        values = {k: float(v) for k, v in numbers.items() if k not in ("step", "time")}
         if values and "step" in record:
             self._each("scalars", values, int(record["step"]), record.get("time", time.time()))
 
@@ -144,38 +133,33 @@ class Tracker:
         self._each("finish", sorted(self.folder.glob("model.*")))
 
 
-def _open(name: str, make) -> dict[str, Any]:
-    try:
-        return {name: make()}
-    except Exception as e:  # noqa: BLE001  (not installed, unreachable, refused: the one warning)
-        _warn(name, e)
-        return {}
+def open_tracker(folder: Path, tags: dict[str, str], params: dict[str, str], board: str = "") -> Tracker:
+    """The `Tracker` of a run in ``folder``: MLflow when ``MLFLOW_TRACKING_URI`` is set, TensorBoard with a
+    ``board`` folder (events in ``board/<folder name>``); tags ``commit`` and ``mlflow.runName`` added."""
+    uri, tags = os.environ.get("MLFLOW_TRACKING_URI", ""), {"commit": source_commit(), **tags}
+    tags = {"mlflow.runName": folder.name, **{k: v for k, v in tags.items() if v}}
+    sinks = _open("mlflow", lambda: MlflowSink(uri, tags, params)) if uri else {}
+    sinks.update(_open("tensorboard", lambda: TensorBoardSink(Path(board) / folder.name)) if board else {})
+    return Tracker(folder, sinks)
 
 
 def attach(cfg: Any, run, ctx) -> None:
     """Give ``run`` (a `RunDir`) its `Tracker` on the main rank when MLflow or TensorBoard is asked for
-    (once per run directory: a stream's trainers share it)."""
-    uri, board = os.environ.get("MLFLOW_TRACKING_URI", ""), getattr(cfg, "tensorboard", "")
-    if not ctx.is_main or getattr(run, "tracker", None) is not None or not (uri or board):
+    (once per run directory: a stream's trainers share it); params: each config field as ``section.field``."""
+    board, uri = getattr(cfg, "tensorboard", ""), os.environ.get("MLFLOW_TRACKING_URI")
+    if not (ctx.is_main and getattr(run, "tracker", None) is None and (uri or board)):
         return
     of = getattr(type(cfg), "SECTION_OF", {})
     params = {f"{of.get(k, 'config')}.{k}": str(v) for k, v in dataclasses.asdict(cfg).items()}
-    app, command = (_command + ["", ""])[:2]
-    tags = {"app": app, "command": command, "commit": source_commit(), "mlflow.runName": run.path.name,
-            "run_dir": str(run.path.resolve()), "mlflow.parentRunId": os.environ.get(PARENT_ENV, "")}  # fmt: skip
-    tags = {k: v for k, v in tags.items() if v}
-    sinks = _open("mlflow", lambda: MlflowSink(uri, tags, params)) if uri else {}
-    sinks.update(_open("tensorboard", lambda: TensorBoardSink(Path(board) / run.path.name)) if board else {})
-    run.tracker = Tracker(run.path, sinks)
+    app, command = ([a for a in sys.argv[1:] if not a.startswith("-")] + ["", ""])[:2]  # `mariana APP CMD`
+    tags = {"app": app, "command": command, "mlflow.parentRunId": os.environ.get(PARENT_ENV, "")}
+    run.tracker = open_tracker(run.path, tags, params, board)
 
 
 def start_study(app: str, out: Path, params: dict[str, str]) -> Tracker:
-    """A tune study as the MLflow parent run of its trials (``MLFLOW_TRACKING_URI`` set): its id reaches the
-    trial processes through ``MARIANA_MLFLOW_PARENT`` in this process's environment; ``final({})`` ends it."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
-    tags = {"app": app, "command": "tune", "commit": source_commit(), "mlflow.runName": out.resolve().name}
-    sinks = _open("mlflow", lambda: MlflowSink(uri, tags, params)) if uri else {}
-    if sinks:
-        out.mkdir(parents=True, exist_ok=True)
-        os.environ[PARENT_ENV] = sinks["mlflow"].run.run_id
-    return Tracker(out, sinks)
+    """A tune study as the MLflow parent run of its trials: its id reaches the trial processes through
+    ``MARIANA_MLFLOW_PARENT`` in this process's environment; ``final({...})`` ends it."""
+    tracker = open_tracker(out.resolve(), {"app": app, "command": "tune"}, params)
+    if tracker.sinks:
+        os.environ[PARENT_ENV] = tracker.sinks["mlflow"].run.run_id
+    return tracker

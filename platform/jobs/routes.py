@@ -19,7 +19,6 @@ from fastapi.responses import FileResponse
 from mariana.platform.core.config import read_config_values
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.registry import find_app, serving_apps
-from mariana.platform.core.tracking import read_record
 from pydantic import BaseModel, Field, field_validator
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -127,7 +126,7 @@ def list_jobs(db: DB, state: str | None = None, limit: int = Query(1000, ge=1, l
 @jobs.get("/api/jobs/{job_id}")
 def show(job_id: int, db: DB, servers: Servers) -> dict:
     """The job object with its counters, its export (a running job's best model so far), the URL of its
-    model server (None when none runs), its run's ``config.toml`` and ``tracking.json`` ({} without)."""
+    model server (None when none runs) and its run's ``config.toml``."""
     with db.read() as s:
         job = get_job(s, job_id)
         out = view(job)
@@ -136,7 +135,6 @@ def show(job_id: int, db: DB, servers: Servers) -> dict:
     if not out.get("export") and model.is_file():  # a running job's best model so far (early stopping)
         out["export"] = str(model)
     out["served"] = servers.url(job_id)
-    out["tracking"] = read_record(Path(job.run_dir))  # the run's MLflow run / TensorBoard folder, if any
     cfg = Path(job.run_dir) / "config.toml"
     try:
         out["config"] = read_config_values(cfg) if cfg.is_file() else None  # flat, as flags name it

@@ -23,14 +23,9 @@ from .study import TuneOptions, run_study
 
 def _train_options(app_parser: argparse.ArgumentParser | None) -> set[str]:
     """Option strings of ``mariana APP train``, from the app's parser in the CLI's own tree."""
-
-    def subs(p):
-        for a in p._actions:
-            if isinstance(a, argparse._SubParsersAction):
-                return a.choices
-        return {}
-
-    train = subs(app_parser).get("train") if app_parser is not None else None
+    kind = argparse._SubParsersAction
+    subs = [a.choices for a in getattr(app_parser, "_actions", []) if isinstance(a, kind)]
+    train = subs[0].get("train") if subs else None
     return set(train._option_string_actions) if train is not None else set()
 
 
