@@ -23,6 +23,7 @@ from jobs_helpers import run_in_process
 mlflow = pytest.importorskip("mlflow", reason="the tracking extra: pip install mariana[tracking]")
 pytest.importorskip("tensorboard")
 
+from mariana.apps.mlp.configs import MlpConfig  # noqa: E402
 from mariana.platform.core import tracking  # noqa: E402
 from mariana.platform.core.rundir import RunDir  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
@@ -113,15 +114,23 @@ def test_training_run_logs_params_metrics_tags_model_and_event_files(
     assert [e.step for e in events.Scalars("eval_auc")] == [s for s, _ in _records(run, "eval_auc")]
 
 
-def test_params_are_cut_to_mlflow_limits_and_sent_in_batches(server):
-    from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+def test_params_are_cut_to_mlflow_limits_and_sent_in_batches(server, monkeypatch):
+    from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
+    sizes, real = [], MlflowClient.log_batch  # the batches as sent (this server takes larger ones too)
+
+    def spy(self, run_id, metrics=(), params=(), **kw):
+        sizes.append(len(params))
+        return real(self, run_id, metrics=metrics, params=params, **kw)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", spy)
     params = {f"s.p{i:03d}": str(i) for i in range(250)}  # more than one log_batch may carry (100)
     params["s.long"] = "x" * (MAX_PARAM_VAL_LENGTH + 500)
     sink = tracking.MlflowSink(server, {"app": "unit"}, params)
     got = MlflowClient(server).get_run(sink.run.run_id).data.params
     assert len(got) == 251 and got["s.p249"] == "249"
     assert got["s.long"] == "x" * MAX_PARAM_VAL_LENGTH
+    assert sum(sizes) == 251 and max(sizes) <= MAX_PARAMS_TAGS_PER_BATCH, sizes
 
 
 def test_tracker_down_costs_one_warning_not_the_run(frappe_slice, tmp_path, capsys):
@@ -136,7 +145,7 @@ def test_tracker_down_costs_one_warning_not_the_run(frappe_slice, tmp_path, caps
 
 def test_only_the_main_rank_tracks(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")
-    cfg = SimpleNamespace(tensorboard=str(tmp_path / "tb"), resume=False)
+    cfg = MlpConfig(tensorboard=str(tmp_path / "tb"))
     run = RunDir(tmp_path / "run")
     tracking.attach(cfg, run, SimpleNamespace(is_main=False))  # ranks > 0 (and parameter servers)
     assert run.tracker is None and not (tmp_path / "tb").exists()
