@@ -74,6 +74,7 @@ def _records(run: Path, field: str) -> list[tuple[int, float]]:
     return [(r["step"], r[field]) for r in lines if field in r]
 
 
+@pytest.mark.slow  # the mlflow server process (and training, trial processes)
 def test_training_run_logs_params_metrics_tags_model_and_event_files(
     server, frappe_slice, tmp_path, capsys, monkeypatch
 ):
@@ -114,6 +115,7 @@ def test_training_run_logs_params_metrics_tags_model_and_event_files(
     assert [e.step for e in events.Scalars("eval_auc")] == [s for s, _ in _records(run, "eval_auc")]
 
 
+@pytest.mark.slow  # the mlflow server process (and training, trial processes)
 def test_params_are_cut_to_mlflow_limits_and_sent_in_batches(server, monkeypatch):
     from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
@@ -164,6 +166,7 @@ eval_every = 3
 """
 
 
+@pytest.mark.slow  # the mlflow server process (and training, trial processes)
 def test_tune_study_is_the_parent_of_its_trial_processes(server, frappe_slice, tmp_path, capsys):
     space, out = tmp_path / "space.toml", tmp_path / "tune"
     space.write_text(SPACE)
