@@ -27,6 +27,7 @@ from mariana.platform.core.config import (
     when,
 )
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.tracking import TrackingSection
 
 
 @dataclass
@@ -233,6 +234,7 @@ ASR_SECTIONS = (
     AsrModel,
     AsrAugment,
     AsrDecode,
+    TrackingSection,
 )
 
 

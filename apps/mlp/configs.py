@@ -20,6 +20,7 @@ from mariana.platform.core.config import (
     opt,
 )
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.tracking import TrackingSection
 
 
 @dataclass
@@ -69,7 +70,7 @@ class MlpModel(Section):
 MLP_SECTIONS = (RunSection, MlpData, LaunchSection, DataParallelSection, LoopSection, OptimSection, MlpModel)
 
 
-class MlpConfig(TrainJob, sections=MLP_SECTIONS):
+class MlpConfig(TrainJob, sections=(*MLP_SECTIONS, TrackingSection)):
     """``mariana mlp train``."""
 
     EVAL_METRICS: ClassVar[tuple[str, ...]] = ("auc", "logloss")

@@ -30,6 +30,7 @@ from mariana.platform.core.config import (
 )
 from mariana.platform.core.endpoint import check_endpoint
 from mariana.platform.core.errors import DataError, MarianaError
+from mariana.platform.core.tracking import TrackingSection
 
 MODELS = ("lr", "fm", "dnn", "deepfm", "dcn")
 # --l2-emb when not given: it calibrates the models with embedding vectors; on --model lr it only shrinks the
@@ -410,7 +411,7 @@ class PctrMethods:
 TRAIN_SECTIONS = (PctrRun, PctrData, Net, Table, Ids, DenseOptim, Decay, PctrLoop, PctrPS, Warm, Images)
 
 
-class PctrConfig(PctrMethods, TrainJob, sections=TRAIN_SECTIONS):
+class PctrConfig(PctrMethods, TrainJob, sections=(*TRAIN_SECTIONS, TrackingSection)):
     """``mariana pctr train``."""
 
     EVAL_METRICS: ClassVar[tuple[str, ...]] = ("auc", "logloss")

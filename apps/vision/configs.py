@@ -25,6 +25,7 @@ from mariana.platform.core.config import (
     when,
 )
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.tracking import TrackingSection
 
 MARIANA_CNNS = ("mariana-cnn", "mariana-cnn-32")  # the models with a dropout layer (--dropout)
 # `when` clauses with explicit witnesses: --model and --model-parallel have no choices to draw "another
@@ -217,6 +218,7 @@ VISION_SECTIONS = (
     VisionOptim,
     VisionNet,
     VisionPipeline,
+    TrackingSection,
 )
 
 

@@ -96,6 +96,7 @@ def check_out_dir(out: str) -> Path:
 # What a run directory's own files are: removed by --force over a finished run, and (all but config.toml
 # and logs) by a restart of an interrupted run that has no checkpoint to resume from.
 RUN_FILES = ("checkpoints", "model.safetensors", "model.json", "metrics.json", "metrics.jsonl", "eval")
+RUN_FILES += ("tracking.json",)  # the MLflow run / TensorBoard folder (`core/tracking.py`)
 
 
 def check_fresh_run_dir(cfg: Any, command: str = "") -> None:

@@ -36,6 +36,7 @@ from .faults import FaultInjector
 from .hostreads import from_env as host_read_audit
 from .rundir import RunDir
 from .steps import TrainStep, autocast_for, move_to, unwrap  # noqa: F401  (re-exported)
+from .tracking import attach as attach_tracker
 
 log = logging.getLogger("mariana")
 
@@ -205,6 +206,7 @@ class Trainer:
         self.logger: MetricsLogger | None = None
         if ctx.watchdog is not None:
             ctx.watchdog.report_dir = run.log_dir
+        attach_tracker(cfg, run, ctx)  # MLflow / TensorBoard on rank 0 when asked for (fed by `run`)
 
     # --- checkpoints -----------------------------------------------------------------------------------
     def progress(self) -> dict[str, Any]:

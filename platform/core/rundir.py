@@ -32,6 +32,7 @@ class RunDir:
         self.log_dir = self.path / "logs"
         self.config_path = self.path / "config.toml"
         self.metrics_jsonl = self.path / "metrics.jsonl"
+        self.tracker = None  # rank 0's MLflow/TensorBoard `tracking.Tracker`, when the run has one
         if create:
             for d in (self.path, self.ckpt_dir, self.log_dir):
                 d.mkdir(parents=True, exist_ok=True)
@@ -47,6 +48,8 @@ class RunDir:
         record = {"time": round(time.time(), 3), **record}
         with open(self.metrics_jsonl, "a") as f:
             f.write(jsonfile.dumps(record) + "\n")
+        if self.tracker is not None:
+            self.tracker.log(record)
 
     def drop_metrics_after(self, step: int) -> int:
         """Remove the ``metrics.jsonl`` records of steps after ``step`` (a resume redoes those steps from the
@@ -70,6 +73,8 @@ class RunDir:
 
     def write_final(self, metrics: dict[str, Any], name: str = "metrics.json") -> None:
         atomic_write_text(self.path / name, jsonfile.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        if self.tracker is not None and name == "metrics.json":
+            self.tracker.final(metrics)  # the exported model is written by now
 
 
 def eval_result_path(run_dir: str | Path, data: str | Path, split: str = "") -> Path:

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.evaluator import higher_is_better, metric_name
+from mariana.platform.core.tracking import start_study
 from mariana.platform.jobs.client import JobsClient, read_token
 
 from .apps import app_info
@@ -22,14 +23,9 @@ from .study import TuneOptions, run_study
 
 def _train_options(app_parser: argparse.ArgumentParser | None) -> set[str]:
     """Option strings of ``mariana APP train``, from the app's parser in the CLI's own tree."""
-
-    def subs(p):
-        for a in p._actions:
-            if isinstance(a, argparse._SubParsersAction):
-                return a.choices
-        return {}
-
-    train = subs(app_parser).get("train") if app_parser is not None else None
+    kind = argparse._SubParsersAction
+    subs = [a.choices for a in getattr(app_parser, "_actions", []) if isinstance(a, kind)]
+    train = subs[0].get("train") if subs else None
     return set(train._option_string_actions) if train is not None else set()
 
 
@@ -106,4 +102,8 @@ def tune(args, argv) -> int:
         monitor=monitor, direction=direction, timeout=args.timeout, pruner=args.pruner, seed=args.seed,
         train_flags=list(args.train_flags), url=client.url if client else None, client=client,
     )  # fmt: skip
-    return run_study(opts, runner)
+    shown = {f"tune.{k}": str(v) for k, v in vars(args).items() if isinstance(v, str | int | float | list)}
+    study = start_study(args.app, out, shown)  # the MLflow parent run of the trials
+    rc = run_study(opts, runner)
+    study.final({"steps": 0, "exit_code": rc})
+    return rc

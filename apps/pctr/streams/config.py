@@ -12,6 +12,7 @@ from typing import ClassVar
 
 from mariana.platform.core.config import Section, TrainJob, at_least, non_negative, only, opt
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.tracking import TrackingSection
 
 from ..configs import (
     PRESETS,
@@ -106,7 +107,7 @@ class StreamServers(StreamPS):
 STREAM_SECTIONS = (PctrRun, StreamData, Net, Table, Ids, DenseOptim, Follow, StreamServers, Warm)
 
 
-class StreamConfig(PctrMethods, TrainJob, sections=STREAM_SECTIONS):
+class StreamConfig(PctrMethods, TrainJob, sections=(*STREAM_SECTIONS, TrackingSection)):
     """``mariana pctr stream``. The class constants below are what a stream fixes (the shared trainer and
     step read them): every row of a file is trained on once, in file order, at constant learning rates,
     scored before (progressive validation), checkpointed after every file."""

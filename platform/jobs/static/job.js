@@ -151,6 +151,18 @@ function fact(dl, label, value, cls) {
   dl.append(el("dt", {}, label), dd);
 }
 
+// The run's MLflow run page, from RUN/tracking.json (platform/core/tracking.py) once the run wrote it.
+let trackingUrl = null;
+async function fetchTracking(job) {
+  if (trackingUrl !== null) return;
+  try {
+    const rec = await api(`/api/jobs/${job.id}/files/tracking.json`);
+    trackingUrl = (rec && rec.mlflow && rec.mlflow.url) || "";
+  } catch (e) {
+    if (TERMINAL_STATES.has(job.state)) trackingUrl = "";  // an untracked run: stop asking
+  }
+}
+
 function renderHeader(job) {
   document.title = `Job ${job.id} ${job.name || ""} · Mariana`;
   setText(document.getElementById("title"), `Job ${job.id}${job.name ? ` · ${job.name}` : ""}`);
@@ -162,6 +174,11 @@ function renderHeader(job) {
     el("div", {}, el("span", {class: "muted"}, "command "), el("code", {id: "argv"}, argvText(job))),
     el("div", {}, el("span", {class: "muted"}, "run dir "), el("code", {}, job.run_dir || "–")),
   );
+  fetchTracking(job);
+  if (trackingUrl) {
+    cmd.append(el("div", {}, el("span", {class: "muted"}, "tracking "),
+                  el("a", {id: "mlflow-link", href: trackingUrl, target: "_blank", rel: "noopener"}, "MLflow run")));
+  }
   const dl = document.getElementById("header");
   dl.replaceChildren();
   fact(dl, "app / command", jobCommand(job));
