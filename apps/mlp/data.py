@@ -29,6 +29,8 @@ def read_libfm(path: str | Path, limit: int = 0, max_skipped_report: int = 5):
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: not a file (expected a libFM file: 'label id:value ...' per line)")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: empty file (expected a libFM file: 'label id:value ...' per line)")
     labels, ids, skipped = [], [], []
     why: dict[int, str] = {}  # line number -> reason, for the console line
     n = 0

@@ -364,8 +364,9 @@ def infer_schema(
         raise DataError(f"unknown --format {fmt!r}; expected criteo or libfm")
     if num_fields > 0:
         return Schema("libfm", num_fields, rows_per_field, 0)
-    probed = []
-    with open(check_file(resolve_sources(path).paths[0]), encoding="utf-8", errors="replace") as f:
+    probed, sources = [], resolve_sources(path)
+    sources.check_not_empty()
+    with open(check_file(sources.paths[0]), encoding="utf-8", errors="replace") as f:
         for line in f:
             parts = line.split()
             if len(parts) > 1 and all(":" in p for p in parts[1:]):

@@ -81,6 +81,11 @@ class DataSources:
     def lines(self) -> int:
         return sum(self.counts())
 
+    def check_not_empty(self, what: str = "--data") -> None:
+        """DataError naming the source when none of its files holds a byte (say so, not "too few rows")."""
+        if all(p.stat().st_size == 0 for p in self.paths):
+            raise DataError(f"{what} {self.spec}: {'empty file' if self.single else 'every file is empty'}")
+
     def ranges(self, start: int, stop: int | None) -> list[tuple[int, Path, int, int]]:
         """Global lines ``[start, stop)`` as per-file pieces ``(file's global offset, path, local start,
         local stop)`` in order (files outside the range left out; ``stop`` None: to the end)."""
