@@ -85,9 +85,7 @@ def check_command(argv: list[str], cwd: str | None = None) -> None:
     if cwd is None:
         guard_parsed(args)
     spec = getattr(args, "_config", None)
-    if spec is None:
-        return
-    cfg = resolve_config(spec[0], args, spec[1] or {})
+    cfg = resolve_config(spec[0], args, spec[1] or {}) if spec else None
     if not hasattr(cfg, "data"):
         return
     if not cfg.data:

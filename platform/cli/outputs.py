@@ -35,8 +35,7 @@ from ..core.errors import MarianaError
 MARKER = ".mariana-output"
 IGNORED = frozenset({MARKER, "job.log", "trial.log", "slurm-job.sh"})
 REUSE = ("run", "continue", "never")
-# a folder kind that is no command (``asr feature cache``) -> the command and flag that make it, so a
-# message names a command that exists (filled by `mark_output`)
+# a folder kind that is no command (``asr feature cache``) -> the command (and flag) a message names instead
 MADE_BY: dict[str, str] = {}
 # the same for the commands that continue their own output: the file each writes first, so that a folder
 # it made but could not mark (killed before the end) is still recognised
@@ -159,11 +158,8 @@ def guard_output(
 def foreign(folder: Path) -> bool:
     """``folder`` is a file, or a folder holding data without a marker: the job service keeps its own
     files (``job.log``, ``job.exit``) out of it, whatever the command then decides."""
-    if not folder.exists():
-        return False
-    return not folder.is_dir() or (
-        owner(folder) is None and any(e.name not in IGNORED for e in folder.iterdir())
-    )
+    held = folder.is_dir() and owner(folder) is None and any(e.name not in IGNORED for e in folder.iterdir())
+    return held or (folder.exists() and not folder.is_dir())
 
 
 def mark(folder: Path, command: str) -> None:

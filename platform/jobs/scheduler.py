@@ -348,9 +348,8 @@ class Scheduler:
                 error = error or log_error(job_files(self.home, j), j.log_offset) or f"exit status {rc}"
             ended = time.time()
             try:  # the runner wrote job.exit when the job ended (maybe while the service was down)
-                ended = min(
-                    ended, max((job_files(self.home, j) / "job.exit").stat().st_mtime, j.started or 0)
-                )
+                exited = (job_files(self.home, j) / "job.exit").stat().st_mtime
+                ended = min(ended, max(exited, j.started or 0))
             except FileNotFoundError:
                 pass
             j.state, j.exit_code, j.ended, j.error = state, rc, ended, error

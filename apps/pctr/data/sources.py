@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mariana.platform.core.errors import DataError
+from mariana.platform.data.compressed import pieces
 
 SKIP_SUFFIXES = (".tmp", ".part")
 
@@ -41,10 +42,9 @@ def partition_files(folder: str | Path) -> list[Path]:
 def count_file_lines(path: Path) -> int:
     """Number of lines of one file (streaming, 1 MiB blocks; a last line without a newline counts)."""
     n, last = 0, b"\n"
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            n += block.count(b"\n")
-            last = block[-1:]
+    for block in pieces(path):
+        n += block.count(b"\n")
+        last = block[-1:]
     return n + (0 if last == b"\n" else 1)
 
 
