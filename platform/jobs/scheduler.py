@@ -180,8 +180,11 @@ class Scheduler:
         if self.check is not None:
             try:
                 self.check(list(argv), cwd)
-            except SystemExit:  # argparse printed its usage and error (to the service's log)
-                raise MarianaError(f"{' '.join(argv[:2])}: the flags do not parse (see `--help`)") from None
+            except SystemExit as e:  # argparse printed its usage and error (to the service's log), or --help
+                if e.code:
+                    raise MarianaError(
+                        f"{' '.join(argv[:2])}: the flags do not parse (see `--help`)"
+                    ) from None
         with self.db.write() as s:
             job = Job(
                 name=name or "",
