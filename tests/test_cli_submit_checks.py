@@ -29,8 +29,10 @@ def test_refused_before_queueing(job, fragment, url, capsys):
     assert rc == 2 and fragment in err and "no job service" not in err, err
 
 
-def test_valid_job_goes_on_to_the_service(url, capsys):
+def test_valid_job_goes_on_to_the_service(url, data_dir, capsys):
+    # its --data must exist (issue 41.12: submit checks what the command checks before training)
+    frappe = data_dir / "frappe" / "frappe.validation.libfm"
     rc, out, err = run_main(
-        ["submit", "--url", url, "pctr", "train", "--data", "x", "--batch-size", "4"], capsys
+        ["submit", "--url", url, "pctr", "train", "--data", frappe, "--batch-size", "4"], capsys
     )
     assert rc == 2 and "no job service" in err, err

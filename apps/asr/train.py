@@ -219,6 +219,11 @@ def load_sets(input: AsrInput, feats: AsrFeatures, augment: AsrAugment, ctx, log
             f"`mariana asr prepare --data {data} --out {data.name}-prepared`, then --data {data.name}-prepared)"
         )
     train_dir, dev_dir = data / "train", data / "dev"
+    if not (train_dir / "wav.scp").read_text().strip():  # what `asr prepare --test-speakers` leaves
+        raise MarianaError(
+            f"--data {data}: train/wav.scp lists no utterances (a test-only set: evaluate on it with "
+            f"`mariana asr eval --model RUN --data {data}/test`, or train on a prepared set with train data)"
+        )
     s = feature_settings(feats)
     speeds, warps, pitches = tuple(a.speed_perturb), tuple(a.vtln_perturb), tuple(a.pitch_perturb)
     has_dev = (dev_dir / "wav.scp").is_file() and (dev_dir / "wav.scp").stat().st_size > 0

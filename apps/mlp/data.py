@@ -8,6 +8,7 @@ with no valid row is an error naming the file.
 
 from __future__ import annotations
 
+import io
 import logging
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 from mariana.platform.cli.console import warn_skipped
 from mariana.platform.core.errors import DataError
+from mariana.platform.data.compressed import open_data, pieces
 from mariana.platform.data.libfm import parse_lines
 from mariana.platform.data.splits import split_bounds, tail_fractions
 
@@ -29,6 +31,8 @@ def read_libfm(path: str | Path, limit: int = 0, max_skipped_report: int = 5):
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: not a file (expected a libFM file: 'label id:value ...' per line)")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: empty file (expected a libFM file: 'label id:value ...' per line)")
     labels, ids, skipped = [], [], []
     why: dict[int, str] = {}  # line number -> reason, for the console line
     n = 0
@@ -52,8 +56,8 @@ def read_libfm(path: str | Path, limit: int = 0, max_skipped_report: int = 5):
         n += len(keep)
 
     buf: list[tuple[int, str]] = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
+    with io.TextIOWrapper(open_data(path), encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(pieces(path, text=f), 1):
             if limit and n >= limit:
                 break
             if line.strip():

@@ -33,6 +33,9 @@ from mariana.platform.core.errors import DataError, MarianaError
 from mariana.platform.core.tracking import TrackingSection
 
 MODELS = ("lr", "fm", "dnn", "deepfm", "dcn")
+# the file names `pctr stream` takes for data by default (--files): the formats' usual suffixes, compressed
+# too, and Criteo's ``day_N`` and Spark's ``part-N``; anything else in the folder (a README) is left alone
+DATA_FILES = "*.tsv*,*.libfm*,*.csv*,day_*,part-*"
 # --l2-emb when not given: it calibrates the models with embedding vectors; on --model lr it only shrinks the
 # weights (measured on Frappe: apps/pctr/README.md, the default `--l2-emb`).
 L2_EMB_DEFAULT = 0.01

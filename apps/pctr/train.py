@@ -93,6 +93,7 @@ class Setup:
 
     def check_batch_size(self) -> None:
         """Every worker gets at least one full batch per epoch from the training split, or MarianaError."""
+        self.source.sources.check_not_empty()
         a, b = self.bounds["train"]
         need = self.cfg.batch_size * max(1, self.cfg.workers if self.cfg.servers else 1)
         if b - a < need:

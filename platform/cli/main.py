@@ -20,7 +20,7 @@ from ..core.errors import MarianaError
 from ..core.registry import all_apps
 from ..runtime.workerio import WorkerIO
 from .common import DefaultsHelpFormatter
-from .outputs import guard_parsed, mark_made
+from .outputs import command_of, guard_output, guard_parsed, mark_made
 
 # The platform's commands, listed after the applications' groups.
 PLATFORM_COMMANDS = [
@@ -76,17 +76,34 @@ def _fix_help_formatters(parser: argparse.ArgumentParser) -> None:
                 _fix_help_formatters(sub)
 
 
-def check_command(argv: list[str]) -> None:
-    """Validate a ``mariana`` command line without running it (``mariana submit`` before queueing): its
-    flags as the command's own parser reads them (argparse's usage + error, exit 2) and, for a training
-    command, its resolved config (`MarianaError`, the same line the command would print) with --data
-    given. Paths are not checked: the job runs where the service runs."""
+def check_command(argv: list[str], cwd: str | None = None) -> None:
+    """Validate a ``mariana`` command line without running it or writing anything (``mariana submit`` and
+    ``POST /api/jobs`` before queueing): its flags as the command's own parser reads them (argparse's usage
+    + error, exit 2); for a training command its resolved config, its ``--data`` paths (they exist) and its
+    ``--out`` (`outputs.guard_output`'s rule); the other output folders' rule (`guard_parsed`). MarianaError:
+    the line the command would print. ``cwd``: the job's folder, which relative paths name (default: ours)."""
     args = build_parser().parse_args(argv)
+    if cwd is None:
+        guard_parsed(args)
     spec = getattr(args, "_config", None)
-    if spec is not None:
-        cfg = resolve_config(spec[0], args, spec[1] or {})
-        if hasattr(cfg, "data") and not cfg.data:
-            raise MarianaError("--data is required")
+    cfg = resolve_config(spec[0], args, spec[1] or {}) if spec else None
+    if not hasattr(cfg, "data"):
+        return
+    if not cfg.data:
+        raise MarianaError("--data is required")
+
+    def path(name: str) -> str:  # relative to the job's folder: resolve_config made it absolute to ours
+        raw = getattr(args, name, None)
+        return os.path.join(cwd, raw) if cwd and isinstance(raw, str) and raw else getattr(cfg, name)
+
+    data = path("data")
+    for item in [data] if os.path.exists(data) else data.split(","):  # a comma-separated list of files
+        if not os.path.exists(item.strip()):
+            raise MarianaError(f"--data {item.strip()}: no such file or directory")
+    command = command_of(args)[0]
+    if command and getattr(cfg, "out", ""):
+        force = bool(getattr(cfg, "force", False)) and not getattr(cfg, "resume", False)
+        guard_output(path("out"), "--out", command, "run", force, create=False, config_cls=type(cfg))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,8 @@ from ..core.errors import MarianaError
 MARKER = ".mariana-output"
 IGNORED = frozenset({MARKER, "job.log", "trial.log", "slurm-job.sh"})
 REUSE = ("run", "continue", "never")
+# a folder kind that is no command (``asr feature cache``) -> the command (and flag) a message names instead
+MADE_BY: dict[str, str] = {}
 # the same for the commands that continue their own output: the file each writes first, so that a folder
 # it made but could not mark (killed before the end) is still recognised
 LAYOUT = {
@@ -50,7 +52,10 @@ def mark_output(parser: argparse.ArgumentParser, flag: str, reuse: str, kind: st
     ``mariana``)."""
     assert reuse in REUSE, reuse
     action = next(a for a in parser._actions if flag in a.option_strings)
-    action.output = (kind or parser.prog.removeprefix("mariana").strip(), reuse)
+    command = parser.prog.removeprefix("mariana").strip()
+    action.output = (kind or command, reuse)
+    if kind:
+        MADE_BY[kind] = f"`mariana {command}` ({flag})"
     if not any("--force" in a.option_strings for a in parser._actions):
         parser.add_argument(
             "--force",
@@ -67,6 +72,11 @@ def command_of(args: argparse.Namespace, dest: str = "out") -> tuple[str, str]:
     """(command, reuse) that `mark_output` recorded for ``dest`` of the parsed command ("", "run" if none)."""
     spec = (getattr(args, "_outputs", None) or {}).get(dest)
     return (spec[1], spec[2]) if spec else ("", "run")
+
+
+def named(kind: str) -> str:
+    """``kind`` (a marker's command or folder kind) as a message names it: the command that makes it."""
+    return MADE_BY.get(kind, f"`mariana {kind}`")
 
 
 def owner(folder: Path) -> str | None:
@@ -120,9 +130,9 @@ def guard_output(
         )
         if held and not (made_by == command and reuse != "never") and not legacy:
             what = (
-                f"the output of an earlier `mariana {made_by}`"
+                f"the output of an earlier {named(made_by)}"
                 if made_by
-                else f"data `mariana {command}` did not create ({len(held)} entries, e.g. {held[0]})"
+                else f"data {named(command)} did not create ({len(held)} entries, e.g. {held[0]})"
             )
             raise MarianaError(
                 f"{flag} {path}: already holds {what}; pass --force to write into it anyway, or choose "
@@ -143,6 +153,13 @@ def guard_output(
     except OSError as e:
         raise MarianaError(f"{flag} {path}: cannot be written ({e.strerror or e})") from None
     return p
+
+
+def foreign(folder: Path) -> bool:
+    """``folder`` is a file, or a folder holding data without a marker: the job service keeps its own
+    files (``job.log``, ``job.exit``) out of it, whatever the command then decides."""
+    held = folder.is_dir() and owner(folder) is None and any(e.name not in IGNORED for e in folder.iterdir())
+    return held or (folder.exists() and not folder.is_dir())
 
 
 def mark(folder: Path, command: str) -> None:

@@ -1,4 +1,4 @@
-"""Line-oriented text files read in blocks of whole lines, for parsers that work on many lines at once.
+"""Line-oriented text files (``.gz``/``.bz2`` decompressed as they are read) read in blocks of whole lines, for parsers that work on many lines at once.
 
 A line ends at ``\\n`` (a ``\\r`` before it belongs to the line and parsers strip it); line ``i`` is
 0-based, counted the way `count_lines` counts. `read_blocks` yields ``(first_line, bytes)`` blocks of
@@ -9,6 +9,7 @@ numpy release the GIL, so two cores parse two blocks at once).
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
+
+from .compressed import pieces
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -42,35 +45,33 @@ def read_blocks(
         raise ValueError(f"max_lines must be >= 1, got {max_lines}")
     line = 0  # number of the next line to emit
     pending = b""
-    with open(path, "rb") as f:
-        while True:
-            data = f.read(block_bytes)
-            eof = not data
-            buf = pending + data
-            if not buf:
-                return
-            if eof:
-                cut = len(buf)
-            else:
-                nl = _newlines(buf)
-                if len(nl) == 0:
-                    pending = buf
-                    continue
-                cut = int(nl[-1]) + 1
-            whole, pending = buf[:cut], buf[cut:]
-            pos = np.concatenate([[0], _newlines(whole) + 1])  # start of each line (+ the end)
-            if pos[-1] != len(whole):
-                pos = np.append(pos, len(whole))
-            count = len(pos) - 1
-            a = max(start - line, 0)  # lines of this piece to emit: [a, b)
-            b = count if stop is None else min(count, stop - line)
-            while a < b:
-                e = min(b, a + max_lines)
-                yield line + a, whole[pos[a] : pos[e]]
-                a = e
-            line += count
-            if (stop is not None and line >= stop) or eof:
-                return
+    for data in itertools.chain(pieces(path, block_bytes), [b""]):  # b"": the end
+        eof = not data
+        buf = pending + data
+        if not buf:
+            return
+        if eof:
+            cut = len(buf)
+        else:
+            nl = _newlines(buf)
+            if len(nl) == 0:
+                pending = buf
+                continue
+            cut = int(nl[-1]) + 1
+        whole, pending = buf[:cut], buf[cut:]
+        pos = np.concatenate([[0], _newlines(whole) + 1])  # start of each line (+ the end)
+        if pos[-1] != len(whole):
+            pos = np.append(pos, len(whole))
+        count = len(pos) - 1
+        a = max(start - line, 0)  # lines of this piece to emit: [a, b)
+        b = count if stop is None else min(count, stop - line)
+        while a < b:
+            e = min(b, a + max_lines)
+            yield line + a, whole[pos[a] : pos[e]]
+            a = e
+        line += count
+        if (stop is not None and line >= stop) or eof:
+            return
 
 
 def lines_array(block: bytes):

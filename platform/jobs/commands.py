@@ -85,16 +85,13 @@ def show(args, argv) -> int:
 def logs(args, argv) -> int:
     """``mariana jobs logs ID [-f]``: the job's log tail (following it until the job ends with -f)."""
     c = _client(args)
-    if not args.follow:
-        r = c.logs(args.id, tail=args.tail)
-        if args.json:
-            print(json.dumps(r))
-        else:
-            sys.stdout.write(r["text"])
-        return 0
-    offset = None
     r = c.logs(args.id, tail=args.tail)
+    if args.json and not args.follow:
+        print(json.dumps(r))
+        return 0
     sys.stdout.write(r["text"])
+    if not args.follow:
+        return 0
     offset = r["next"]
     while True:
         done = c.job(args.id)["state"] in FINAL_STATES

@@ -235,10 +235,18 @@ class LogStore:
                 job.export = str(model)
 
 
-def log_error(run_dir: str, offset: int) -> str | None:
-    """The job's one-line error: the last ``... error: ...`` line of its part of ``RUN/job.log``."""
+def job_files(home: str | Path, job: Job) -> Path:
+    """The folder of a job's ``job.log`` and ``job.exit``: ``HOME/logs/job-ID`` when the scheduler made one at
+    launch (the run directory held data of the user's, where the service writes nothing), else ``RUN``."""
+    own = Path(home) / "logs" / f"job-{job.id}"
+    return own if own.is_dir() else Path(job.run_dir)
+
+
+def log_error(files: str | Path, offset: int) -> str | None:
+    """The job's one-line error: the last ``... error: ...`` line of its part of ``job.log`` in ``files``
+    (`job_files`)."""
     try:
-        with open(Path(run_dir) / "job.log", "rb") as f:
+        with open(Path(files) / "job.log", "rb") as f:
             f.seek(max(offset, f.seek(0, 2) - (256 << 10)))
             text = f.read().decode("utf-8", "replace")
     except FileNotFoundError:

@@ -24,6 +24,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from .db import CounterRecord, Database, Job, JobEvent, MetricRecord
+from .logstore import job_files
 from .modelservers import ModelServers
 from .scheduler import PRUNED, Scheduler
 
@@ -196,12 +197,14 @@ def events(job_id: int, db: DB) -> dict:
 
 
 @runs.get("/api/jobs/{job_id}/logs")
-def logs(job_id: int, db: DB, tail: int = Query(200, ge=0, le=100000), offset: int | None = None) -> dict:
+def logs(
+    request: Request, job_id: int, db: DB, tail: int = Query(200, ge=0, le=100000), offset: int | None = None
+) -> dict:
     """The job's ``RUN/job.log``: its last ``tail`` lines, or everything from byte ``offset``
     (``next`` is the offset to ask for next, for ``logs -f``)."""
     with db.read() as s:
         job = get_job(s, job_id)
-    path = Path(job.run_dir) / "job.log"
+    path = job_files(request.app.state.home, job) / "job.log"
     start = job.log_offset or 0
     if not path.is_file():
         return {"text": "", "next": offset or start}

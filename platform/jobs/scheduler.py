@@ -27,13 +27,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from mariana.platform.cli.outputs import foreign
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.registry import find_app
 from sqlalchemy import select
 
 from .db import Database, Job, add_event
 from .executor import Executor, Handle, LocalExecutor, StartError
-from .logstore import LogStore, log_error
+from .logstore import LogStore, job_files, log_error
 from .resources import normalize
 
 PRUNED = "pruned by mariana tune"  # the cancel reason of a trial the tuner's pruner stopped (no Retry)
@@ -141,8 +142,10 @@ class Scheduler:
         grace_s: float = 10.0,
         interval_s: float = 0.5,
         build_parser: Callable[[], argparse.ArgumentParser] | None = None,
+        check: Callable[[list[str], str], None] | None = None,
     ):
-        """``build_parser()`` -> the ``mariana`` argparse tree submitted argvs are checked against."""
+        """``build_parser()`` -> the ``mariana`` argparse tree submitted argvs are checked against;
+        ``check(argv, cwd)``: the command's own checks before it trains (`cli.main.check_command`)."""
         self.db = db
         self.home = Path(home)
         self.slots = slots
@@ -151,6 +154,7 @@ class Scheduler:
             self.executor.on_exit = self.wake  # a job that ends wakes the loop: its slot frees at once
         self.logstore = LogStore(db)
         self.catalog = CommandCatalog(build_parser)
+        self.check = check
         self.grace_s = grace_s
         self.interval_s = interval_s
         self._cancel_at: dict[int, float] = {}  # job id -> time of SIGTERM
@@ -176,6 +180,14 @@ class Scheduler:
         cwd = cwd or os.getcwd()
         if not Path(cwd).is_dir():
             raise MarianaError(f"cwd {cwd}: no such directory on the service's host")
+        if self.check is not None:
+            try:
+                self.check(list(argv), cwd)
+            except SystemExit as e:  # argparse printed its usage and error (to the service's log), or --help
+                if e.code:
+                    raise MarianaError(
+                        f"{' '.join(argv[:2])}: the flags do not parse (see `--help`)"
+                    ) from None
         with self.db.write() as s:
             job = Job(
                 name=name or "",
@@ -310,7 +322,7 @@ class Scheduler:
             self._finish(job, None, f"started by the {job.executor} executor; this service runs "
                          f"{self.executor.name} jobs and cannot watch it")  # fmt: skip
             return
-        rc = self.executor.poll(handle, Path(job.run_dir))
+        rc = self.executor.poll(handle, job_files(self.home, job))
         if rc is None:
             t = self._cancel_at.get(job.id)
             if job.cancel_requested and t is None:  # e.g. a cancel from before a service restart
@@ -339,10 +351,11 @@ class Scheduler:
                 state = "succeeded"
             else:
                 state = "failed"
-                error = error or log_error(j.run_dir, j.log_offset) or f"exit status {rc}"
+                error = error or log_error(job_files(self.home, j), j.log_offset) or f"exit status {rc}"
             ended = time.time()
             try:  # the runner wrote job.exit when the job ended (maybe while the service was down)
-                ended = min(ended, max(Path(j.run_dir, "job.exit").stat().st_mtime, j.started or 0))
+                exited = (job_files(self.home, j) / "job.exit").stat().st_mtime
+                ended = min(ended, max(exited, j.started or 0))
             except FileNotFoundError:
                 pass
             j.state, j.exit_code, j.ended, j.error = state, rc, ended, error
@@ -362,6 +375,8 @@ class Scheduler:
 
     def _launch(self, job: Job) -> bool:
         run_dir = Path(job.run_dir)
+        if foreign(run_dir):  # the user's folder: the command refuses it (or writes with --force), we never
+            run_dir = self.home / "logs" / f"job-{job.id}"
         run_dir.mkdir(parents=True, exist_ok=True)
         log = run_dir / "job.log"
         offset = log.stat().st_size if log.exists() else 0

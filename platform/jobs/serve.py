@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import uvicorn
-from mariana.platform.cli.main import build_parser
+from mariana.platform.cli.main import build_parser, check_command
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.listen import bind, check_host
 from sqlalchemy.exc import ArgumentError, OperationalError
@@ -38,7 +38,8 @@ def serve(args, argv) -> int:
     elif args.partition or args.account or args.sbatch_arg:
         raise MarianaError("--partition/--account/--sbatch-arg need --executor slurm")
     try:
-        app = create_app(home, args.db_url, args.slots, token, executor=executor, build_parser=build_parser)
+        app = create_app(home, args.db_url, args.slots, token, executor=executor, build_parser=build_parser,
+                         check=check_command)  # fmt: skip
     except (ArgumentError, OperationalError) as e:
         raise MarianaError(f"--db-url {args.db_url}: {str(e).splitlines()[0]}") from None
     except ModuleNotFoundError as e:

@@ -111,16 +111,18 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(home: str | Path, db_url: str | None = None, slots: int | None = None, token: str | None = None,
-               grace_s: float = 10.0, executor=None, build_parser=None) -> FastAPI:  # fmt: skip
+               grace_s: float = 10.0, executor=None, build_parser=None, check=None) -> FastAPI:  # fmt: skip
     """The service for jobs under ``home`` (run directories in ``home/runs``), database ``db_url``
     (default SQLite ``home/jobs.db``), ``slots`` (default the core count), optional bearer ``token``;
-    ``build_parser()`` -> the ``mariana`` argparse tree submitted argvs are checked against (the CLI's)."""
+    ``build_parser()`` -> the ``mariana`` argparse tree submitted argvs are checked against (the CLI's);
+    ``check(argv, cwd)``: the command's checks before it trains (`cli.main.check_command`)."""
     home = Path(home).expanduser().resolve()
     (home / "runs").mkdir(parents=True, exist_ok=True)
     db = Database(db_url or default_url(home))
     slots = slots or getattr(executor, "default_slots", None) or os.cpu_count() or 1
     # executor None: LocalExecutor
-    sched = Scheduler(db, home, slots, executor=executor, grace_s=grace_s, build_parser=build_parser)
+    sched = Scheduler(db, home, slots, executor=executor, grace_s=grace_s, build_parser=build_parser,
+                      check=check)  # fmt: skip
     servers = ModelServers()
 
     @asynccontextmanager

@@ -23,6 +23,7 @@ A malformed line is skipped and counted with its (1-based) line number in `ReadS
 
 from __future__ import annotations
 
+import io
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from mariana.platform.core.errors import DataError
+from mariana.platform.data.compressed import open_data
 from mariana.platform.data.libfm import (
     LibfmRows,
     assign_fields,
@@ -339,18 +341,11 @@ def _count(stats: ReadStats | None, encoded: tuple[Batch, list[int], dict[int, s
             stats.bad(first + i, msg)
 
 
-def check_file(path: str | Path) -> Path:
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"{p}: no such data file")
-    return p
-
-
 def count_lines(path) -> int:
     """Number of lines of ``path``: a file, a comma-separated list of files or a folder of partitions
     (`data.sources.resolve_sources`; their lines one after the other). Streaming, 1 MiB blocks."""
     src = resolve_sources(path)
-    return count_file_lines(check_file(src.paths[0])) if src.single else src.lines()
+    return count_file_lines(src.paths[0]) if src.single else src.lines()
 
 
 def infer_schema(
@@ -364,8 +359,9 @@ def infer_schema(
         raise DataError(f"unknown --format {fmt!r}; expected criteo or libfm")
     if num_fields > 0:
         return Schema("libfm", num_fields, rows_per_field, 0)
-    probed = []
-    with open(check_file(resolve_sources(path).paths[0]), encoding="utf-8", errors="replace") as f:
+    probed, sources = [], resolve_sources(path)
+    sources.check_not_empty()
+    with io.TextIOWrapper(open_data(sources.paths[0]), encoding="utf-8", errors="replace") as f:
         for line in f:
             parts = line.split()
             if len(parts) > 1 and all(":" in p for p in parts[1:]):
@@ -400,7 +396,7 @@ def iter_chunks(
     numbers are those of the files' concatenation, a chunk never spans two files, and with several files
     a skipped line's message starts with its file and line in that file (``stats`` keys stay global)."""
     src = resolve_sources(path)
-    pieces = [(0, check_file(src.paths[0]), start, stop)] if src.single else src.ranges(start, stop)
+    pieces = [(0, src.paths[0], start, stop)] if src.single else src.ranges(start, stop)
     threads = threads or torch.get_num_threads()
 
     def blocks():

@@ -186,11 +186,11 @@ class WorkerData:
         for b in iter_batches(chunks, self.bs, drop_last=True):
             yield self.cache.append(b)
         self.cache.finish({"stats": dataclasses.asdict(self.stats)})
-        log.info("worker %d: %d encoded batches kept (%s tier)", self.w, len(self.cache), self.cache.tier)
-        if not len(self.cache):
+        if not len(self.cache):  # no batch, so no tier either: nothing to log
             raise DataError(
                 f"{self.source}: no valid rows for worker {self.w} in lines {self.lo + 1}-{self.hi}"
             )
+        log.info("worker %d: %d encoded batches kept (%s tier)", self.w, len(self.cache), self.cache.tier)
 
     def batches(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
         n = self.steps_per_epoch

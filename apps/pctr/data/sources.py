@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mariana.platform.core.errors import DataError
+from mariana.platform.data.compressed import pieces
 
 SKIP_SUFFIXES = (".tmp", ".part")
 
@@ -41,10 +42,9 @@ def partition_files(folder: str | Path) -> list[Path]:
 def count_file_lines(path: Path) -> int:
     """Number of lines of one file (streaming, 1 MiB blocks; a last line without a newline counts)."""
     n, last = 0, b"\n"
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            n += block.count(b"\n")
-            last = block[-1:]
+    for block in pieces(path):
+        n += block.count(b"\n")
+        last = block[-1:]
     return n + (0 if last == b"\n" else 1)
 
 
@@ -80,6 +80,11 @@ class DataSources:
 
     def lines(self) -> int:
         return sum(self.counts())
+
+    def check_not_empty(self, what: str = "--data") -> None:
+        """DataError naming the source when none of its files holds a byte (say so, not "too few rows")."""
+        if all(p.stat().st_size == 0 for p in self.paths):
+            raise DataError(f"{what} {self.spec}: {'empty file' if self.single else 'every file is empty'}")
 
     def ranges(self, start: int, stop: int | None) -> list[tuple[int, Path, int, int]]:
         """Global lines ``[start, stop)`` as per-file pieces ``(file's global offset, path, local start,

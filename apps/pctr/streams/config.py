@@ -15,6 +15,7 @@ from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.tracking import TrackingSection
 
 from ..configs import (
+    DATA_FILES,
     PRESETS,
     RESUME_MAY_CHANGE,
     DenseOptim,
@@ -53,6 +54,11 @@ class StreamData(Section):
         "folder to follow: complete files (renamed into place; names starting with . or _ or ending in "
         ".tmp/.part are ignored) and partition subfolders holding a _SUCCESS marker",
         path=True,
+    )
+    files: str = opt(
+        DATA_FILES,
+        "comma-separated name patterns (fnmatch) of the files in --data that are data; other files (a "
+        "README) are left alone; partition subfolders with a _SUCCESS marker are read whole",
     )
     format: str = opt("libfm", "input format of the files", ["criteo", "libfm"])
     num_fields: int = opt(
@@ -113,6 +119,7 @@ class StreamConfig(PctrMethods, TrainJob, sections=(*STREAM_SECTIONS, TrackingSe
     scored before (progressive validation), checkpointed after every file."""
 
     RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = RESUME_MAY_CHANGE | {
+        "files",
         "prefetch",
         "pull_ahead",
         "init_row_state",

@@ -3,12 +3,14 @@ order (`scan`); the rules are in `streamer.py`'s docstring."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from mariana.platform.core.errors import MarianaError
 
+from ..configs import DATA_FILES
 from ..data.encoding import Batch, Encoder, ReadStats, load_split
 from ..data.sources import ignored
 
@@ -26,9 +28,10 @@ class LogFile:
     landed: float
 
 
-def scan(folder: Path) -> list[LogFile]:
-    """The complete units in ``folder`` in arrival order (modification time, then name)."""
-    out = []
+def scan(folder: Path, files: str = DATA_FILES) -> list[LogFile]:
+    """The complete units in ``folder`` in arrival order (modification time, then name): its files whose
+    names match a pattern of ``files`` (``--files``, comma-separated) and its finished partitions."""
+    out, patterns = [], [g.strip() for g in files.split(",") if g.strip()]
     try:
         entries = list(os.scandir(folder))
     except FileNotFoundError:
@@ -38,6 +41,8 @@ def scan(folder: Path) -> list[LogFile]:
             continue
         try:
             if e.is_file():
+                if not any(fnmatch.fnmatchcase(e.name, g) for g in patterns):
+                    continue  # not a data file by its name (a user's README.txt): left alone
                 s = e.stat()
                 out.append(
                     LogFile(e.name, [Path(e.path)], s.st_size, s.st_mtime_ns, max(s.st_mtime, s.st_ctime))

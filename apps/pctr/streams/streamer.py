@@ -2,7 +2,7 @@
 
 What counts as a file (`scan`): in ``--data DIR``,
 
-- a regular file whose name neither starts with ``.`` or ``_`` nor ends in ``.tmp``/``.part`` (writers
+- a regular file whose name matches a pattern of ``--files`` and neither starts with ``.`` or ``_`` nor ends in ``.tmp``/``.part`` (writers
   write under such a temporary name and rename the file into place when it is complete; a file still being
   written under its final name is not detected: rename into place);
 - a partition subfolder (same name rules) once it holds a ``_SUCCESS`` marker: its regular files (same name
@@ -143,7 +143,7 @@ class Streamer(StreamRecords):
     def _wait_first(self) -> LogFile | None:
         deadline = time.monotonic() + self.cfg.idle_exit if self.cfg.idle_exit else math.inf
         while not self.stop.is_set() and time.monotonic() < deadline:
-            files = scan(self.folder)
+            files = scan(self.folder, self.cfg.files)
             if files:
                 return files[0]
             self.stop.wait(self.cfg.poll)
@@ -153,7 +153,7 @@ class Streamer(StreamRecords):
         """Complete units not yet consumed, in arrival order (a consumed one that changed: warned once)."""
         done = {e["name"]: e for e in self.ledger}
         out = []
-        for f in scan(self.folder):
+        for f in scan(self.folder, self.cfg.files):
             e = done.get(f.name)
             if e is None:
                 out.append(f)
