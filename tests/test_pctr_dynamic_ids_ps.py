@@ -45,7 +45,9 @@ def one(data, tmp_path_factory):
     """The one-process reference, made in this process (`trained_runs.run_ok`: no interpreter start-up);
     the parameter-server jobs compared with it are real torchrun jobs."""
     out = tmp_path_factory.mktemp("dyn-ps-one") / "run"
-    run_ok(["pctr", "train", "--data", data, "--out", out, *COMMON, "--schedule", "constant"])  # as the servers
+    run_ok(
+        ["pctr", "train", "--data", data, "--out", out, *COMMON, "--schedule", "constant"]
+    )  # as the servers
     return out
 
 

@@ -442,9 +442,16 @@ class PctrConfig(PctrMethods, TrainJob, sections=(*TRAIN_SECTIONS, TrackingSecti
 
 PRESETS = {
     "debug": PctrConfig(
-        batch_size=256, max_steps=20, dim=4, hidden="16", rows_per_field=1024, log_every=5, early_stop=0,
-        dropout=0.0, schedule="constant",  # the parameter-server paths run at a constant rate
-    ),
+        batch_size=256,
+        max_steps=20,
+        dim=4,
+        hidden="16",
+        rows_per_field=1024,
+        log_every=5,
+        early_stop=0,
+        dropout=0.0,
+        schedule="constant",  # as the parameter-server paths, which the tests compare with it
+    ),  # fmt: skip
     "frappe": PctrConfig(
         batch_size=512,
         epochs=10,
