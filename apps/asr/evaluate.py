@@ -7,11 +7,9 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from mariana.platform.core import jsonfile
-from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import load_exported
-from mariana.platform.core.rundir import eval_result_path
+from mariana.platform.core.rundir import write_eval_result
 
 from .cmvn import FilePrior
 from .decode import decode_options, decode_set, error_rates, utterance_logps
@@ -267,12 +265,8 @@ def evaluate_run(
     with torch.no_grad():
         chosen, warps = _speaker_settings(model, vocab, features, base, tempo, vtln)
         refs, hyps, utt_ids = _decode_groups(model, vocab, opts, features, chosen, warps)
-    r = error_rates(refs, hyps)
     result = {
-        "wer": r["wer"],
-        "ser": r["ser"],
-        "utterances": r["utterances"],
-        "words": r["words"],
+        **error_rates(refs, hyps),  # wer, ser, utterances, words
         "beam": opts.beam,
         "lm_weight": opts.lm_weight,
         "word_bonus": opts.word_bonus,
@@ -286,9 +280,6 @@ def evaluate_run(
         "skipped_paths": [x["path"] for x in base.skipped],
         "hypotheses": {u: " ".join(h) for u, h in sorted(zip(utt_ids, hyps))},
     }
-    path = eval_result_path(run_dir, data)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, jsonfile.dumps(result, indent=2) + "\n")
-    result["path"] = str(path)
+    result["path"] = str(write_eval_result(result, run_dir, data))
     result["note"] = opts.note
     return result
