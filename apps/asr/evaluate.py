@@ -76,12 +76,6 @@ def choose_factor(
     return _most_confident(stats)
 
 
-def choose_tempo(model, vocab, caches: dict[float, FeatureCache]) -> dict[str, float]:
-    """Each speaker's tempo (`choose_factor`). A speaker slower or faster than the training speakers is
-    heard most confidently once normalised to their pace, as a VTLN warp is chosen by likelihood."""
-    return choose_factor(model, vocab, caches)
-
-
 def _most_confident(stats: dict[str, dict[float, list[float]]]) -> dict[str, float]:
     """{spk: {factor: [summed peak posteriors, firing frames]}} -> {spk: the factor with the highest mean
     peak posterior}; ties go to the factor closest to 1 (no normalisation)."""
@@ -179,7 +173,9 @@ def _speaker_settings(model, vocab, features: _Features, base: FeatureCache, tem
     """-> ({speaker: tempo}, {speaker: warp}): the given values, or with "auto" each speaker's most
     confident one (tempo first at warp 1, then the warp at that speaker's tempo)."""
     if tempo == "auto":
-        chosen = choose_tempo(model, vocab, {t: features(t, 1.0) for t in TEMPO_GRID})
+        # a speaker slower or faster than the training speakers is heard most confidently once normalised
+        # to their pace, as a VTLN warp is chosen by likelihood
+        chosen = choose_factor(model, vocab, {t: features(t, 1.0) for t in TEMPO_GRID})
     else:
         chosen = {u["spk"]: tempo for u in base.utts}
     if vtln == "auto":
@@ -227,7 +223,7 @@ def evaluate_run(
 
     ``tempo`` scales the frame shift (10 ms x tempo, window unchanged): test-time speaking-rate
     normalisation for a speaker ``tempo`` times slower than the training speakers; ``"auto"`` picks it per
-    speaker from `TEMPO_GRID` with `choose_tempo`. ``cmvn``: ``"speaker"`` normalises with each speaker's
+    speaker from `TEMPO_GRID` with `choose_factor`. ``cmvn``: ``"speaker"`` normalises with each speaker's
     statistics over ``data`` (as in training); ``"file"`` normalises each file alone exactly as
     ``transcribe`` and the server do (`file_settings`), so their transcripts are this mode's hypotheses.
     ``beam``, ``lm_weight``, ``word_bonus``: decoding options, None = the run's (`decode.decode_options`);

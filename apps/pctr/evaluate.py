@@ -81,10 +81,8 @@ def evaluate_run(
     if not labels:
         raise MarianaError(f"{data}: no valid {pred.format} rows to evaluate")
     y, p = np.concatenate(labels), np.concatenate(probs)
-    m = auc_logloss(y, p)
     result = {
-        "auc": m["auc"],
-        "logloss": m["logloss"],
+        **auc_logloss(y, p),  # auc, logloss
         "rows": int(len(y)),
         "skipped": stats.skipped,
         "skipped_examples": {str(k): v for k, v in list(stats.errors.items())[:10]},
