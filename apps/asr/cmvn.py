@@ -38,10 +38,6 @@ def normalise(f: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
     return ((f - mean.astype(np.float32)) / std.astype(np.float32)).astype(np.float32)
 
 
-def _std(s1: np.ndarray, s2: np.ndarray, n: float, mean: np.ndarray) -> np.ndarray:
-    return np.sqrt(np.maximum(s2 / n - mean**2, 1e-8))
-
-
 def apply_cmvn(feats: list[np.ndarray], groups: list[str]) -> list[np.ndarray]:
     """Mean/variance normalisation per group (speaker or utterance): each bin to zero mean, unit variance
     over all frames of the group. feats: [frames_i, dim] arrays -> float32 arrays of the same shapes."""
@@ -53,7 +49,7 @@ def apply_cmvn(feats: list[np.ndarray], groups: list[str]) -> list[np.ndarray]:
     norm = {}
     for g, (s1, s2, n) in acc.items():
         mean = s1 / n
-        norm[g] = (mean, _std(s1, s2, n, mean))
+        norm[g] = (mean, np.sqrt(np.maximum(s2 / n - mean**2, 1e-8)))
     return [normalise(f, *norm[g]) for f, g in zip(feats, groups)]
 
 

@@ -7,11 +7,9 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from mariana.platform.core import jsonfile
-from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import load_exported
-from mariana.platform.core.rundir import eval_result_path
+from mariana.platform.core.rundir import write_eval_result
 
 from .cmvn import FilePrior
 from .decode import decode_options, decode_set, error_rates, utterance_logps
@@ -76,12 +74,6 @@ def choose_factor(
             acc = stats.setdefault(spk[i], {}).setdefault(f, [0.0, 0])
             acc[0], acc[1] = acc[0] + total, acc[1] + n
     return _most_confident(stats)
-
-
-def choose_tempo(model, vocab, caches: dict[float, FeatureCache]) -> dict[str, float]:
-    """Each speaker's tempo (`choose_factor`). A speaker slower or faster than the training speakers is
-    heard most confidently once normalised to their pace, as a VTLN warp is chosen by likelihood."""
-    return choose_factor(model, vocab, caches)
 
 
 def _most_confident(stats: dict[str, dict[float, list[float]]]) -> dict[str, float]:
@@ -181,7 +173,9 @@ def _speaker_settings(model, vocab, features: _Features, base: FeatureCache, tem
     """-> ({speaker: tempo}, {speaker: warp}): the given values, or with "auto" each speaker's most
     confident one (tempo first at warp 1, then the warp at that speaker's tempo)."""
     if tempo == "auto":
-        chosen = choose_tempo(model, vocab, {t: features(t, 1.0) for t in TEMPO_GRID})
+        # a speaker slower or faster than the training speakers is heard most confidently once normalised
+        # to their pace, as a VTLN warp is chosen by likelihood
+        chosen = choose_factor(model, vocab, {t: features(t, 1.0) for t in TEMPO_GRID})
     else:
         chosen = {u["spk"]: tempo for u in base.utts}
     if vtln == "auto":
@@ -229,7 +223,7 @@ def evaluate_run(
 
     ``tempo`` scales the frame shift (10 ms x tempo, window unchanged): test-time speaking-rate
     normalisation for a speaker ``tempo`` times slower than the training speakers; ``"auto"`` picks it per
-    speaker from `TEMPO_GRID` with `choose_tempo`. ``cmvn``: ``"speaker"`` normalises with each speaker's
+    speaker from `TEMPO_GRID` with `choose_factor`. ``cmvn``: ``"speaker"`` normalises with each speaker's
     statistics over ``data`` (as in training); ``"file"`` normalises each file alone exactly as
     ``transcribe`` and the server do (`file_settings`), so their transcripts are this mode's hypotheses.
     ``beam``, ``lm_weight``, ``word_bonus``: decoding options, None = the run's (`decode.decode_options`);
@@ -267,12 +261,8 @@ def evaluate_run(
     with torch.no_grad():
         chosen, warps = _speaker_settings(model, vocab, features, base, tempo, vtln)
         refs, hyps, utt_ids = _decode_groups(model, vocab, opts, features, chosen, warps)
-    r = error_rates(refs, hyps)
     result = {
-        "wer": r["wer"],
-        "ser": r["ser"],
-        "utterances": r["utterances"],
-        "words": r["words"],
+        **error_rates(refs, hyps),  # wer, ser, utterances, words
         "beam": opts.beam,
         "lm_weight": opts.lm_weight,
         "word_bonus": opts.word_bonus,
@@ -286,9 +276,6 @@ def evaluate_run(
         "skipped_paths": [x["path"] for x in base.skipped],
         "hypotheses": {u: " ".join(h) for u, h in sorted(zip(utt_ids, hyps))},
     }
-    path = eval_result_path(run_dir, data)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, jsonfile.dumps(result, indent=2) + "\n")
-    result["path"] = str(path)
+    result["path"] = str(write_eval_result(result, run_dir, data))
     result["note"] = opts.note
     return result

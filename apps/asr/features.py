@@ -90,7 +90,7 @@ def load_audio(path_or_file, s: FeatureSettings, speed: float = 1.0) -> torch.Te
     import torchaudio.functional as AF
 
     x, sr = read_wav(path_or_file)
-    need = min_samples(s)
+    need = int(s.sample_rate * s.frame_length_ms / 1000)  # samples of one analysis window at s.sample_rate
     if len(x) * s.sample_rate < need * sr:  # checked before resampling: not one analysis window of audio
         raise MarianaError(
             f"{audio_name(path_or_file)}: audio too short ({len(x)} samples at {sr} Hz = "
@@ -103,11 +103,6 @@ def load_audio(path_or_file, s: FeatureSettings, speed: float = 1.0) -> torch.Te
         # Playing s.sample_rate*speed samples per second: resample from sr*speed down to sr.
         wav = AF.resample(wav, int(round(s.sample_rate * speed)), s.sample_rate)
     return wav
-
-
-def min_samples(s: FeatureSettings) -> int:
-    """Samples of one analysis window at ``s.sample_rate``: shorter audio yields no feature frame."""
-    return int(s.sample_rate * s.frame_length_ms / 1000)
 
 
 def pitch_settings(s: FeatureSettings, pitch: float) -> FeatureSettings:
@@ -285,12 +280,7 @@ class FeatureCache:
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         index = json.loads((self.folder / INDEX).read_text())
-        self.key, self.dim, self.utts, self.skipped = (
-            index["key"],
-            index["dim"],
-            index["utts"],
-            index["skipped"],
-        )
+        self.key, self.dim, self.utts, self.skipped = (index[k] for k in ("key", "dim", "utts", "skipped"))
         self.speaker_stats: dict[str, dict] = index.get("speaker_stats", {})
         self._shards: dict[int, np.ndarray] = {}
         self.lengths = [u["frames"] for u in self.utts]

@@ -186,11 +186,6 @@ def build_model(cfg: dict, output_units: int) -> nn.Module:
         "asr",
         cfg.get("arch", "dnn"),
         num_bins=cfg.get("num_ceps", 13) if mfcc else cfg["num_mel_bins"],
-        context=cfg["context"],
-        hidden=cfg["hidden"],
-        layers=cfg["layers"],
         output_units=max(output_units, cfg.get("output_units", 0)),
-        activation=cfg["activation"],
-        dropout=cfg["dropout"],
-        norm=cfg["norm"],
+        **{k: cfg[k] for k in ("context", "hidden", "layers", "activation", "dropout", "norm")},
     )

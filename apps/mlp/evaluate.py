@@ -6,12 +6,10 @@ import os
 
 import numpy as np
 import torch
-from mariana.platform.core import jsonfile
-from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import load_exported
 from mariana.platform.core.metrics import auc_logloss
-from mariana.platform.core.rundir import eval_result_path
+from mariana.platform.core.rundir import write_eval_result
 from mariana.platform.data.splits import split_bounds, tail_fractions
 
 from .data import ClickRows, read_libfm
@@ -65,7 +63,5 @@ def evaluate_run(model_dir: str, data: str, split: str = "all") -> dict:
         "split": split,
         "data": os.path.abspath(data),
     }
-    out = eval_result_path(model_dir, data, split)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, jsonfile.dumps(result, indent=2) + "\n")
+    write_eval_result(result, model_dir, data, split)
     return result

@@ -8,12 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from mariana.platform.core import jsonfile
-from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.config import read_config_values
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.metrics import auc_logloss
-from mariana.platform.core.rundir import eval_result_path
+from mariana.platform.core.rundir import write_eval_result
 
 from .configs import parse_split
 from .data.encoding import ReadStats
@@ -83,10 +81,8 @@ def evaluate_run(
     if not labels:
         raise MarianaError(f"{data}: no valid {pred.format} rows to evaluate")
     y, p = np.concatenate(labels), np.concatenate(probs)
-    m = auc_logloss(y, p)
     result = {
-        "auc": m["auc"],
-        "logloss": m["logloss"],
+        **auc_logloss(y, p),  # auc, logloss
         "rows": int(len(y)),
         "skipped": stats.skipped,
         "skipped_examples": {str(k): v for k, v in list(stats.errors.items())[:10]},
@@ -94,7 +90,5 @@ def evaluate_run(
         "data": str(data),
         "model_version": pred.version,
     }
-    out = Path(out) if out is not None else eval_result_path(run_dir, data, split)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, jsonfile.dumps(result, indent=2) + "\n")
+    write_eval_result(result, run_dir, data, split, out)
     return result

@@ -417,6 +417,10 @@ def gpu_decode_batch(size: int, device: torch.device):
     return transform
 
 
+IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a")  # JPEG, PNG, GIF
+
+
 def image_bytes_ok(data: bytes) -> bool:
-    """Cheap check used by the classifier: does it look like an encoded image torchvision can decode?"""
-    return data[:3] == b"\xff\xd8\xff" or data[:8] == b"\x89PNG\r\n\x1a\n" or data[:4] == b"GIF8"
+    """Cheap check used by the classifier and the upload route: do the bytes start like an encoded image
+    torchvision can decode (JPEG, PNG, GIF)?"""
+    return any(data.startswith(m) for m in IMAGE_MAGIC)

@@ -10,11 +10,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from mariana.platform.core import jsonfile
-from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.metrics import topk_correct
-from mariana.platform.core.rundir import eval_result_path
+from mariana.platform.core.rundir import write_eval_result
 from mariana.platform.runtime.dist import resolve_device
 
 from .data import DecodedImages, Prepare, StreamingImages, collate_stream, open_source
@@ -73,9 +71,7 @@ def evaluate_run(
         "tta": tta_mode(tta) != "none",
         "tta_mode": tta_mode(tta),
     }
-    out = Path(out) if out is not None else eval_result_path(run_dir, data)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, jsonfile.dumps(result, indent=2) + "\n")
+    write_eval_result(result, run_dir, data, out=out)
     return result
 
 

@@ -83,37 +83,37 @@ def resnet9_layout(num_classes: int = 10, width: int = 32) -> nn.Sequential:
     )
 
 
+def _two_column(
+    num_classes: int, dropout: float, conv1: nn.Conv2d, pad: int, tail: list, fc_in: int, fc: int
+) -> nn.Sequential:
+    """The two-column layout both sizes share: ``conv1`` (3 -> 96 kernels), grouped conv2/4/5, LRN after
+    conv1/2 (max-pools padded by ``pad``), ``tail`` after conv5's pool, then ``fc_in`` -> ``fc`` ->
+    ``fc`` -> ``num_classes`` fully connected layers with dropout."""
+    lrn = lambda: nn.LocalResponseNorm(5, alpha=1e-4, beta=0.75, k=2.0)  # noqa: E731
+    relu = lambda: nn.ReLU(inplace=True)  # noqa: E731
+    return nn.Sequential(
+        OrderedDict(
+            conv1=nn.Sequential(conv1, relu(), lrn(), nn.MaxPool2d(3, 2, pad)),
+            conv2=nn.Sequential(
+                nn.Conv2d(96, 256, 5, padding=2, groups=2), relu(), lrn(), nn.MaxPool2d(3, 2, pad)
+            ),
+            conv3=nn.Sequential(nn.Conv2d(256, 384, 3, padding=1), relu()),
+            conv4=nn.Sequential(nn.Conv2d(384, 384, 3, padding=1, groups=2), relu()),
+            conv5=nn.Sequential(
+                nn.Conv2d(384, 256, 3, padding=1, groups=2), relu(), nn.MaxPool2d(3, 2), *tail, nn.Flatten()
+            ),
+            fc6=nn.Sequential(nn.Dropout(dropout), nn.Linear(fc_in, fc), relu()),
+            fc7=nn.Sequential(nn.Dropout(dropout), nn.Linear(fc, fc), relu()),
+            fc8=nn.Linear(fc, num_classes),
+        )
+    )
+
+
 def mariana_cnn(num_classes: int = 1000, dropout: float = 0.5) -> nn.Sequential:
     """Two-column AlexNet (Krizhevsky et al. 2012) for 224 px input: float ``[B,3,224,224]`` ->
     logits ``[B, num_classes]``; ~61 M parameters at 1000 classes."""
-    return nn.Sequential(
-        OrderedDict(
-            conv1=nn.Sequential(
-                nn.Conv2d(3, 96, 11, stride=4, padding=2),
-                nn.ReLU(inplace=True),
-                nn.LocalResponseNorm(5, alpha=1e-4, beta=0.75, k=2.0),
-                nn.MaxPool2d(3, 2),
-            ),
-            conv2=nn.Sequential(
-                nn.Conv2d(96, 256, 5, padding=2, groups=2),
-                nn.ReLU(inplace=True),
-                nn.LocalResponseNorm(5, alpha=1e-4, beta=0.75, k=2.0),
-                nn.MaxPool2d(3, 2),
-            ),
-            conv3=nn.Sequential(nn.Conv2d(256, 384, 3, padding=1), nn.ReLU(inplace=True)),
-            conv4=nn.Sequential(nn.Conv2d(384, 384, 3, padding=1, groups=2), nn.ReLU(inplace=True)),
-            conv5=nn.Sequential(
-                nn.Conv2d(384, 256, 3, padding=1, groups=2),
-                nn.ReLU(inplace=True),
-                nn.MaxPool2d(3, 2),
-                nn.AdaptiveAvgPool2d(6),
-                nn.Flatten(),
-            ),
-            fc6=nn.Sequential(nn.Dropout(dropout), nn.Linear(256 * 36, 4096), nn.ReLU(inplace=True)),
-            fc7=nn.Sequential(nn.Dropout(dropout), nn.Linear(4096, 4096), nn.ReLU(inplace=True)),
-            fc8=nn.Linear(4096, num_classes),
-        )
-    )
+    conv1 = nn.Conv2d(3, 96, 11, stride=4, padding=2)
+    return _two_column(num_classes, dropout, conv1, 0, [nn.AdaptiveAvgPool2d(6)], 256 * 36, 4096)
 
 
 def mariana_cnn_32(num_classes: int = 10, dropout: float = 0.5) -> nn.Sequential:
@@ -121,31 +121,7 @@ def mariana_cnn_32(num_classes: int = 10, dropout: float = 0.5) -> nn.Sequential
     conv2/4/5, LRN, overlapping pooling) with 5x5/3x3 kernels at stride 1 and 512-512 FC units (the 224 px
     FC widths would put 60 % of the weights in one layer). Input float ``[B,3,32,32]`` -> logits
     ``[B, num_classes]``; ~3.8 M parameters, about half in conv1-4 and half in conv5+FC."""
-    lrn = lambda: nn.LocalResponseNorm(5, alpha=1e-4, beta=0.75, k=2.0)  # noqa: E731
-    return nn.Sequential(
-        OrderedDict(
-            conv1=nn.Sequential(
-                nn.Conv2d(3, 96, 5, padding=2), nn.ReLU(inplace=True), lrn(), nn.MaxPool2d(3, 2, 1)
-            ),
-            conv2=nn.Sequential(
-                nn.Conv2d(96, 256, 5, padding=2, groups=2),
-                nn.ReLU(inplace=True),
-                lrn(),
-                nn.MaxPool2d(3, 2, 1),
-            ),
-            conv3=nn.Sequential(nn.Conv2d(256, 384, 3, padding=1), nn.ReLU(inplace=True)),
-            conv4=nn.Sequential(nn.Conv2d(384, 384, 3, padding=1, groups=2), nn.ReLU(inplace=True)),
-            conv5=nn.Sequential(
-                nn.Conv2d(384, 256, 3, padding=1, groups=2),
-                nn.ReLU(inplace=True),
-                nn.MaxPool2d(3, 2),
-                nn.Flatten(),
-            ),
-            fc6=nn.Sequential(nn.Dropout(dropout), nn.Linear(256 * 9, 512), nn.ReLU(inplace=True)),
-            fc7=nn.Sequential(nn.Dropout(dropout), nn.Linear(512, 512), nn.ReLU(inplace=True)),
-            fc8=nn.Linear(512, num_classes),
-        )
-    )
+    return _two_column(num_classes, dropout, nn.Conv2d(3, 96, 5, padding=2), 1, [], 256 * 9, 512)
 
 
 # The models of this app, by name (`mariana.platform.core.registry`): factory(num_classes, image_size, dropout).

@@ -34,13 +34,8 @@ class Classifier:
         device: torch.device,
         version: str = "unknown",
     ):
-        self.model, self.classes, self.image_size, self.device = (
-            model.eval(),
-            list(classes),
-            image_size,
-            device,
-        )
-        self.version = version
+        self.model, self.classes, self.device = model.eval(), list(classes), device
+        self.image_size, self.version = image_size, version
         self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255
 

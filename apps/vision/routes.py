@@ -10,15 +10,11 @@ Imported only when vision routes are mounted (`AppSpec.router`).
 from fastapi import APIRouter, File, Query, UploadFile
 from mariana.serving.context import RequestError
 
+from .data import image_bytes_ok
 from .fast_recipe import tta_mode
 
 PATH = "/v1/vision/classify"
 TTA_VALUES = ("true", "false", "1", "0", "none", "flip", "crops")
-IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a")
-
-
-def is_image(data: bytes) -> bool:
-    return any(data.startswith(m) for m in IMAGE_MAGIC)
 
 
 def router(ctx) -> APIRouter:
@@ -49,7 +45,7 @@ def router(ctx) -> APIRouter:
         """Both routes' top-k of one encoded image; RequestError (4xx) naming ``field`` when it is none."""
         mode = tta_mode(tta)
         what = "a JPEG/PNG/GIF image"
-        top, version = await ctx.on_upload("classify_bytes", data, field, is_image(data), what, k, mode)
+        top, version = await ctx.on_upload("classify_bytes", data, field, image_bytes_ok(data), what, k, mode)
         return {
             "labels": [{"label": lbl, "probability": float(p)} for lbl, p in top],
             "model_version": version,

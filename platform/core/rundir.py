@@ -94,6 +94,14 @@ def eval_result_path(run_dir: str | Path, data: str | Path, split: str = "") -> 
     return Path(run_dir) / "eval" / f"{name}.json"
 
 
+def write_eval_result(result: dict, run_dir: str | Path, data: str | Path, split: str = "", out=None) -> Path:
+    """Write ``result`` (JSON, atomically) to ``out``, default `eval_result_path` (run_dir, data, split);
+    -> the path written."""
+    out = Path(out) if out is not None else eval_result_path(run_dir, data, split)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write_text(out, jsonfile.dumps(result, indent=2) + "\n")
+
+
 def resume_differences(cfg: Any, saved: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """``(field, saved value, new value)`` for every field of ``cfg`` outside its class's
     ``RESUME_MAY_CHANGE`` whose value differs from ``saved`` (a run's config.toml as a dict; a field

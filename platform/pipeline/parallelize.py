@@ -19,7 +19,7 @@ from mariana.platform.core.errors import MarianaError
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .schedule import GPipeSchedule, TorchSchedule
+from .schedule import GPipeSchedule, StagePosition, TorchSchedule
 from .stages import balanced_boundaries, block_costs_time, split_blocks
 
 _WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -27,7 +27,7 @@ SCHEDULES = ("1f1b", "gpipe", "p2p")  # torch.distributed.pipelining 1F1B / GPip
 log = logging.getLogger("mariana")
 
 
-class PipelineParallel:
+class PipelineParallel(StagePosition):
     """This rank's pipeline stage plus the step runner.
 
     Attributes: ``stage`` (nn.Module on ``device``), ``stage_index``, ``n_stages``, ``dp_index``, ``dp_size``,
@@ -55,6 +55,7 @@ class PipelineParallel:
         if schedule not in SCHEDULES:
             raise MarianaError(f"unknown pipeline schedule {schedule!r}: use {', '.join(SCHEDULES)}")
         self.stage, self.stage_index, self.n_stages = stage, stage_index, n_stages
+        self.index = stage_index  # `StagePosition`'s is_first / is_last
         self.mesh, self.device = mesh, device
         self.grad_comm = grad_comm
         if mesh is not None:
@@ -92,14 +93,6 @@ class PipelineParallel:
         if self.dp_size > 1:  # identical replicas: like DDP, start every group from dp rank 0's weights
             for t in [*stage.parameters(), *stage.buffers()]:
                 dist.broadcast(t.data, self.dp_ranks[0], group=self.dp_group)
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage_index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage_index == self.n_stages - 1
 
     def parameters(self):
         return self.stage.parameters()

@@ -102,10 +102,6 @@ class Predictor:
         self.R = self.schema.rows_per_field
         self.onnx = None  # `use_onnx`: rows, values, dense -> probabilities, instead of the torch model
 
-    def map_oov(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows never trained -> the field's missing/OOV row (``field * R``)."""
-        return torch.where(self.seen[ids], ids, ids - ids % self.R)
-
     def parse(self, lines: list[str]) -> tuple[Batch, dict[int, str]]:
         batch, _, errors = self.encoder.encode(list(lines), has_label=False)
         return batch, errors
@@ -163,7 +159,7 @@ class Predictor:
             ids = torch.from_numpy(self.idmap.lookup(ids.cpu().numpy())).to(self.device)
         if self.onnx is not None:
             return self.onnx(ids, b.vals, b.dense).numpy()
-        ids = self.map_oov(ids)
+        ids = torch.where(self.seen[ids], ids, ids - ids % self.R)  # never trained -> the field's OOV row
         uniq, inv = torch.unique(ids, return_inverse=True)
         rows = self.model.table.weight.index_select(0, uniq)
         logits = self.model.forward_rows(F.embedding(inv, rows), b.vals, b.dense)
