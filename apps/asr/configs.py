@@ -6,10 +6,12 @@ module imports it under ``mariana asr --help``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from mariana.platform.core.config import (
     RESUME_MAY_CHANGE,
+    WITHOUT_MAX_STEPS,
     DataParallelSection,
     DataSection,
     LaunchSection,
@@ -21,12 +23,20 @@ from mariana.platform.core.config import (
     at_least,
     at_least_one,
     given,
+    looks_into,
     non_negative,
     only,
     opt,
     when,
 )
 from mariana.platform.core.errors import MarianaError
+
+
+def has_dev_set(cfg) -> bool:
+    """Whether the prepared folder --data has a dev set (a non-empty DATA/dev/wav.scp): two ``stat`` calls.
+    A folder without DATA/train (not prepared, or on another host at submit) is left to the run to judge."""
+    data, scp = Path(cfg.data), Path(cfg.data) / "dev" / "wav.scp"
+    return not (data / "train").is_dir() or (scp.is_file() and scp.stat().st_size > 0)
 
 
 @dataclass
@@ -49,7 +59,7 @@ class AsrInput(DataSection):
 
 @dataclass
 class AsrLoop(LoopSection):
-    epochs: int = opt(6, "passes over the training data (ignored when --max-steps > 0)")
+    epochs: int = opt(6, "passes over the training data", applies=WITHOUT_MAX_STEPS)
     log_every: int = opt(20, "optimizer steps between metrics.jsonl records")
 
 
@@ -245,6 +255,12 @@ class AsrConfig(TrainJob, sections=ASR_SECTIONS):
         "compile_backend",
     }
     EVAL_METRICS: ClassVar[tuple[str, ...]] = ("wer", "ser")
+    VALIDATION: ClassVar[tuple] = (
+        looks_into(
+            "data", has_dev_set, "a --data with a dev set (DATA/dev/wav.scp)",
+            on=("train/wav.scp", "dev/wav.scp"), off=("train/wav.scp",),
+        ),
+    )  # fmt: skip
 
     def check(self) -> None:
         super().check()

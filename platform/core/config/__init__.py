@@ -34,14 +34,17 @@ How to declare sections for an app (``apps/APP/configs.py``, standard library on
             ...
 
 Conditions (``opt(..., applies=...)`` or a section's ``APPLIES``): `only` (field in values), `not_with`,
-`at_least` (a number >= n), `given` (a non-empty value) and `when` (any test); each names a field of the
-composition, asserted at definition time. A value the command fixes (neither flag nor TOML key) is a
+`at_least` (a number >= n), `given` (a non-empty value), `when` (any test) and `looks_into` (a cheap look
+at a data folder); each names a field of the composition, asserted at definition time. ``VALIDATES``
+stands for the composition's ``VALIDATION`` clauses (when the run has validation data: a split, held-out
+files, a dev set), so --eval-every/--monitor/--early-stop are refused alike in every app. A value the command fixes (neither flag nor TOML key) is a
 ``ClassVar`` of the composition (e.g. a stream's ``epochs: ClassVar[int] = 1``). Presets are instances of
 the composition. The CLI side: `add_config_args` (flag groups), `resolve_config` (defaults < preset <
 --config < flags, then `check_applies` and ``validate()``).
 """
 
 from .fields import (
+    VALIDATES,
     _base_type,
     at_least,
     check_choice,
@@ -49,6 +52,7 @@ from .fields import (
     default_of,
     flag,
     given,
+    looks_into,
     not_with,
     only,
     opt,
@@ -72,6 +76,7 @@ from .sections import MAX_FIELDS, Config, Section
 from .train import (
     RESUME_MAY_CHANGE,
     TRAIN_SECTIONS,
+    WITHOUT_MAX_STEPS,
     DataParallelSection,
     DataSection,
     LaunchSection,
@@ -101,6 +106,8 @@ __all__ = [
     "Section",
     "TrainConfig",
     "TrainJob",
+    "VALIDATES",
+    "WITHOUT_MAX_STEPS",
     "_base_type",
     "add_config_args",
     "applicable_values",
@@ -115,6 +122,7 @@ __all__ = [
     "given",
     "load_config",
     "load_toml",
+    "looks_into",
     "non_negative",
     "not_with",
     "only",
