@@ -23,12 +23,12 @@ from mariana.platform.core.config import (
     at_least,
     at_least_one,
     given,
-    looks_into,
     non_negative,
     only,
     opt,
     when,
 )
+from mariana.platform.core.config.fields import Clause
 from mariana.platform.core.errors import MarianaError
 
 
@@ -256,10 +256,8 @@ class AsrConfig(TrainJob, sections=ASR_SECTIONS):
     }
     EVAL_METRICS: ClassVar[tuple[str, ...]] = ("wer", "ser")
     VALIDATION: ClassVar[tuple] = (
-        looks_into(
-            "data", has_dev_set, "a --data with a dev set (DATA/dev/wav.scp)",
-            on=("train/wav.scp", "dev/wav.scp"), off=("train/wav.scp",),
-        ),
+        Clause("data", has_dev_set, "a --data with a dev set (DATA/dev/wav.scp)",
+               ("train/wav.scp", "dev/wav.scp"), ("train/wav.scp",), layout=True),
     )  # fmt: skip
 
     def check(self) -> None:

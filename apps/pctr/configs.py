@@ -51,14 +51,6 @@ def parse_split(text: str) -> tuple[float, float, float]:
     return parts  # type: ignore[return-value]
 
 
-def has_val_rows(cfg) -> bool:
-    """Whether ``--split`` leaves validation rows (a malformed split is `PctrData.validate`'s to refuse)."""
-    try:
-        return parse_split(cfg.split)[1] > 0
-    except DataError:
-        return True
-
-
 @dataclass
 class PctrRun(RunSection):
     """`RunSection` plus mixed precision (the platform's data-parallel section is not pCTR's)."""
@@ -430,15 +422,11 @@ class PctrConfig(PctrMethods, TrainJob, sections=TRAIN_SECTIONS):
     """``mariana pctr train``."""
 
     EVAL_METRICS: ClassVar[tuple[str, ...]] = ("auc", "logloss")
+    # (a malformed --split is refused by parse_split here, in the words of PctrData.validate)
     VALIDATION: ClassVar[tuple] = (
-        when(
-            "split",
-            has_val_rows,
-            "runs with validation rows (--split T,V,E with V > 0)",
-            "0.8,0.1,0.1",
-            "1,0,0",
-        ),
-    )
+        when("split", lambda c: parse_split(c.split)[1] > 0, "runs with validation rows (--split T,V,E with V > 0)",
+             "0.8,0.1,0.1", "1,0,0"),
+    )  # fmt: skip
     # `--resume` refuses any other difference from the checkpoint's RUN/config.toml (the model's shape, the
     # data and its split, batch size, optimisers and their settings, the process layout).
     RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = RESUME_MAY_CHANGE | {

@@ -34,13 +34,12 @@ How to declare sections for an app (``apps/APP/configs.py``, standard library on
             ...
 
 Conditions (``opt(..., applies=...)`` or a section's ``APPLIES``): `only` (field in values), `not_with`,
-`at_least` (a number >= n), `given` (a non-empty value), `when` (any test) and `looks_into` (a cheap look
-at a data folder); each names a field of the composition, asserted at definition time. ``VALIDATES``
-stands for the composition's ``VALIDATION`` clauses (when the run has validation data: a split, held-out
-files, a dev set), so --eval-every/--monitor/--early-stop are refused alike in every app. A value the command fixes (neither flag nor TOML key) is a
-``ClassVar`` of the composition (e.g. a stream's ``epochs: ClassVar[int] = 1``). Presets are instances of
-the composition. The CLI side: `add_config_args` (flag groups), `resolve_config` (defaults < preset <
---config < flags, then `check_applies` and ``validate()``).
+`at_least` (a number >= n), `given` (a non-empty value), `when` (any test; ``layout=True``: a look into a
+data folder); each names a field of the composition, asserted at definition time. ``VALIDATES`` stands for
+the composition's ``VALIDATION`` (when it has validation data). A value the command fixes (neither flag
+nor TOML key) is a ``ClassVar`` of the composition (e.g. a stream's ``epochs: ClassVar[int] = 1``).
+Presets are instances of the composition. The CLI side: `add_config_args` (flag groups), `resolve_config`
+(defaults < preset < --config < flags, then `check_applies` and ``validate()``).
 """
 
 from .fields import (
@@ -52,7 +51,6 @@ from .fields import (
     default_of,
     flag,
     given,
-    looks_into,
     not_with,
     only,
     opt,
@@ -122,7 +120,6 @@ __all__ = [
     "given",
     "load_config",
     "load_toml",
-    "looks_into",
     "non_negative",
     "not_with",
     "only",

@@ -43,8 +43,7 @@ class Clause:
     on: Any
     off: Any
     also: tuple[tuple[str, Any], ...] = ()
-    # on/off given as files to make (paths relative to a folder, e.g. ("train/wav.scp", "dev/wav.scp")):
-    # the field is a data folder and the clause looks into it (tests build both folders)
+    # the field is a data folder the test looks into; on/off: files in it (tests build both folders)
     layout: bool = False
 
     def refusal(self, name: str, cfg: Any) -> str:
@@ -95,13 +94,6 @@ def when(field: str, test: Callable[[Any], bool], text: str, on: Any, off: Any) 
     """Any other condition: ``test(cfg)`` reads ``field`` (and may read more); ``on``/``off`` are values of
     ``field`` under which it holds / fails with the other fields at their defaults."""
     return Clause(field, test, text, on, off)
-
-
-def looks_into(field: str, test: Callable[[Any], bool], text: str, on: tuple, off: tuple) -> Clause:
-    """A condition decided by a cheap look at the data folder ``field`` names (a few ``stat`` calls, no
-    read of the data): ``test(cfg)``; ``on``/``off``: files relative to that folder under which it holds /
-    fails (see `Clause.layout`)."""
-    return Clause(field, test, text, on, off, layout=True)
 
 
 # Placeholder for "the run has validation data": each composition says what that means from its own

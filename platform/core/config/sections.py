@@ -37,7 +37,7 @@ class Config:
 
     Class attributes a composition may set: ``EVAL_METRICS`` (what its evaluation reports, checked against
     ``--monitor``), ``RESUME_MAY_CHANGE`` (fields a ``--resume`` may change), ``VALIDATION`` (the clauses
-    under which the run has validation data, for the fields declared ``applies=VALIDATES``), and plain ``ClassVar``
+    of having validation data, for fields declared ``applies=VALIDATES``), and plain ``ClassVar``
     constants for values the command fixes (readable as ``cfg.name`` by shared code, but neither flags nor
     TOML keys). Instances answer ``cfg.<section name>`` with that section's typed dataclass (a copy)."""
 
@@ -100,8 +100,8 @@ def _compose(cls: type, sections: tuple[type[Section], ...]) -> None:
             annotations[f.name] = hints[f.name]
             field_clauses = tuple(f.metadata.get("applies", ()))
             field_clauses += tuple(c for c in s.APPLIES if c.field != f.name)
-            validation = getattr(cls, "VALIDATION", ())  # what "has validation data" means here
-            field_clauses = tuple(v for c in field_clauses for v in (validation if c is VALIDATES else (c,)))
+            expand = {id(VALIDATES): cls.VALIDATION}  # what "has validation data" means in this composition
+            field_clauses = tuple(v for c in field_clauses for v in expand.get(id(c), (c,)))
             clauses[f.name] = field_clauses
             meta = {**f.metadata, "section": s.NAME}
             if f.default is not dataclasses.MISSING:

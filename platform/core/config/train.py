@@ -56,12 +56,9 @@ def own_preset(cfg) -> bool:
     """Whether ``--preset`` counts: always on a new run; on ``--resume`` the run's values (RUN/config.toml)
     replace the preset's, so only the run's own preset (the first command repeated) is not ignored."""
     saved = os.path.join(cfg.out, "config.toml")
-    if not cfg.resume:
-        return True
-    try:
-        return os.path.isfile(saved) and read_config_values(saved).get("preset", "") == cfg.preset
-    except MarianaError:  # an unreadable config.toml: the resume check names it
-        return True
+    return (
+        not cfg.resume or os.path.isfile(saved) and read_config_values(saved).get("preset", "") == cfg.preset
+    )
 
 
 @dataclass
