@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # `make demo`: the main end-to-end jobs on the sample data, each with 2 data-parallel workers where the
 # framework has them. Every step prints its headline metric last. Runs go under $RUNS (default runs/demo).
+# One seed (the default, 0): `python bench/demo_spread.py` runs the measured steps with these settings over
+# seeds 0, 1, 2 (the spread the README quotes).
 set -euo pipefail
 DATA=${DATA:-../shared/data}
 RUNS=${RUNS:-runs/demo}

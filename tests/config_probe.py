@@ -4,15 +4,21 @@ under which it fails), so tests can drive each clause both ways."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from mariana.platform.core.config.fields import _OTHER, Clause, default_of
 
 
-def witnesses(cls: type, clause: Clause) -> tuple[Any, Any]:
+def witnesses(cls: type, clause: Clause, tmp: Path | None = None) -> tuple[Any, Any]:
     """(a value of ``clause.field`` under which the clause holds, one under which it fails), with the
     "another value" placeholders resolved from the field's choices (or a bool's other value). ``None`` for
-    the holding value of a `given` clause: the caller supplies a value (e.g. an existing path)."""
+    the holding value of a `given` clause: the caller supplies a value (e.g. an existing path). A clause
+    that looks into a data folder (``clause.layout``) gets two folders made under ``tmp``, holding its
+    ``on`` / ``off`` files."""
+    if clause.layout:
+        assert tmp is not None, f"--{clause.field}: a data-folder condition needs a folder to build in"
+        return _folder(Path(tmp) / "holds", clause.on), _folder(Path(tmp) / "fails", clause.off)
     f = {f.name: f for f in dataclasses.fields(cls)}[clause.field]
     out = []
     for v, holds in ((clause.on, True), (clause.off, False)):
@@ -23,6 +29,14 @@ def witnesses(cls: type, clause: Clause) -> tuple[Any, Any]:
             v = next(c for c in candidates if clause.test(_Probe(cls, clause.field, c)) == holds)
         out.append(v)
     return out[0], out[1]
+
+
+def _folder(root: Path, files: tuple[str, ...]) -> str:
+    """``root`` holding each of ``files`` (one line each), as a string path."""
+    for name in files:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("x\n")
+    return str(root)
 
 
 def _neighbours(default: Any, clause: Clause) -> tuple:

@@ -118,7 +118,12 @@ CASES = [
     ("batch-size-0", [*TRAIN, "--batch-size", "0"], 2, "--batch-size must be >= 1, got 0"),
     ("val-test-fractions", [*TRAIN, "--test-fraction", "0.95"], 2, "--test-fraction must be in [0, 1)"),
     ("workers-bad-lr", [*TRAIN, "--workers", "2", "--lr", "inf"], 2, "--lr must be a finite number >= 0"),
-    ("resume-nothing", [*TRAIN, "--resume"], 2, "--resume: no checkpoint in"),
+    (
+        "resume-nothing",
+        ["mlp", "train", "--data", "{data}", "--out", "{tmp}/new", "--no-progress", "--resume"],
+        2,
+        "--resume: no checkpoint in",
+    ),
     ("retrain-over-run", RESUME, 2, "already holds a trained run; pass --resume"),
     (
         "resume-changed",

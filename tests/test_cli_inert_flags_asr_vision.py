@@ -137,9 +137,9 @@ def test_a_flag_whose_condition_fails_is_refused(command, cls, name, clause, tmp
     from mariana.platform.core.config import flag
     from mariana.platform.core.errors import MarianaError
 
-    holding = {c.field: witnesses(cls, c)[0] for c in cls.CLAUSES[name]}
+    holding = {c.field: witnesses(cls, c, tmp_path)[0] for c in cls.CLAUSES[name]}
     check_command(_argv(command, cls, name, holding, str(tmp_path)))  # applies: no error at all
-    failing = {**holding, clause.field: witnesses(cls, clause)[1]}
+    failing = {**holding, clause.field: witnesses(cls, clause, tmp_path)[1]}
     with pytest.raises(MarianaError) as e:
         check_command(_argv(command, cls, name, failing, str(tmp_path)))
     typed = (f"--{flag(name)}", f"--no-{flag(name)}")  # a switch is named as it was typed

@@ -87,7 +87,7 @@ def _holding(cls, name: str, values: dict, tmp: Path, skip: int | None = None) -
     for k, clause in enumerate(cls.CLAUSES.get(name, ())):
         if k == skip or clause.field in values:
             continue
-        on, _ = witnesses(cls, clause)
+        on, _ = witnesses(cls, clause, tmp)
         if on is not None and on == _default(cls, clause.field):
             continue  # holds without typing it (typing it could meet that field's own conditions)
         values[clause.field] = str(tmp) if on is None else on
@@ -120,7 +120,7 @@ def _value(cls, name: str, clause_also: dict) -> Any:
 def test_a_flag_is_refused_where_it_does_not_apply_and_accepted_where_it_does(path, cls, name, k, tmp_path):
     clause = cls.CLAUSES[name][k]
     also = {f: (str(tmp_path) if v is None else v) for c in cls.CLAUSES[name] for f, v in c.also}
-    on, off = witnesses(cls, clause)
+    on, off = witnesses(cls, clause, tmp_path)
     # where the condition fails (every other condition of the field holding): one line, exit 2
     values = {name: _value(cls, name, also)}
     _holding(cls, name, values, tmp_path, skip=k)

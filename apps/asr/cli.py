@@ -48,7 +48,11 @@ def _add_prepare(g) -> None:
     p.add_argument(
         "--test-speakers", default="", help="comma-separated test speakers (default: last speaker)"
     )
-    p.add_argument("--dev-speakers", default="", help="comma-separated dev speakers (default: none)")
+    p.add_argument(
+        "--dev-speakers",
+        default="",
+        help="comma-separated dev speakers (default: none, so `asr train` has no dev set to validate on)",
+    )
     p.add_argument("--utterances", type=int, default=200, help="connected-digit utterances per speaker")
     p.add_argument("--max-digits", type=int, default=7, help="most digits per utterance")
     p.add_argument("--seed", type=int, default=0, help="random seed (digit order, pauses, noise)")

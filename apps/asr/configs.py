@@ -6,10 +6,12 @@ module imports it under ``mariana asr --help``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from mariana.platform.core.config import (
     RESUME_MAY_CHANGE,
+    WITHOUT_MAX_STEPS,
     DataParallelSection,
     DataSection,
     LaunchSection,
@@ -26,8 +28,16 @@ from mariana.platform.core.config import (
     opt,
     when,
 )
+from mariana.platform.core.config.fields import Clause
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.tracking import TrackingSection
+
+
+def has_dev_set(cfg) -> bool:
+    """Whether the prepared folder --data has a dev set (a non-empty DATA/dev/wav.scp): two ``stat`` calls.
+    A folder without DATA/train (not prepared, or on another host at submit) is left to the run to judge."""
+    data, scp = Path(cfg.data), Path(cfg.data) / "dev" / "wav.scp"
+    return not (data / "train").is_dir() or (scp.is_file() and scp.stat().st_size > 0)
 
 
 @dataclass
@@ -50,7 +60,7 @@ class AsrInput(DataSection):
 
 @dataclass
 class AsrLoop(LoopSection):
-    epochs: int = opt(6, "passes over the training data (ignored when --max-steps > 0)")
+    epochs: int = opt(6, "passes over the training data", applies=WITHOUT_MAX_STEPS)
     log_every: int = opt(20, "optimizer steps between metrics.jsonl records")
 
 
@@ -247,6 +257,10 @@ class AsrConfig(TrainJob, sections=ASR_SECTIONS):
         "compile_backend",
     }
     EVAL_METRICS: ClassVar[tuple[str, ...]] = ("wer", "ser")
+    VALIDATION: ClassVar[tuple] = (
+        Clause("data", has_dev_set, "a --data with a dev set (DATA/dev/wav.scp)",
+               ("train/wav.scp", "dev/wav.scp"), ("train/wav.scp",), layout=True),
+    )  # fmt: skip
 
     def check(self) -> None:
         super().check()

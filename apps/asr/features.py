@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from mariana.platform.cli.console import progress
 from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import MarianaError
 
@@ -186,17 +187,16 @@ def compute_raw(
     {index: reason})."""
     items = [(i, *w) for i, w in enumerate(jobs_in)]
     jobs = max(1, min(jobs, len(items)))
-    chunks = [items[k::jobs] for k in range(jobs)]
-    args = [(c, asdict(s)) for c in chunks]
+    # chunks of 64 recordings: the threads stay busy to the end and `progress` can count them
+    args = [(items[k : k + 64], asdict(s)) for k in range(0, len(items), 64)]
     feats: dict[int, np.ndarray] = {}
     failed: dict[int, str] = {}
-    if jobs == 1:
-        results = [_chunk_worker((items, asdict(s)))]
-    else:
-        # Threads, not processes: libsndfile decoding and torch kernels release the GIL, and a worker
-        # thread starts in microseconds where a spawned process re-imports torch (seconds per job).
-        with cf.ThreadPoolExecutor(jobs) as ex:
-            results = list(ex.map(_chunk_worker, args))
+    # Threads, not processes: libsndfile decoding and torch kernels release the GIL, and a worker
+    # thread starts in microseconds where a spawned process re-imports torch (seconds per job).
+    # One job computes in this thread, as before (thread-local torch settings such as flush-denormal).
+    with cf.ThreadPoolExecutor(jobs) as ex:
+        done = map(_chunk_worker, args) if jobs == 1 else ex.map(_chunk_worker, args)
+        results = list(progress(done, len(args), "computing features", "chunks of 64 recordings"))
     for done, bad in results:
         feats.update(done)
         failed.update(bad)

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from mariana.platform.cli.common import check_data_path, check_fresh_run_dir
-from mariana.platform.cli.console import warn_skipped
+from mariana.platform.cli.console import periodic, warn_skipped
 from mariana.platform.core.config import read_config_values, resolve_config
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.rundir import RunDir, eval_result_path
@@ -40,6 +40,16 @@ def _headline(m: dict, cfg=None) -> str:
     if auc != auc and "steps" in m and not m.get("epochs"):  # NaN: no validation rows (--split 1,0,0)
         return f"trained {m['steps']} steps (no validation rows); exported the final model"
     return f"validation AUC {m.get('val_auc', float('nan')):.4f} logloss {m.get('val_logloss', float('nan')):.4f}"
+
+
+def workers_progress(run: Path) -> str:
+    """``pctr train: worker 0 step 120 loss 0.4512, worker 1 ...`` from each worker's last complete counters
+    record (RUN/counters/worker-W.jsonl: the last line may be half written); '' before the first."""
+    done = []
+    for p in sorted((run / "counters").glob("worker-*.jsonl"), key=lambda p: int(p.stem[7:])):
+        rec = json.loads(([""] + p.read_text().split("\n"))[-2] or "{}")
+        done += [f"worker {p.stem[7:]} step {rec['step']} loss {rec['loss']:.4f}"] if rec else []
+    return "pctr train: " + ", ".join(done) if done else ""
 
 
 def _check_run_dir(cfg, command: str = "pctr train") -> None:
@@ -76,7 +86,8 @@ def train(args, argv) -> int:
             raise MarianaError(f"--servers + --workers = {nprocs} is not divisible by --nnodes {cfg.nnodes}")
         nprocs //= cfg.nnodes
     rdzv = (cfg.nnodes, cfg.rdzv_endpoint, cfg.rdzv_id)
-    rc = run_job(nprocs, argv, cfg.out, cfg.max_restarts, *rdzv, num_servers=cfg.servers)
+    with periodic(lambda: workers_progress(Path(cfg.out))):  # the workers draw no bar here
+        rc = run_job(nprocs, argv, cfg.out, cfg.max_restarts, *rdzv, num_servers=cfg.servers)
     final = Path(cfg.out) / "metrics.json"
     if rc == 0 and final.is_file():
         m = json.loads(final.read_text())

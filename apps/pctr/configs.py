@@ -13,6 +13,8 @@ from typing import ClassVar
 
 from mariana.platform.core.config import (
     RESUME_MAY_CHANGE,
+    VALIDATES,
+    WITHOUT_MAX_STEPS,
     DataSection,
     LoopSection,
     RunSection,
@@ -79,7 +81,9 @@ class PctrData(DataSection):
         0, "libFM: features per row (0: infer from the first lines)", applies=only("format", "libfm")
     )
     split: str = opt("0.8,0.1,0.1", "train,val,test fractions of the rows, in file order")
-    val_rows: int = opt(0, "cap on validation rows scored for counters and early reports (0: all)")
+    val_rows: int = opt(
+        0, "cap on validation rows scored for counters and early reports (0: all)", applies=VALIDATES
+    )
     shuffle: bool = opt(True, "shuffle the batch order of epochs >= 2 (served from the row cache)")
     cache_gb: float | None = opt(
         None,
@@ -377,15 +381,20 @@ class Images(Section):
 @dataclass
 class PctrLoop(LoopSection):
     epochs: int = opt(
-        30, "cap on passes over the training data (training stops earlier when --early-stop triggers)"
+        30,
+        "cap on passes over the training data (training stops earlier when --early-stop triggers)",
+        applies=WITHOUT_MAX_STEPS,
     )
     eval_every: int = opt(
         -1,
         "validate every N steps, or 'epoch' at the end of every epoch; 0 only at the end",
         epoch_ok=True,
+        applies=VALIDATES,
     )
     early_stop: int = opt(
-        2, "stop after this many validations in a row without a better --monitor value; 0 never stops early"
+        2,
+        "stop after this many validations in a row without a better --monitor value; 0 never stops early",
+        applies=VALIDATES,
     )
     ckpt_every: int = opt(
         0, "steps between checkpoints; 0: one at the end (one process) / none before the end (servers)"
@@ -418,6 +427,11 @@ class PctrConfig(PctrMethods, TrainJob, sections=(*TRAIN_SECTIONS, TrackingSecti
     """``mariana pctr train``."""
 
     EVAL_METRICS: ClassVar[tuple[str, ...]] = ("auc", "logloss")
+    # (a malformed --split is refused by parse_split here, in the words of PctrData.validate)
+    VALIDATION: ClassVar[tuple] = (
+        when("split", lambda c: parse_split(c.split)[1] > 0, "runs with validation rows (--split T,V,E with V > 0)",
+             "0.8,0.1,0.1", "1,0,0"),
+    )  # fmt: skip
     # `--resume` refuses any other difference from the checkpoint's RUN/config.toml (the model's shape, the
     # data and its split, batch size, optimisers and their settings, the process layout).
     RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = RESUME_MAY_CHANGE | {

@@ -56,6 +56,9 @@ def register(sub) -> None:
     e.add_argument("--batch-size", type=int, default=256, help="images per forward pass")
     e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="compute device")
     e.add_argument("--num-workers", type=int, default=0, help="data-loader worker processes (read + decode)")
+    e.add_argument(
+        "--limit", type=int, default=0, help="the first N images of a fixed random order (0 = all)"
+    )
     _tta_flags(e)
     e.set_defaults(func=handler("mariana.apps.vision.commands:evaluate"))
     c = g.add_parser("classify", help="print the top-k labels of image files", formatter_class=_FMT)

@@ -39,10 +39,14 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> int:
         raise MarianaError(f"--batch-size must be >= 1 image, got {args.batch_size}")
     if args.num_workers < 0:
         raise MarianaError(f"--num-workers must be >= 0 (0 = read in this process), got {args.num_workers}")
+    if args.limit < 0:
+        raise MarianaError(f"--limit must be >= 0 images (0 = all), got {args.limit}")
     check_data_path(args.data)
     check_data_path(args.model, "--model")
     out = eval_result_path(args.model, args.data)
-    r = evaluate_run(args.model, args.data, args.batch_size, args.device, args.num_workers, out, args.tta)
+    r = evaluate_run(
+        args.model, args.data, args.batch_size, args.device, args.num_workers, out, args.tta, args.limit
+    )
     warn_skipped(
         args.data, r["skipped"], [(p, "not a decodable image") for p in r["skipped_paths"]], "corrupt image"
     )

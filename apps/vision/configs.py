@@ -94,28 +94,6 @@ class VisionEval(Section):
 
 
 @dataclass
-class VisionLoop(LoopSection):
-    """`LoopSection` whose evaluation settings need held-out images (vision evaluates --eval-data only)."""
-
-    eval_every: int = opt(
-        0,
-        "evaluate every N optimizer steps, or 'epoch' at the end of every epoch; 0 only at the end",
-        epoch_ok=True,
-        applies=given("eval_data"),
-    )
-    monitor: str = opt(
-        "",
-        "evaluation metric that picks the best model and drives --early-stop (top1, top5); empty: top1",
-        applies=given("eval_data"),
-    )
-    early_stop: int = opt(
-        0,
-        "stop after this many evaluations in a row without a better --monitor value; 0 never stops early",
-        applies=given("eval_data"),
-    )
-
-
-@dataclass
 class VisionOptim(OptimSection):
     """`OptimSection` whose schedule the fast recipe replaces with its own triangular one."""
 
@@ -214,7 +192,7 @@ VISION_SECTIONS = (
     VisionEval,
     LaunchSection,
     DataParallelSection,
-    VisionLoop,
+    LoopSection,
     VisionOptim,
     VisionNet,
     VisionPipeline,
@@ -226,6 +204,7 @@ class VisionConfig(TrainJob, sections=VISION_SECTIONS):
     """``mariana vision train``."""
 
     EVAL_METRICS: ClassVar[tuple[str, ...]] = ("top1", "top5")
+    VALIDATION: ClassVar[tuple] = (given("eval_data"),)  # vision evaluates --eval-data only
     # Held-out data may move between a run and its resume (only the scores depend on it); the pipeline
     # schedule may change too (the same gradients in another order of work).
     RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = RESUME_MAY_CHANGE | {

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from mariana.platform.cli.console import progress
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.metrics import topk_correct
 from mariana.platform.core.rundir import write_eval_result
 from mariana.platform.runtime.dist import resolve_device
 
-from .data import DecodedImages, Prepare, StreamingImages, collate_stream, open_source
+from .data import DecodedImages, Prepare, StreamingImages, collate_stream, open_source, subset_indices
 from .fast_recipe import tta_mode, tta_probabilities
 from .predict import load_classifier
 
@@ -28,12 +29,13 @@ def evaluate_run(
     num_workers: int = 0,
     out: str | Path | None = None,
     tta: bool | str = False,
+    limit: int = 0,
 ) -> dict:
     """Score ``RUN/model.safetensors`` on ``data`` (.tar or folder); returns and writes to ``out`` (default
     ``eval_result_path(run_dir, data)`` = ``RUN/eval/<data name>.json``, one file per evaluated data set)
     ``{"top1": %, "top5": %, "images": n, "skipped": n, "data": absolute path, "tta": bool, "tta_mode"}``.
     ``tta`` (True = "flip", "crops"): rank classes by the mean probabilities of each image's views
-    (`Classifier.probabilities`).
+    (`Classifier.probabilities`). ``limit`` > 0: the first N images of a fixed random order (`subset_indices`).
     Images stream through a DataLoader (decode in workers), so the set may be larger than memory."""
     if batch_size < 1 or num_workers < 0:
         raise MarianaError(f"batch_size must be >= 1 and num_workers >= 0, got {batch_size}, {num_workers}")
@@ -41,6 +43,8 @@ def evaluate_run(
     clf = load_classifier(run_dir, dev)
     src = open_source(data, clf.classes)
     ds = StreamingImages(src, clf.image_size)
+    if limit:
+        ds = torch.utils.data.Subset(ds, subset_indices(len(ds), limit))
     loader = torch.utils.data.DataLoader(
         ds,
         batch_size=batch_size,
@@ -51,7 +55,7 @@ def evaluate_run(
     c1 = c5 = n = 0
     skipped: list[str] = []
     with torch.no_grad():
-        for x, y, bad in loader:
+        for x, y, bad in progress(loader, len(loader), f"eval {Path(data).name}"):
             skipped += bad
             if len(y) == 0:
                 continue

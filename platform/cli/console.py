@@ -1,5 +1,7 @@
 """Console lines shared by every app, so that the same event reads the same everywhere.
 
+`progress`: what a long step shows while it works (a bar on a terminal, periodic lines in a log);
+`periodic`: lines while other processes do the work (a parameter-server job's workers).
 `warn_skipped`: the one warning for input a command left out (malformed libFM/Criteo lines of pCTR and
 mlp, corrupt images of vision, unreadable recordings of ASR)::
 
@@ -9,10 +11,15 @@ Standard library only (the CLI modules import it before torch)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterable, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+PROGRESS_EVERY_ENV = "MARIANA_PROGRESS_EVERY"  # seconds between progress lines off a terminal (default 30)
 
 
 def first_example(examples: Mapping | Iterable | None) -> str:
@@ -59,3 +66,41 @@ def warn_skipped(
         log.debug(line)
     if log is None or os.environ.get("RANK", "0") == "0":
         print(f"mariana: warning: {line}", file=sys.stderr, flush=True)
+
+
+def progress(items: Iterable, total: int, desc: str, units: str = "batches") -> Iterator:
+    """Yield ``items`` while showing how far a long step is, on stderr of rank 0 only: a tqdm bar on a
+    terminal; elsewhere (a log, the job service) a line ``mariana: DESC: K/TOTAL UNITS (P %)`` at most every
+    ``$MARIANA_PROGRESS_EVERY`` seconds (30)."""
+    quiet = os.environ.get("RANK", "0") != "0"
+    if quiet or sys.stderr.isatty():
+        from tqdm import tqdm
+
+        yield from tqdm(items, desc=desc, total=total, unit=units, leave=False, disable=quiet)
+        return
+    last, every = time.monotonic(), float(os.environ.get(PROGRESS_EVERY_ENV) or 30)
+    for done, item in enumerate(items, 1):
+        yield item
+        if time.monotonic() - last >= every:
+            last, share = time.monotonic(), f"{done}/{total} {units} ({100 * done // total} %)"
+            print(f"mariana: {desc}: {share}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def periodic(describe: Callable[[], str]) -> Iterator[None]:
+    """While the block runs, ``mariana: <describe()>`` on stderr every ``$MARIANA_PROGRESS_EVERY`` seconds
+    (30; nothing while it returns ''), from a thread: for a command whose work runs in other processes."""
+    stop, every = threading.Event(), float(os.environ.get(PROGRESS_EVERY_ENV) or 30)
+
+    def loop() -> None:
+        while not stop.wait(every):
+            if text := describe():
+                print(f"mariana: {text}", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=loop, name="mariana-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

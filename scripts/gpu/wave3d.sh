@@ -48,7 +48,7 @@ if [ "$(left)" -ge 30 ]; then
 generate(Path('$TMP/criteo.tsv'), $CLI_ROWS, $CLI_RPF, 1.2)" && say "generated $CLI_ROWS criteo lines"
   step pctr_cli $(( $(left) - 3 )) $PY -m mariana.platform.cli pctr train --data "$TMP/criteo.tsv" --format criteo \
     --model deepfm --rows-per-field "$CLI_RPF" --dim 16 --hidden 512,256 --batch-size "$BATCH" --split 0.9,0.1,0 \
-    --epochs 2 --max-steps 80 --log-every 20 --eval-every 0 --early-stop 0 --device "$DEVICE" --no-progress \
+    --max-steps 80 --log-every 20 --eval-every 0 --early-stop 0 --device "$DEVICE" --no-progress \
     --out "$TMP/run" $CLI_EXTRA
   cp "$TMP"/run/metrics.json "$TMP"/run/metrics.jsonl "$TMP"/run/*.log "$OUT/cli/" 2>/dev/null
   [ -f "$TMP/run/metrics.json" ] && $PY -c "import json; m = json.load(open('$TMP/run/metrics.json')); \

@@ -34,14 +34,16 @@ How to declare sections for an app (``apps/APP/configs.py``, standard library on
             ...
 
 Conditions (``opt(..., applies=...)`` or a section's ``APPLIES``): `only` (field in values), `not_with`,
-`at_least` (a number >= n), `given` (a non-empty value) and `when` (any test); each names a field of the
-composition, asserted at definition time. A value the command fixes (neither flag nor TOML key) is a
-``ClassVar`` of the composition (e.g. a stream's ``epochs: ClassVar[int] = 1``). Presets are instances of
-the composition. The CLI side: `add_config_args` (flag groups), `resolve_config` (defaults < preset <
---config < flags, then `check_applies` and ``validate()``).
+`at_least` (a number >= n), `given` (a non-empty value), `when` (any test; ``layout=True``: a look into a
+data folder); each names a field of the composition, asserted at definition time. ``VALIDATES`` stands for
+the composition's ``VALIDATION`` (when it has validation data). A value the command fixes (neither flag
+nor TOML key) is a ``ClassVar`` of the composition (e.g. a stream's ``epochs: ClassVar[int] = 1``).
+Presets are instances of the composition. The CLI side: `add_config_args` (flag groups), `resolve_config`
+(defaults < preset < --config < flags, then `check_applies` and ``validate()``).
 """
 
 from .fields import (
+    VALIDATES,
     _base_type,
     at_least,
     check_choice,
@@ -72,6 +74,7 @@ from .sections import MAX_FIELDS, Config, Section
 from .train import (
     RESUME_MAY_CHANGE,
     TRAIN_SECTIONS,
+    WITHOUT_MAX_STEPS,
     DataParallelSection,
     DataSection,
     LaunchSection,
@@ -101,6 +104,8 @@ __all__ = [
     "Section",
     "TrainConfig",
     "TrainJob",
+    "VALIDATES",
+    "WITHOUT_MAX_STEPS",
     "_base_type",
     "add_config_args",
     "applicable_values",

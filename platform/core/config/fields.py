@@ -43,6 +43,8 @@ class Clause:
     on: Any
     off: Any
     also: tuple[tuple[str, Any], ...] = ()
+    # the field is a data folder the test looks into; on/off: files in it (tests build both folders)
+    layout: bool = False
 
     def refusal(self, name: str, cfg: Any) -> str:
         """The one-line error for an explicitly set field ``name`` that this clause says is not used."""
@@ -92,6 +94,12 @@ def when(field: str, test: Callable[[Any], bool], text: str, on: Any, off: Any) 
     """Any other condition: ``test(cfg)`` reads ``field`` (and may read more); ``on``/``off`` are values of
     ``field`` under which it holds / fails with the other fields at their defaults."""
     return Clause(field, test, text, on, off)
+
+
+# Placeholder for "the run has validation data": each composition says what that means from its own
+# fields or data (``VALIDATION``: a tuple of clauses; none: it always validates); `sections._compose`
+# puts those clauses where a field declares this one.
+VALIDATES = Clause("", lambda cfg: True, "runs with validation data", None, None)
 
 
 class _Other:

@@ -14,7 +14,7 @@ import dataclasses
 import typing
 from typing import Any, ClassVar
 
-from .fields import Clause
+from .fields import VALIDATES, Clause
 
 MAX_FIELDS = 30  # a section holds at most this many fields (issue 31: a reader can hold one section)
 
@@ -36,13 +36,15 @@ class Config:
     """Base of a command's config: ``class X(Config, sections=(RunSection, ...))`` composes the sections.
 
     Class attributes a composition may set: ``EVAL_METRICS`` (what its evaluation reports, checked against
-    ``--monitor``), ``RESUME_MAY_CHANGE`` (fields a ``--resume`` may change), and plain ``ClassVar``
+    ``--monitor``), ``RESUME_MAY_CHANGE`` (fields a ``--resume`` may change), ``VALIDATION`` (the clauses
+    of having validation data, for fields declared ``applies=VALIDATES``), and plain ``ClassVar``
     constants for values the command fixes (readable as ``cfg.name`` by shared code, but neither flags nor
     TOML keys). Instances answer ``cfg.<section name>`` with that section's typed dataclass (a copy)."""
 
     SECTIONS: ClassVar[tuple[type[Section], ...]] = ()
     EVAL_METRICS: ClassVar[tuple[str, ...]] = ()
     RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = frozenset()
+    VALIDATION: ClassVar[tuple[Clause, ...]] = ()
     # field name -> its section's NAME, and field name -> its clauses (field's own + its section's)
     SECTION_OF: ClassVar[dict[str, str]] = {}
     CLAUSES: ClassVar[dict[str, tuple[Clause, ...]]] = {}
@@ -98,6 +100,8 @@ def _compose(cls: type, sections: tuple[type[Section], ...]) -> None:
             annotations[f.name] = hints[f.name]
             field_clauses = tuple(f.metadata.get("applies", ()))
             field_clauses += tuple(c for c in s.APPLIES if c.field != f.name)
+            expand = {id(VALIDATES): cls.VALIDATION}  # what "has validation data" means in this composition
+            field_clauses = tuple(v for c in field_clauses for v in expand.get(id(c), (c,)))
             clauses[f.name] = field_clauses
             meta = {**f.metadata, "section": s.NAME}
             if f.default is not dataclasses.MISSING:

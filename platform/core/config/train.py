@@ -12,7 +12,8 @@ from typing import ClassVar
 from ..endpoint import check_endpoint
 from ..errors import MarianaError
 from ..evaluator import higher_is_better, metric_name
-from .fields import flag, given, only, opt, when
+from .fields import VALIDATES, flag, given, only, opt, when
+from .files import read_config_values
 from .sections import Config, Section
 
 # Fields a --resume may give other values than the checkpoint's RUN/config.toml (they change neither the
@@ -51,6 +52,15 @@ def finite_non_negative(cfg, names: tuple[str, ...]) -> None:
             raise MarianaError(f"--{flag(name)} must be a finite number >= 0, got {value}")
 
 
+def own_preset(cfg) -> bool:
+    """Whether ``--preset`` counts: always on a new run; on ``--resume`` the run's values (RUN/config.toml)
+    replace the preset's, so only the run's own preset (the first command repeated) is not ignored."""
+    saved = os.path.join(cfg.out, "config.toml")
+    return (
+        not cfg.resume or os.path.isfile(saved) and read_config_values(saved).get("preset", "") == cfg.preset
+    )
+
+
 @dataclass
 class RunSection(Section):
     """Where the run is, how its values are given, and what it starts from."""
@@ -67,7 +77,11 @@ class RunSection(Section):
         "line override it)",
         path=True,
     )
-    preset: str = opt("", "named preset of defaults (e.g. debug, small); see the app's configs.py")
+    preset: str = opt(
+        "",
+        "named preset of defaults (e.g. debug, small); see the app's configs.py",
+        applies=when("resume", own_preset, "new runs, or a --resume of a run made with it", False, True),
+    )
     resume: bool = opt(False, "continue from the last checkpoint in --out")
     force: bool = opt(
         False,
@@ -157,6 +171,10 @@ class DataParallelSection(Section):
         non_negative(self, ("num_workers",))
 
 
+# --epochs counts only when --max-steps does not set the length (apps overriding epochs' default reuse it)
+WITHOUT_MAX_STEPS = when("max_steps", lambda cfg: not cfg.max_steps, "runs without --max-steps", 0, 1)
+
+
 @dataclass
 class LoopSection(Section):
     """How long to train, how often to report, evaluate and checkpoint, and when to stop early."""
@@ -164,21 +182,25 @@ class LoopSection(Section):
     NAME: ClassVar[str] = "loop"
     TITLE: ClassVar[str] = "length, reporting, evaluation and checkpoints"
 
-    epochs: int = opt(1, "passes over the training data (ignored when --max-steps > 0)")
+    epochs: int = opt(1, "passes over the training data", applies=WITHOUT_MAX_STEPS)
     max_steps: int = opt(0, "optimizer steps to run; 0 means --epochs full passes")
     log_every: int = opt(10, "optimizer steps between metrics.jsonl records")
     eval_every: int = opt(
         0,
         "evaluate every N optimizer steps, or 'epoch' at the end of every epoch; 0 only at the end",
         epoch_ok=True,
+        applies=VALIDATES,
     )
     monitor: str = opt(
         "",
         "evaluation metric that picks the best model and drives --early-stop (e.g. auc, logloss, wer, top1; "
         "its direction is known); empty: the app's headline metric",
+        applies=VALIDATES,
     )
     early_stop: int = opt(
-        0, "stop after this many evaluations in a row without a better --monitor value; 0 never stops early"
+        0,
+        "stop after this many evaluations in a row without a better --monitor value; 0 never stops early",
+        applies=VALIDATES,
     )
     ckpt_every: int = opt(0, "optimizer steps between checkpoints; 0 checkpoints only at the end")
 
