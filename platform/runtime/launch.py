@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from ..core.endpoint import is_this_host, split_endpoint, wait_s
 from .workerio import CONSOLE_RANK_ENV, CONSOLE_TTY_ENV, RUN_DIR_ENV, failure_lines
 
 CLI_MODULE = "mariana.platform.cli"
@@ -56,6 +57,10 @@ def torchrun_args(
             rdzv_endpoint,
             "--rdzv-id",
             rdzv_id or "mariana",
+            # The node whose address the endpoint is hosts the store (torch guesses from the hostname
+            # alone, missing a second interface); a node that does not join within the wait ends the job.
+            "--rdzv-conf",
+            f"join_timeout={max(1, int(wait_s()))},is_host={is_this_host(split_endpoint(rdzv_endpoint)[0])}",
         ]
     return [*args, "-m", module, *argv]
 
@@ -178,7 +183,16 @@ def launch(
         rdzv_id=rdzv_id,
         module=module,
     )
-    failure = run_torchrun(args, run_dir, nproc_per_node, console_rank)
+    from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
+
+    try:
+        failure = run_torchrun(args, run_dir, nproc_per_node, console_rank)
+    except RendezvousError as e:  # a node that never came, or the first node gone before the group formed
+        timed_out = isinstance(e, RendezvousTimeoutError)
+        why = f"not all {nnodes} nodes joined within {wait_s():g} s" if timed_out else (str(e) or repr(e))
+        print(f"mariana: error: the rendezvous at {rdzv_endpoint} failed: {why} (see {run_dir}/logs/launcher.log)",
+              file=sys.stderr)  # fmt: skip
+        return 1
     return 0 if failure is None else report_failure(failure, run_dir, max_restarts, name)
 
 
