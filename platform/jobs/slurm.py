@@ -9,15 +9,17 @@
 - The batch script runs on the allocation's first node. A job of one task runs ``python -m
   mariana.platform.cli ARGV`` there. A job of several tasks (``--nodes N`` x ``--tasks-per-node K``)
   ``srun``s one torchrun agent per task with ``ARGV --nnodes $SLURM_NTASKS --rdzv-endpoint HEAD:PORT
-  --rdzv-id slurm-$SLURM_JOB_ID``: HEAD is the first node, PORT a port free there when the script starts
-  (every job its own). torchrun's c10d rendezvous gives the agents their node ranks itself (in the order
+  --rdzv-id slurm-$SLURM_JOB_ID``: HEAD is the first node, PORT ``10000 + job id % 20000`` (below
+  Linux's ephemeral ports, so no client connection holds it; distinct for any 20000 consecutive jobs,
+  without the race of a port bound, released and bound again). torchrun's c10d rendezvous gives the agents their node ranks itself (in the order
   they join), so no ``--node-rank`` is passed; data-parallel and parameter-server commands
   (``--servers S --workers W``: ranks 0..S-1 serve) take these flags already. ``--kill-on-bad-exit``: one
   failed task ends the others, so the job fails as a whole (torchrun's ``--max-restarts`` restarts the
   group across the agents first, as on one host).
 - The script writes the status of its command (srun's: the worst task's) to ``RUN/job.exit`` before it
-  ends. ``poll`` asks ``scontrol show job`` (``sacct`` once the controller has forgotten the job, where
-  the cluster keeps an accounting database) and reads the exit file; a job Slurm has forgotten is
+  ends. ``poll`` reads the job's state from one ``squeue`` per scheduler tick for all the jobs the
+  executor watches (``sacct``, one call too, for those the controller has forgotten, where the cluster
+  keeps an accounting database) and reads the exit file; a job Slurm has forgotten is
   finished from that file alone (e.g. after a service restart). A job pending for a reason that cannot
   change by waiting (``PartitionNodeLimit``: more nodes than the partition has, ...) is cancelled and fails
   with that reason instead of waiting forever.
@@ -33,6 +35,7 @@ from __future__ import annotations
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from mariana.platform.core.errors import MarianaError
@@ -46,7 +49,7 @@ ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUE
 HOPELESS = {"PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints", "InvalidAccount",
             "InvalidQOS", "AccountNotAllowed", "QOSNotAllowed", "PartitionNotAvail"}  # fmt: skip
 NO_STATUS = -1000  # the scheduler's "ended without recording an exit status"
-FREE_PORT = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
+SNAPSHOT_S = 0.25  # a state snapshot serves every poll of one scheduler tick (0.5 s)
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, str, str]:
@@ -80,7 +83,7 @@ def batch_script(job_id: int, argv: list[str], run_dir: Path, python: str, resou
     else:
         lines += [
             'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-            f'PORT=$({shlex.quote(python)} -c "{FREE_PORT}")  # free on this node, the first one',
+            "PORT=$((10000 + SLURM_JOB_ID % 20000))  # the job's own, below the ephemeral ports",
             'export MARIANA_RDZV="$HEAD:$PORT"',
             'echo "mariana: $SLURM_NTASKS torchrun agents on $SLURM_JOB_NODELIST, rendezvous at $MARIANA_RDZV"',
             "# One agent per task; c10d's rendezvous assigns their node ranks.",
@@ -109,6 +112,10 @@ class SlurmExecutor(Executor):
         self.partition, self.account = partition, account
         self.sbatch_args = list(sbatch_args or [])
         self.python = python
+        self._watched: set[str] = set()  # the Slurm ids of the jobs being polled
+        self._snap: dict[str, tuple[str, str]] = {}  # id -> (JobState, Reason) of the last query
+        self._asked: set[str] = set()  # the ids that query asked about
+        self._snap_at = -1e9
 
     def verify(self) -> None:
         """The cluster answers (``sinfo``): MarianaError with Slurm's message otherwise."""
@@ -163,15 +170,34 @@ class SlurmExecutor(Executor):
 
     def state(self, handle: Handle) -> tuple[str, str] | None:
         """``(JobState, Reason)`` from the controller, or sacct's state once it forgot the job; None
-        when neither knows it."""
-        rc, out, _ = _run(["scontrol", "show", "job", "-o", str(handle.ext)])
-        if rc == 0 and "JobState=" in out:
-            fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
-            return fields.get("JobState", ""), fields.get("Reason", "")
-        rc, out, _ = _run(["sacct", "-n", "-X", "-P", "-j", str(handle.ext), "-o", "State"])
-        if rc == 0 and out.strip():
-            return out.split()[0], ""  # e.g. "CANCELLED by 0" -> "CANCELLED"
-        return None
+        when neither knows it. Answered from one query for all watched jobs, renewed once per tick."""
+        ext = str(handle.ext)
+        self._watched.add(ext)
+        if ext not in self._asked or time.monotonic() - self._snap_at > SNAPSHOT_S:
+            self._asked = set(self._watched)
+            self._snap, self._snap_at = self._query(sorted(self._asked)), time.monotonic()
+        return self._snap.get(ext)
+
+    @staticmethod
+    def _query(ids: list[str]) -> dict[str, tuple[str, str]]:
+        """One ``squeue`` for ``ids`` (finished jobs too, until MinJobAge), one ``sacct`` for the rest."""
+        _, out, _ = _run(["squeue", "-h", "-t", "all", "-o", "%i|%T|%r", "-j", ",".join(ids)])
+        found = {}
+        for line in out.splitlines():  # "ID|STATE|REASON"; an error (all ids forgotten) prints none
+            parts = line.strip().split("|")
+            if len(parts) == 3 and parts[0] in ids:
+                found[parts[0]] = (parts[1], parts[2])
+        if missing := [i for i in ids if i not in found]:
+            rc, out, _ = _run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(missing)])
+            for line in out.splitlines() if rc == 0 else []:
+                jid, _, st = line.strip().partition("|")
+                if jid in missing and st:
+                    found[jid] = (st.split()[0], "")  # e.g. "CANCELLED by 0" -> "CANCELLED"
+        return found
+
+    def forget(self, handle: Handle) -> None:
+        """The job has finished: no longer part of the batched query."""
+        self._watched.discard(str(handle.ext))
 
     def poll(self, handle: Handle, run_dir: Path) -> int | None:
         st = self.state(handle)

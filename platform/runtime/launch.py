@@ -57,12 +57,22 @@ def torchrun_args(
             rdzv_endpoint,
             "--rdzv-id",
             rdzv_id or "mariana",
-            # The node whose address the endpoint is hosts the store (torch guesses from the hostname
-            # alone, missing a second interface); a node that does not join within the wait ends the job.
             "--rdzv-conf",
-            f"join_timeout={max(1, int(wait_s()))},is_host={is_this_host(split_endpoint(rdzv_endpoint)[0])}",
+            _rdzv_conf(rdzv_endpoint),
         ]
     return [*args, "-m", module, *argv]
+
+
+def _rdzv_conf(endpoint: str) -> str:
+    """torchrun's ``--rdzv-conf``: a node that has not joined within the wait ends the rendezvous; and
+    this node hosts the store when the endpoint is one of its interfaces' addresses that torch's guess
+    (the hostname's addresses) misses. Where torch guesses right it keeps its fallback: a second agent on
+    the same node, finding the port taken, joins as a client (Slurm's --tasks-per-node above 1)."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    host = split_endpoint(endpoint)[0]
+    second_interface = is_this_host(host) and not _matches_machine_hostname(host)
+    return f"join_timeout={max(1, int(wait_s()))}" + (",is_host=True" if second_interface else "")
 
 
 def stall_reports(run_dir: str | Path) -> list[dict]:
