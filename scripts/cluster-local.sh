@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # N throwaway "hosts" on this machine, and (unless --no-slurm) a Slurm cluster over them: the multi-host tests.
 #
-#   scripts/cluster-local.sh start DIR --hosts N [--no-slurm]  # prints `export SLURM_CONF=DIR/slurm.conf`
+#   scripts/cluster-local.sh start DIR --hosts N [--no-slurm] [--owner PID]
+#                                                              # prints `export SLURM_CONF=DIR/slurm.conf`
 #   scripts/cluster-local.sh exec DIR hI CMD ARGS...           # run CMD on host hI (cwd kept)
 #   scripts/cluster-local.sh stop DIR                          # removes all that start made for DIR
 #
@@ -17,8 +18,8 @@
 #
 # What start makes is named after DIR (namespaces mrnXXXXXX-hI, bridge mrnbXXXXXX, a 10.231.X.0/24
 # subnet) and recorded in /run/mariana-cluster/NS; stop removes exactly that. A failed start undoes
-# itself (trap); start first removes what an earlier start for a holder that has died left behind (a
-# crashed test run).
+# itself (trap). Start first removes every cluster left stale by a crashed run: its holder is dead, its
+# DIR is gone, or the --owner process (a test run's pid) has ended; daemons and namespaces alike.
 set -Eeuo pipefail
 export PATH="$PATH:/usr/sbin:/sbin"
 OWNERS=/run/mariana-cluster  # NS -> what start made for it (holder pid, bridge, DIR)
@@ -83,12 +84,18 @@ stop() {
 	ip link del "mrnb$t" 2>/dev/null || true
 }
 
-remove_stale() {  # what a start left whose holder has died (a crashed run); other live clusters are kept
-	local ns holder
+remove_stale() {  # clusters of crashed runs (see the header); other live clusters are kept
+	local ns holder owner old
 	for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep '^mrn[0-9a-f]\{6\}-h' || true); do
 		holder=$(sed -n 's/^holder=//p' "$OWNERS/$ns" 2>/dev/null || true)
-		[ -n "$holder" ] && kill -0 "$holder" 2>/dev/null && continue
-		echo "cluster-local: removing stale $ns (its holder is gone)" >&2
+		owner=$(sed -n 's/^owner=//p' "$OWNERS/$ns" 2>/dev/null || true)
+		old=$(sed -n 's/^dir=//p' "$OWNERS/$ns" 2>/dev/null || true)
+		if [ -n "$holder" ] && kill -0 "$holder" 2>/dev/null && [ -d "$old" ] &&
+			{ [ -z "$owner" ] || kill -0 "$owner" 2>/dev/null; }; then
+			continue
+		fi
+		echo "cluster-local: removing the stale $ns (of $old: its holder, directory or owner is gone)" >&2
+		[ -d "$old" ] && (dir=$old && stop_slurm) || true
 		remove_ns "$ns"
 	done
 }
@@ -99,8 +106,8 @@ holder_of() {  # host name hI -> its holder pid
 	sed -n 's/^holder=//p' "$OWNERS/$ns" 2>/dev/null || true
 }
 
-make_hosts() {  # $1 hosts on bridge mrnbTAG, subnet 10.231.$2.0/24
-	local n=$1 net=$2 t br i ns
+make_hosts() {  # $1 hosts on bridge mrnbTAG, subnet 10.231.$2.0/24, owner pid $3 (or "")
+	local n=$1 net=$2 owner=$3 t br i ns
 	t=$(tag "$dir")
 	br="mrnb$t"
 	ip link add "$br" type bridge
@@ -132,7 +139,7 @@ make_hosts() {  # $1 hosts on bridge mrnbTAG, subnet 10.231.$2.0/24
 			sh -c "mount --bind '$dir/hosts' /etc/hosts && hostname h$i && exec sleep infinity" \
 			</dev/null >"$dir/holder-h$i.log" 2>&1 &
 		echo "holder=$!" >>"$OWNERS/$ns"
-		echo "dir=$dir" >>"$OWNERS/$ns"
+		printf 'dir=%s\nowner=%s\n' "$dir" "$owner" >>"$OWNERS/$ns"
 	done
 	for i in $(seq "$n"); do  # the holders are ready once their hostname is set
 		for _ in $(seq 100); do
@@ -219,11 +226,12 @@ start_slurm() {
 }
 
 start() {
-	local n=0 slurm=1 net
+	local n=0 slurm=1 owner="" net
 	while [ $# -gt 0 ]; do
 		case $1 in
 		--hosts) n=${2:-}; shift 2 ;;
 		--no-slurm) slurm=0; shift ;;
+		--owner) owner=${2:-}; shift 2 ;;
 		*) usage ;;
 		esac
 	done
@@ -233,7 +241,7 @@ start() {
 	stop  # an earlier cluster under DIR
 	trap 'echo "cluster-local.sh: start failed; undoing it" >&2; stop' ERR
 	net=$((16#$(tag "$dir" | cut -c1-2)))
-	make_hosts "$n" "$net"
+	make_hosts "$n" "$net" "$owner"
 	if [ "$slurm" = 1 ]; then start_slurm "$n" "$net"; fi
 	trap - ERR
 	echo "cluster-local: $n host(s) h1..h$n on 10.231.$net.0/24 (this machine: 10.231.$net.1); state in $dir"

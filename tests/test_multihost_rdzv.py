@@ -31,7 +31,7 @@ def hosts(tmp_path_factory):
     """The cluster's directory, with two hosts up; removed afterwards."""
     d = tmp_path_factory.mktemp("hosts")
     p = subprocess.run(
-        ["bash", str(SCRIPT), "start", str(d), "--hosts", "2", "--no-slurm"],
+        ["bash", str(SCRIPT), "start", str(d), "--hosts", "2", "--no-slurm", "--owner", str(os.getpid())],
         capture_output=True,
         text=True,
         timeout=60,

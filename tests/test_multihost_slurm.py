@@ -31,7 +31,7 @@ def cluster(tmp_path_factory):
     """A running two-host Slurm; SLURM_CONF points at it for this module (services inherit it)."""
     d = tmp_path_factory.mktemp("cluster")
     env = {**os.environ, "MIN_JOB_AGE": "3"}
-    p = subprocess.run(["bash", str(SCRIPT), "start", str(d), "--hosts", "2"],
+    p = subprocess.run(["bash", str(SCRIPT), "start", str(d), "--hosts", "2", "--owner", str(os.getpid())],
                        capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert p.returncode == 0, f"cluster-local.sh start failed:\n{p.stdout}\n{p.stderr}"
     old = os.environ.get("SLURM_CONF")
