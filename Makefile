@@ -41,10 +41,12 @@ browser:
 	@command -v chromium >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update && $$SUDO apt-get install -y chromium; }
 
-# tests/test_jobs_slurm.py starts a throwaway single-host Slurm (scripts/slurm-local.sh): Debian's slurm-wlm + munge.
+# tests/test_jobs_slurm.py starts a throwaway single-host Slurm (scripts/slurm-local.sh): Debian's slurm-wlm + munge;
+# tests/test_multihost_*.py hosts in network namespaces (scripts/cluster-local.sh): ip (iproute2), nsenter, unshare.
 slurm:
-	@{ command -v slurmctld || [ -x /usr/sbin/slurmctld ]; } >/dev/null && { command -v munged || [ -x /usr/sbin/munged ]; } >/dev/null || \
-		{ SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); $$SUDO apt-get update && $$SUDO apt-get install -y slurm-wlm munge; }
+	@{ command -v slurmctld || [ -x /usr/sbin/slurmctld ]; } >/dev/null && { command -v munged || [ -x /usr/sbin/munged ]; } >/dev/null && \
+		{ command -v ip || [ -x /usr/sbin/ip ] || [ -x /sbin/ip ]; } >/dev/null && command -v nsenter >/dev/null || \
+		{ SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); $$SUDO apt-get update && $$SUDO apt-get install -y slurm-wlm munge iproute2 util-linux; }
 
 # Two pytest workers (pytest-xdist), one test file at a time each: module fixtures (the Slurm cluster, shared
 # services, a trained run) stay in one process, and one file's waits (process start-ups, rendezvous, polling)

@@ -72,8 +72,9 @@ BAD_ENDPOINTS = {
 
 @pytest.mark.parametrize("kind", sorted(BAD_ENDPOINTS))
 @pytest.mark.parametrize("cmd", RDZV, ids=" ".join)
-def test_bad_rendezvous_endpoint_is_one_line(cmd, kind, tmp_path, capsys):
+def test_bad_rendezvous_endpoint_is_one_line(cmd, kind, tmp_path, capsys, monkeypatch):
     endpoint, fragment = BAD_ENDPOINTS[kind]
+    monkeypatch.setenv("MARIANA_RDZV_WAIT", "0")  # one try (the wait: tests/test_multihost_rdzv.py)
     data = tmp_path / "d.txt"
     data.write_text("1 0:1\n")
     t0 = time.monotonic()

@@ -2,19 +2,23 @@
 unreachable endpoint with a long traceback, or only after its rendezvous timeout (minutes).
 
 `check_endpoint` (called by config validation): the form ``HOST:PORT`` with a port in 1..65535 and a
-HOST that resolves. An endpoint on another machine must also accept a TCP connection within
-``CONNECT_S`` seconds: that machine (the first node) hosts the rendezvous store, so nothing to connect to
-means its job is not running. A loopback or own address is not connected to: this node hosts the store
-there itself (torch's c10d rendezvous does the same test)."""
+HOST that resolves. An endpoint on another machine must also accept a TCP connection: that machine (the
+first node) hosts the rendezvous store. Cluster launchers (srun, pdsh) start every node at once, so a
+refused or timed-out connection is retried for `wait_s` seconds (``MARIANA_RDZV_WAIT``, default 120; 0:
+one try), announced by one line, and the endpoint refused only then. A loopback address or one of this
+machine's (any interface's: one it can bind) is not connected to: this node hosts the store there."""
 
 from __future__ import annotations
 
-import ipaddress
+import os
 import socket
+import sys
+import time
 
 from .errors import MarianaError
 
 CONNECT_S = 5.0
+WAIT_ENV = "MARIANA_RDZV_WAIT"
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -35,27 +39,58 @@ def _addresses(host: str) -> set[str]:
         return set()
 
 
-def is_this_host(host: str) -> bool:
-    """A loopback address, or one of this machine's own names or addresses."""
-    addrs = _addresses(host)
-    if any(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+def _bindable(addr: str) -> bool:
+    """True when ``addr`` is an address of one of this machine's interfaces (loopback included)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
         return True
-    own = _addresses(socket.gethostname()) | _addresses(socket.getfqdn())
-    return bool(addrs & own)
+    except OSError:
+        return False
+
+
+def is_this_host(host: str) -> bool:
+    """``host`` names (or is) an address of this machine: loopback, or any interface's."""
+    return any(_bindable(a) for a in _addresses(host))
+
+
+def wait_s() -> float:
+    """How long a node waits for the first node's store (``MARIANA_RDZV_WAIT`` seconds, default 120)."""
+    value = os.environ.get(WAIT_ENV, "120")
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        raise MarianaError(f"{WAIT_ENV}={value!r}: expected a number of seconds") from None
+
+
+def _connect_error(host: str, port: int) -> str | None:
+    try:
+        socket.create_connection((host, port), timeout=CONNECT_S).close()
+    except OSError as e:
+        return "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+    return None
 
 
 def check_endpoint(endpoint: str) -> None:
-    """MarianaError (one line) for a malformed, unknown or (on another machine) unreachable endpoint."""
+    """MarianaError (one line) for a malformed, unknown or (on another machine) unreachable endpoint;
+    an endpoint that does not answer yet is waited for (see the module docstring)."""
     host, port = split_endpoint(endpoint)
     if not _addresses(host):
         raise MarianaError(f"--rdzv-endpoint {endpoint}: unknown host {host!r}")
     if is_this_host(host):
         return
-    try:
-        socket.create_connection((host, port), timeout=CONNECT_S).close()
-    except OSError as e:
-        why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+    why, limit = _connect_error(host, port), wait_s()
+    if why and limit > 0:
+        print(f"mariana: waiting up to {limit:g} s for the rendezvous at {endpoint} (the first node's job: "
+              f"{why})", file=sys.stderr, flush=True)  # fmt: skip
+        deadline = time.monotonic() + limit
+        while why and time.monotonic() < deadline:
+            time.sleep(0.5)
+            why = _connect_error(host, port)
+    if why:
+        waited = f" for {limit:g} s" if limit > 0 else ""
         raise MarianaError(
-            f"--rdzv-endpoint {endpoint}: cannot connect ({why}); the first node's job, which hosts the "
-            "rendezvous there, must be running"
-        ) from None
+            f"--rdzv-endpoint {endpoint}: cannot connect{waited} ({why}); the first node's job, which hosts "
+            f"the rendezvous there, must be running (set {WAIT_ENV}=SECONDS to wait longer)"
+        )

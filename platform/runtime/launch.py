@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from ..core.endpoint import is_this_host, split_endpoint, wait_s
 from .workerio import CONSOLE_RANK_ENV, CONSOLE_TTY_ENV, RUN_DIR_ENV, failure_lines
 
 CLI_MODULE = "mariana.platform.cli"
@@ -56,8 +57,22 @@ def torchrun_args(
             rdzv_endpoint,
             "--rdzv-id",
             rdzv_id or "mariana",
+            "--rdzv-conf",
+            _rdzv_conf(rdzv_endpoint),
         ]
     return [*args, "-m", module, *argv]
+
+
+def _rdzv_conf(endpoint: str) -> str:
+    """torchrun's ``--rdzv-conf``: a node that has not joined within the wait ends the rendezvous; and
+    this node hosts the store when the endpoint is one of its interfaces' addresses that torch's guess
+    (the hostname's addresses) misses. Where torch guesses right it keeps its fallback: a second agent on
+    the same node, finding the port taken, joins as a client (Slurm's --tasks-per-node above 1)."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    host = split_endpoint(endpoint)[0]
+    second_interface = is_this_host(host) and not _matches_machine_hostname(host)
+    return f"join_timeout={max(1, int(wait_s()))}" + (",is_host=True" if second_interface else "")
 
 
 def stall_reports(run_dir: str | Path) -> list[dict]:
@@ -178,7 +193,16 @@ def launch(
         rdzv_id=rdzv_id,
         module=module,
     )
-    failure = run_torchrun(args, run_dir, nproc_per_node, console_rank)
+    from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
+
+    try:
+        failure = run_torchrun(args, run_dir, nproc_per_node, console_rank)
+    except RendezvousError as e:  # a node that never came, or the first node gone before the group formed
+        timed_out = isinstance(e, RendezvousTimeoutError)
+        why = f"not all {nnodes} nodes joined within {wait_s():g} s" if timed_out else (str(e) or repr(e))
+        print(f"mariana: error: the rendezvous at {rdzv_endpoint} failed: {why} (see {run_dir}/logs/launcher.log)",
+              file=sys.stderr)  # fmt: skip
+        return 1
     return 0 if failure is None else report_failure(failure, run_dir, max_restarts, name)
 
 

@@ -188,6 +188,8 @@ function renderHeader(job) {
   fact(dl, "duration", formatDuration(jobDuration(job)));
   fact(dl, "priority / slots", `${job.priority ?? "–"} / ${job.slots ?? "–"}`);
   fact(dl, "pid", job.pid);
+  // the scheduler's own id of the job (the executor's ext): what squeue, scancel and sacct take
+  if (job.external_id) fact(dl, job.executor === "slurm" ? "Slurm job id" : "external id", job.external_id);
   fact(dl, "exit code", job.exit_code);
   fact(dl, "last step", job.last_step);
   fact(dl, "best metric", formatBest(job.best_metric));
