@@ -104,8 +104,8 @@ def job(out: str, rows: int, width: int, dense: int, reps: int) -> int:
     and pushes of U unique rows (+ the dense vector) for U in SWEEP_U, writing ``out`` (JSON)."""
     from mariana.platform.ps.dense import DenseStore
     from mariana.platform.ps.rowopt import RowOptConfig
-    from mariana.platform.ps.runtime import role_from_env, rpc_session
-    from mariana.platform.ps.server import ParamServer, install
+    from mariana.platform.ps.runtime import ps_session, role_from_env
+    from mariana.platform.ps.server import ParamServer
     from mariana.platform.ps.shard import EmbeddingShard, TableSpec
     from mariana.platform.ps.worker import PSClient
 
@@ -115,8 +115,7 @@ def job(out: str, rows: int, width: int, dense: int, reps: int) -> int:
     if role.kind == "server":
         shard = EmbeddingShard([spec], 0, 1, RowOptConfig(rule="adagrad", lr=0.05), seed=0)
         server = ParamServer(0, 1, 1, shard, DenseStore(torch.zeros(dense), "adam", 1e-3))
-        install(server)
-        with rpc_session(role, 600):
+        with ps_session(role, 600, objects={"ps": server}):
             server.serve(0.05)
         return 0
     res = []
@@ -130,7 +129,7 @@ def job(out: str, rows: int, width: int, dense: int, reps: int) -> int:
             ids = np.unique(np.concatenate([ids, rng.integers(0, rows, U - len(ids))]))
         return torch.from_numpy(ids)  # np.unique: sorted already
 
-    with rpc_session(role, 600):
+    with ps_session(role, 600):
         client = PSClient(1, 0)
         for U in SWEEP_U:
             pulls, pushes = [], []

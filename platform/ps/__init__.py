@@ -1,13 +1,14 @@
-"""Parameter-server framework: sharded embedding tables on RPC servers, asynchronous (or bounded-stale,
+"""Parameter-server framework: sharded embedding tables on servers, asynchronous (or bounded-stale,
 or bulk-synchronous) sparse pull/push from workers, a torchrun-launched master that restarts failures and
 restores checkpoints, and per-worker counters; and the training steps applications run on it.
 
 - protocol.py: what an application supplies (its model, batches, settings, optional key map);
 - pull.py, sparse_step.py: the sparse step math; local.py: `LocalStep` (one process);
   worker_step.py: `PSWorkerStep`; loader.py: `PullAheadLoader`; checkpoint.py: `ServerCheckpointer`;
-- server.py (`ParamServer`, served by RRef), worker.py (`PSClient`, `LocalClient`), shard.py, dense.py,
+- server.py (`ParamServer`, served through transport.py), worker.py (`PSClient`, `LocalClient`), shard.py, dense.py,
   rowopt.py; coordinator.py: announcements of one worker to all (a stream's files);
-- job.py: process start-up, serving, `assemble_model`; master.py, runtime.py: launching and RPC set-up."""
+- job.py: process start-up, serving, `assemble_model`; master.py, runtime.py: launching and transport set-up;
+  transport.py: calls over ZeroMQ."""
 
 from .rowopt import RowOptConfig, apply_rows, coalesce
 from .shard import EmbeddingShard, TableSpec, split_by_shard
