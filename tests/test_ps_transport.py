@@ -154,3 +154,15 @@ def test_a_killed_server_is_detected_within_the_peer_timeout(monkeypatch):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_received_tensors_are_64_byte_aligned_like_torch_allocations():
+    """libzmq hands out frames at any offset; a tensor decoded at one makes BLAS round differently (a
+    bulk-synchronous stream then no longer equals one process), so decode moves it to a 64-byte boundary."""
+    t = torch.randn(1000, 17)
+    header, data = transport.encode(t)
+    buf = np.zeros(len(data) + 64, np.uint8)
+    off = next(o for o in range(1, 64) if (buf.ctypes.data + o) % 64)  # a misaligned place
+    buf[off : off + len(data)] = np.frombuffer(data, np.uint8)
+    got = transport.decode([zmq.Frame(header), zmq.Frame(buf[off : off + len(data)])])
+    assert got.data_ptr() % 64 == 0 and torch.equal(got, t)

@@ -130,6 +130,8 @@ class ParamServer:
 
     def _apply_sync(self, step: int, bucket: list) -> None:
         scale = 1.0 / len(bucket)  # the mean over the workers that took part
+        bucket = sorted(bucket, key=lambda b: b[0])  # summed in worker order, not arrival order: the same
+        # rounding whichever push came first (a one-process step sums the batch's halves in that order)
         names = {name for _, grads, _ in bucket for name, _, _ in grads}
         for name in sorted(names):
             rows = torch.cat([r for _, grads, _ in bucket for n, r, _ in grads if n == name])

@@ -32,6 +32,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 import zmq
 
@@ -67,8 +68,20 @@ def encode(obj) -> list:
 
 
 def decode(frames: list):
-    """Frames (``zmq.Frame``) -> the object; its tensors are views of the frames' memory."""
-    return pickle.loads(frames[0].buffer, buffers=[f.buffer for f in frames[1:]])
+    """Frames (``zmq.Frame``) -> the object; its tensors are views of the frames' memory (`_aligned`)."""
+    return pickle.loads(frames[0].buffer, buffers=[_aligned(f.buffer) for f in frames[1:]])
+
+
+def _aligned(buf: memoryview):
+    """``buf``, or a copy of it at a 64-byte boundary (as torch allocates) when it is not: libzmq hands
+    out frames at any offset, and BLAS kernels round differently on unaligned inputs, which broke the
+    bit-equality of a bulk-synchronous job with one process."""
+    if np.frombuffer(buf, np.uint8).ctypes.data % 64 == 0:
+        return buf
+    out = np.empty(len(buf) + 64, np.uint8)
+    off = -out.ctypes.data % 64
+    out[off : off + len(buf)] = np.frombuffer(buf, np.uint8)
+    return out[off : off + len(buf)]
 
 
 def _socket(kind: int) -> zmq.Socket:
