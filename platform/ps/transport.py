@@ -7,8 +7,9 @@ public method is callable, run on a pool of threads so blocking calls (clock wai
 gives the ``handle.rpc_async().method(*args)`` / ``handle.rpc_sync(timeout).method(*args)`` form.
 
 Wire: a message is ``[kind, request id, pickle header, *buffers]``. Tensors are pickled as numpy arrays with
-protocol 5, so their memory goes out of band as zero-copy frames (no Python-level copy on either side: the
-receiver's tensors are views of the received frames). What a network service needs:
+protocol 5, so their memory goes out of band as zero-copy frames (no Python-level copy: the receiver's
+tensors are views of the received frames, moved once to a 64-byte boundary when libzmq put one elsewhere,
+`_aligned`). What a network service needs:
 - a connection first says hello with `PROTOCOL` and the job's secret (handed out through the rendezvous
   store, `runtime.ps_session`); any other message from a peer that has not is refused, and so is a hello
   with a wrong secret or another protocol version (the client raises `TransportError` naming both);
