@@ -10,7 +10,8 @@ loopback. Measured per transport, after ``--warmup`` untimed calls:
 - push: pushes/s of ``--unique`` rows' gradients (ids + [U, 17] float32 out, the server applies SGD with
   ``index_add_`` and acknowledges), one push in flight as a worker sends them.
 
-Usage: ``python bench/ps_transport.py`` (about a minute; writes bench/results/ps_transport-cpu.json and
+Usage: ``python bench/ps_transport.py`` (about a minute per round, ``--rounds`` 3, the
+median of each column over the rounds; writes bench/results/ps_transport-cpu.json and
 prints one table). Needs ``pip install -e '.[bench]'`` for grpcio (skipped with a note without it).
 """
 
@@ -186,6 +187,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--transports", default="rpc,zmq,grpc")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -193,13 +195,30 @@ def main() -> int:
         server(args.serve, args.rows, args.port)
         return 0
     torch.set_num_threads(1)
+    runs: dict[str, list[dict]] = {}
+    for _ in range(args.rounds):  # interleaved: a change of the machine's load hits every transport
+        for kind in args.transports.split(","):
+            try:
+                runs.setdefault(kind, []).append(measure(kind, args))
+            except ImportError as e:
+                print(f"{kind}: skipped ({e}); pip install -e '.[bench]'")
     rows = []
-    for kind in args.transports.split(","):
-        try:
-            rows.append(measure(kind, args))
-        except ImportError as e:
-            print(f"{kind}: skipped ({e}); pip install -e '.[bench]'")
-    print(table(rows, ["transport", "pull_ms_median", "pull_ms_p90", "pushes_per_s", "bytes_per_pull"]))
+    for kind, rs in runs.items():  # per column, the median over the rounds
+        row = {k: round(statistics.median(x[k] for x in rs), 2) for k in rs[0] if k != "transport"}
+        rows.append({"transport": kind, **row, "rounds_pull_ms": [x["pull_ms_median"] for x in rs]})
+    print(
+        table(
+            rows,
+            [
+                "transport",
+                "pull_ms_median",
+                "pull_ms_p90",
+                "pushes_per_s",
+                "bytes_per_pull",
+                "rounds_pull_ms",
+            ],
+        )
+    )
     load = os.getloadavg()
     print(f"load average {load[0]:.1f} on {os.cpu_count()} cores (a loaded machine slows every row)")
     path = write_result(
@@ -210,6 +229,7 @@ def main() -> int:
             "width": WIDTH,
             "reps": args.reps,
             "loadavg_1m": load[0],
+            "rounds": args.rounds,
             "results": rows,
         },
     )
