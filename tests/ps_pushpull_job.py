@@ -1,4 +1,4 @@
-"""A parameter-server job for test_ps_shard.py, run by torchrun: S=2 servers, 1 worker, real RPC.
+"""A parameter-server job for test_ps_shard.py, run by torchrun: S=2 servers, 1 worker, the real transport.
 
 Usage: ``python -m torch.distributed.run --standalone --nproc-per-node 3 tests/ps_pushpull_job.py OUT``.
 The worker pulls every row of a 10 x 3 table, pushes a gradient of ones for rows [7, 1, 4], pulls again,
@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import torch
-from mariana.platform.ps.runtime import role_from_env, rpc_session
-from mariana.platform.ps.server import ParamServer, install
+from mariana.platform.ps.runtime import ps_session, role_from_env
+from mariana.platform.ps.server import ParamServer
 from mariana.platform.ps.shard import EmbeddingShard, TableSpec
 from mariana.platform.ps.worker import PSClient
 from mariana.platform.sparse.rules import RowOptConfig
@@ -26,11 +26,10 @@ def main(out: str) -> int:
     if role.kind == "server":
         shard = EmbeddingShard([SPEC], role.index, 2, RowOptConfig(rule="sgd", lr=0.5), seed=3)
         server = ParamServer(role.index, 2, 1, shard, None)
-        install(server)
-        with rpc_session(role, 60):
+        with ps_session(role, 60, objects={"ps": server}):
             server.serve(0.05)
         return 0
-    with rpc_session(role, 60):
+    with ps_session(role, 60):
         client = PSClient(2, 0)
         rows = torch.arange(SPEC.num_rows)
         before, _ = client.pull({"t": rows})
@@ -40,7 +39,7 @@ def main(out: str) -> int:
         client.wait()
         perm = torch.tensor([9, 2, 7, 0, 5, 1, 8, 3, 6, 4])  # rows may be requested in any order
         after, _ = client.pull({"t": perm})
-        dumps = [h.rpc_sync().dump() for h in client.servers]  # each server's raw shard, through its RRef
+        dumps = [h.rpc_sync().dump() for h in client.servers]  # each server's raw shard, through its handle
         client.finish_servers()
     torch.save(
         {

@@ -5,7 +5,7 @@ Servers hold the sharded table (and, server 0, the dense parameters and their op
 framework's `PSWorkerStep` (pull -> compute -> push, asynchronous or with bounded staleness) and the
 servers' checkpoints (`ServerCheckpointer`). Worker 0 evaluates, keeps the best model (assembled from the
 servers) and, once every worker is done, writes the final checkpoint and metrics. The processes' start-up,
-serving and RPC are the framework's (`mariana.platform.ps.job`); this module is pCTR's wiring.
+serving and transport are the framework's (`mariana.platform.ps.job`); this module is pCTR's wiring.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.ps.checkpoint import ServerCheckpointer
 from mariana.platform.ps.job import TableClient, assemble_model, build_server, serve, start_process
 from mariana.platform.ps.pull import predict_batches, write_counter
-from mariana.platform.ps.runtime import rpc_session
+from mariana.platform.ps.runtime import ps_session
 from mariana.platform.ps.worker import PSClient
 from mariana.platform.ps.worker_step import PSWorkerStep, RemoteIdMap
 from mariana.platform.runtime.dist import DistContext
@@ -46,7 +46,7 @@ def run_ps_process(cfg: PctrConfig, sources: DataSources | None = None) -> int:
             role, run, st, cfg.net, cfg.table, cfg.optim, cfg.rows, cfg.staleness, cfg.seed
         )
         return serve(server, role, run, restored, cfg.timeout)
-    with rpc_session(role, cfg.timeout):
+    with ps_session(role, cfg.timeout):
         return _work(cfg, role, run, st)
 
 

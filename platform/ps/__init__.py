@@ -1,4 +1,4 @@
-"""Parameter-server framework: sharded embedding tables on RPC servers, asynchronous (or bounded-stale,
+"""Parameter-server framework: sharded embedding tables on servers, asynchronous (or bounded-stale,
 or bulk-synchronous) sparse pull/push from workers, a torchrun-launched master that restarts failures and
 restores checkpoints, and per-worker counters. The sparse step, its row stores and row rules are
 `mariana.platform.sparse`'s (the one-process step too); this package adds the servers and their clients.
@@ -6,10 +6,10 @@ restores checkpoints, and per-worker counters. The sparse step, its row stores a
 - protocol.py: what an application supplies (its model, batches, settings, optional key map);
 - pull.py: `RemoteRows` (the row store on the servers) and the workers' `train_step`;
   worker_step.py: `PSWorkerStep`; loader.py: `PullAheadLoader`; checkpoint.py: `ServerCheckpointer`;
-- server.py (`ParamServer`, served by RRef), worker.py (`PSClient`, `LocalClient`), shard.py, dense.py,
-  rowopt.py (the rules' names for server.py and job.py); coordinator.py: announcements of one worker to
-  all (a stream's files);
-- job.py: process start-up, serving, `assemble_model`; master.py, runtime.py: launching and RPC set-up."""
+- server.py (`ParamServer`, served through transport.py), worker.py (`PSClient`, `LocalClient`), shard.py,
+  dense.py; coordinator.py: announcements of one worker to all (a stream's files);
+- job.py: process start-up, serving, `assemble_model`; master.py, runtime.py: launching and transport set-up;
+  transport.py: calls over ZeroMQ."""
 
 from ..sparse.rules import RowOptConfig, apply_rows, coalesce
 from .shard import EmbeddingShard, TableSpec, split_by_shard

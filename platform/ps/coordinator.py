@@ -1,5 +1,5 @@
 """`Coordinator`: announcements of one worker (the stream's worker 0) to all workers of a parameter-server
-job, kept by server 0 and reached by RPC through an RRef (`remote_handle(server_name(0), "coordinator")`,
+job, kept by server 0 and reached through the transport (`runtime.remote(0, "coordinator")`,
 ``handle.rpc_sync(timeout=0).fetch(seq, worker)``)."""
 
 from __future__ import annotations

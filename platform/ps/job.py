@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from ..core.rundir import RunDir, setup_logging
+from ..sparse.memory import keep_freed_memory
+from ..sparse.rules import RowOptConfig
 from .dense import DenseStore, flatten, unflatten_into
-from .memory import keep_freed_memory
 from .protocol import TABLE, KeyMap, SparseModel
-from .rowopt import RowOptConfig
-from .runtime import Role, role_from_env, rpc_session
-from .server import ParamServer, install, serve_object
+from .runtime import Role, ps_session, role_from_env
+from .server import ParamServer
 from .shard import EmbeddingShard, TableSpec, contiguous_part
 
 log = logging.getLogger("mariana")
@@ -84,15 +84,13 @@ def serve(
     threads: int = 16,
     services: dict[str, object] | None = None,
 ) -> int:
-    """Serve ``server`` (and ``services``: name -> object, e.g. a stream's `Coordinator`) over RPC until
+    """Serve ``server`` (and ``services``: name -> object, e.g. a stream's `Coordinator`) through the transport until
     a worker calls its ``finish``; then write ``RUN/counters/server-I.json``. Returns 0."""
-    install(server)
-    for name, obj in (services or {}).items():
-        serve_object(name, obj)
-    with rpc_session(role, timeout_s, threads):
+    with ps_session(role, timeout_s, threads, {"ps": server, **(services or {})}) as transport:
         server.serve()
     counters = {
         **server.counters,
+        **{f"transport_{k}": round(v, 4) for k, v in transport.stats.items()},
         **(server.keymap.counters() if server.keymap is not None else {}),
         "restored_from": restored,
         "attempt": role.attempt,

@@ -3,7 +3,7 @@ launcher (`mariana.platform.runtime.launch.launch`, torchrun's agent), supervise
 processes' counters.
 
 - Failure of any process (a worker or a server, e.g. SIGKILL) makes torchrun stop the group and start it
-  again (up to ``max_restarts`` times). TensorPipe RPC groups have a fixed membership, so the group restarts
+  again (up to ``max_restarts`` times). The servers' addresses and secret belong to one formation of the group, so it restarts
   as a whole: the servers reload the last consistent checkpoint (``RUN/checkpoints/latest``), each worker
   resumes at the first step its shards have not applied, and training continues to the end.
 - A job that still fails is reported like every launched job: one console line per cause, here naming the

@@ -1,7 +1,7 @@
 """What the parameter-server framework needs from an application: its model, its batches, its settings.
 
-The steps of `mariana.platform.ps` (`LocalStep`, `PSWorkerStep`, `train_step`, `FixedShapeStep`) never
-import an application. An application (pCTR: `mariana.apps.pctr`) hands them objects with these shapes:
+The steps (`mariana.platform.sparse`'s `LocalStep` and `SparseStep`; this package's `PSWorkerStep` and
+`train_step`) never import an application. An application (pCTR: `mariana.apps.pctr`) hands them objects with these shapes:
 
 - `SparseModel`: an ``nn.Module`` whose embedding rows live outside it (a local shard or the servers).
   It names its dense parameters and computes logits from the batch's looked-up rows;

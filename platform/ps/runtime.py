@@ -1,10 +1,9 @@
-"""Roles and RPC set-up of a parameter-server job launched by torchrun.
+"""Roles and transport set-up of a parameter-server job launched by torchrun.
 
 World layout: ranks ``0..S-1`` are the servers ``ps0..ps{S-1}``; ranks ``S..S+W-1`` are the workers
-``worker0..worker{W-1}``. All join one TensorPipe RPC group. torchrun's agent store (MASTER_ADDR:MASTER_PORT)
-outlives a restart of the group and its keys are not prefixed by attempt, so a restarted group that
-rendezvoused through it (``env://``) would read the dead group's addresses. Instead rank 0 opens a fresh
-store on a free port for each attempt and publishes the port in the agent store under a per-attempt key.
+``worker0..worker{W-1}``. Each server serves on its own port (`transport.Server`, bound to `ps_host`) and
+announces ``host:port`` in torchrun's agent store under a key of this formation of the group (a restarted
+group never reads a dead one's addresses); rank 0 puts the job's secret there too (`ps_session`).
 
 Several hosts: start the same command on every host with torchrun's multi-node flags, e.g. on each of two
 hosts ``torchrun --nnodes 2 --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST0:29400
@@ -15,15 +14,18 @@ hosts ``torchrun --nnodes 2 --nproc-per-node N --rdzv-backend c10d --rdzv-endpoi
 from __future__ import annotations
 
 import os
+import secrets
+import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
-from torch.distributed import TCPStore, rpc
+from torch.distributed import TCPStore
 
 from ..core.errors import MarianaError
 from ..core.faults import set_role
+from .transport import Client, Handle, Server
 
 
 @dataclass
@@ -58,26 +60,35 @@ def role_from_env(num_servers: int, num_workers: int) -> Role:
     return role
 
 
-_STORE = None  # rank 0's per-attempt rendezvous store; must outlive the RPC session
+HOST_ENV = "MARIANA_PS_HOST"  # the address servers bind and announce (a machine with several interfaces)
 
 
-def rpc_init_method(role: Role, timeout_s: float = 300.0) -> str:
-    """A rendezvous URL private to this attempt of the group (``env://`` outside torchrun).
+def ps_host() -> str:
+    """Where this process's server listens: ``MARIANA_PS_HOST`` if set (one of this machine's addresses:
+    the interface the other hosts reach), else loopback when the whole job runs on this machine, else the
+    address this machine reaches the rendezvous host from."""
+    if os.environ.get(HOST_ENV):
+        return os.environ[HOST_ENV]
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) >= int(os.environ.get("WORLD_SIZE", "1")):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"), 9))  # no packet is sent: picks the route
+        return s.getsockname()[0]
 
-    Inside torchrun every rank connects to rendezvous stores as a client (TORCHELASTIC_USE_AGENT_STORE),
-    so rank 0 hosts the fresh store itself (on a port the OS picks) before anyone connects."""
-    global _STORE
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
-        return "env://"
-    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+
+def _store(role: Role, timeout_s: float) -> tuple[TCPStore, str]:
+    """(the rendezvous store, this group formation's key prefix): torchrun's agent store, whose keys
+    outlive a restart of the group, so every formation gets its own prefix; outside torchrun a store on
+    MASTER_ADDR:MASTER_PORT hosted by rank 0."""
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
     timeout = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return TCPStore(addr, port, role.world, role.rank == 0, timeout, wait_for_workers=False), "mariana/ps"
     agent = TCPStore(addr, port, is_master=False, timeout=timeout, wait_for_workers=False)
-    gen = _generation(agent, role, timeout_s)
-    key = f"mariana/ps/rpc_port/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{gen}"
-    if role.rank == 0:
-        _STORE = TCPStore("0.0.0.0", 0, is_master=True, timeout=timeout, wait_for_workers=False)
-        agent.set(key, str(_STORE.port))
-    return f"tcp://{addr}:{int(agent.get(key))}"
+    return (
+        agent,
+        f"mariana/ps/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{_generation(agent, role, timeout_s)}",
+    )
 
 
 def _generation(agent, role: Role, timeout_s: float) -> int:
@@ -105,17 +116,39 @@ def _generation(agent, role: Role, timeout_s: float) -> int:
     return gen
 
 
+_SESSION: dict = {}  # this process's transport: "client" (made at first use), "store", "prefix", ...
+
+
 @contextmanager
-def rpc_session(role: Role, timeout_s: float = 300.0, threads: int = 16):
-    """``init_rpc`` for this role; always shuts RPC down (gracefully = a barrier over the group on success,
-    at once on an exception, so a failing process does not wait for peers that may be gone)."""
-    opts = rpc.TensorPipeRpcBackendOptions(
-        init_method=rpc_init_method(role, timeout_s), rpc_timeout=timeout_s, num_worker_threads=threads
-    )
-    rpc.init_rpc(role.name, rank=role.rank, world_size=role.world, rpc_backend_options=opts)
-    ok = False
+def ps_session(role: Role, timeout_s: float = 300.0, threads: int = 16, objects: dict | None = None):
+    """Join the job's transport: a server serves ``objects`` (name -> object, e.g. ``{"ps": server}``)
+    with ``threads`` calls at once and announces its address in the rendezvous store; every process can
+    then reach the servers (`remote`). The job's secret: made by rank 0, handed out through the store.
+    Yields this process's `transport.Server` (None on a worker)."""
+    store, prefix = _store(role, timeout_s)
+    if role.rank == 0:
+        store.set(f"{prefix}/secret", secrets.token_hex(32))
+    secret = store.get(f"{prefix}/secret")
+    server = None
+    if role.kind == "server":
+        server = Server(objects or {}, secret, ps_host(), threads)
+        store.set(f"{prefix}/server/{role.index}", server.address)
+    _SESSION.update(store=store, prefix=prefix, secret=secret, servers=role.num_servers, timeout=timeout_s)
     try:
-        yield
-        ok = True
+        yield server
     finally:
-        rpc.shutdown(graceful=ok)
+        client = _SESSION.pop("client", None)
+        if client is not None:
+            client.close()
+        if server is not None:
+            server.close()
+        _SESSION.clear()
+
+
+def remote(server: int, name: str = "ps") -> Handle:
+    """The object server ``server`` serves as ``name`` (in a `ps_session`): ``.rpc_async().method(...)``."""
+    if "client" not in _SESSION:
+        s = _SESSION
+        addrs = [s["store"].get(f"{s['prefix']}/server/{i}").decode() for i in range(s["servers"])]
+        s["client"] = Client(addrs, s["secret"], s["timeout"])
+    return Handle(_SESSION["client"], server, name)

@@ -1,5 +1,5 @@
 """The parameter-server process: holds shard ``i`` of every table and slice ``i`` of the dense parameters
-(and, on server 0, the worker clocks and the checkpoint coordinator) and answers the workers' RPCs until
+(and, on server 0, the worker clocks and the checkpoint coordinator) and answers the workers' calls until
 told to finish.
 
 Consistency modes (``staleness``):
@@ -19,9 +19,10 @@ weights, fresh optimiser state, not ``seen``), applied after the staleness wait 
 read. The map and the last few assignments of each worker go into server 0's checkpoint, so a worker that
 replays a step after a restore gets the same rows back without counting its batch twice.
 
-RPC: each server process serves its `ParamServer` by name (`install`); a worker holds one RRef per server
-(`remote_handle`) and calls the server's methods through it (``handle.rpc_async().pull(...)``), so every
-public method of `ParamServer` is an RPC entry point, with no forwarding functions.
+Transport (transport.py): each server process serves its `ParamServer` as ``"ps"`` (`runtime.ps_session`);
+a worker holds one handle per server (`runtime.remote`) and calls the server's methods through it
+(``handle.rpc_async().pull(...)``), so every public method of `ParamServer` is an entry point, with no
+forwarding functions.
 
 Fault injection: ``faults``, a `FaultInjector` of the ``push`` event read from ``MARIANA_FAULT``
 (``KIND:server=S:push=N``), fires before the N-th push is applied (platform/core/faults.py).
@@ -36,19 +37,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.distributed import rpc
 
 from ..core.atomic import atomic_torch_save, atomic_write_text
 from ..core.faults import FaultInjector
+from ..sparse.rules import coalesce
 from .dense import DenseStore
-from .rowopt import coalesce
+from .runtime import remote
 from .shard import EmbeddingShard
 
 log = logging.getLogger("mariana")
-
-
-def server_name(i: int) -> str:
-    return f"ps{i}"
 
 
 class ParamServer:
@@ -79,7 +76,7 @@ class ParamServer:
         self.keymap_lock = threading.Lock()
         self.assigned: dict[int, dict[int, tuple]] = {}  # worker -> step -> (rows, evicted), the last few
         self.faults = FaultInjector("push")  # MARIANA_FAULT server=S:push=N
-        self._peers: list | None = None  # RRefs to servers 1.. (server 0 coordinates their checkpoints)
+        self._peers: list | None = None  # handles of servers 1.. (server 0 coordinates their checkpoints)
 
     # ----------------------------------------------------------------- pull / push
     def pull(self, reqs: list[tuple[str, torch.Tensor]], want_dense: bool, step: int, resets=None):
@@ -133,6 +130,8 @@ class ParamServer:
 
     def _apply_sync(self, step: int, bucket: list) -> None:
         scale = 1.0 / len(bucket)  # the mean over the workers that took part
+        bucket = sorted(bucket, key=lambda b: b[0])  # summed in worker order, not arrival order: the same
+        # rounding whichever push came first (a one-process step sums the batch's halves in that order)
         names = {name for _, grads, _ in bucket for name, _, _ in grads}
         for name in sorted(names):
             rows = torch.cat([r for _, grads, _ in bucket for n, r, _ in grads if n == name])
@@ -303,9 +302,9 @@ class ParamServer:
         return {"tables": out, "dense": dense, "counters": counters}
 
     def peers(self) -> list:
-        """RRefs to the other servers (made on first use, once the RPC group is up)."""
+        """Handles of the other servers (made on first use, once every server announced itself)."""
         if self._peers is None:
-            self._peers = [remote_handle(server_name(i)) for i in range(1, self.num_servers)]
+            self._peers = [remote(i) for i in range(1, self.num_servers)]
         return self._peers
 
     def finish(self) -> bool:
@@ -318,28 +317,3 @@ class ParamServer:
     def serve(self, poll_s: float = 0.2) -> None:
         while not self.stop.wait(poll_s):
             pass
-
-
-# --------------------------------------------------------------------- RPC: objects served by name
-_SERVED: dict[str, object] = {}  # this process's served objects: "ps" (its ParamServer), e.g. "coordinator"
-
-
-def serve_object(name: str, obj: object) -> None:
-    """Offer ``obj`` to the RPC group under ``name`` (before ``init_rpc``: peers may ask at once)."""
-    _SERVED[name] = obj
-
-
-def install(server: ParamServer) -> None:
-    """Serve ``server`` as this process's parameter server (``"ps"``)."""
-    serve_object("ps", server)
-
-
-def _served(name: str) -> object:
-    """Runs on the owner: the object served as ``name`` (the value of the RRef `remote_handle` makes)."""
-    return _SERVED[name]
-
-
-def remote_handle(owner: str, name: str = "ps") -> rpc.RRef:
-    """An RRef to the object ``owner`` serves as ``name``: ``handle.rpc_async().method(*args)`` runs the
-    method on that object in the owner process (torch.distributed.rpc's RRef proxy)."""
-    return rpc.remote(owner, _served, args=(name,))

@@ -1,6 +1,7 @@
 """Worker side of the parameter server: pull the rows a batch needs, push their gradients.
 
-`PSClient` talks to the servers over RPC (one request per server per step, all tables bundled);
+`PSClient` talks to the servers through the transport (one request per server per step, all tables
+bundled);
 `LocalClient` is the same interface over an in-process shard (single-process training, and the GPU path).
 
 Both take *global unique* row ids ``[U]`` and return ``[U, K]`` rows; pushes carry the gradient of exactly
@@ -13,7 +14,7 @@ import time
 
 import torch
 
-from .server import remote_handle, server_name
+from .runtime import remote
 from .shard import EmbeddingShard, contiguous_part, split_by_shard
 
 
@@ -60,13 +61,13 @@ class PendingPull:
 
 
 class PSClient:
-    """RPC client of worker ``worker`` of ``num_workers`` against ``num_servers`` servers ``ps0..``."""
+    """Client of worker ``worker`` of ``num_workers`` against ``num_servers`` servers ``ps0..``."""
 
     def __init__(self, num_servers: int, worker: int, staleness: int = -1, timeout_s: float = 300.0):
         self.S, self.worker, self.staleness, self.timeout = num_servers, worker, staleness, timeout_s
         self.pending: list = []
         self.pull_s = self.push_wait_s = 0.0
-        self.servers = [remote_handle(server_name(s)) for s in range(num_servers)]  # RRefs to ParamServers
+        self.servers = [remote(s) for s in range(num_servers)]  # handles of the ParamServers
 
     def resume_step(self) -> int:
         """First step this worker has to run (0 on a fresh job; after a restore, the earliest step any
@@ -92,7 +93,7 @@ class PSClient:
     def pull_async(
         self, reqs: dict[str, torch.Tensor], step: int = -1, want_dense: bool = False, resets=None
     ) -> PendingPull:
-        """Send `pull`'s requests (one RPC per server) and return at once; the result's ``wait()`` gives
+        """Send `pull`'s requests (one call per server) and return at once; the result's ``wait()`` gives
         what `pull` returns. Under ``staleness 0`` a server answers a pull for ``step`` only once it applied
         every worker's ``step - 1``, so a pull sent before this worker pushed ``step - 1`` returns the same
         rows as one sent after. ``resets``: table -> (global rows [E], weights [E, K]) that the servers
@@ -156,7 +157,7 @@ class PSClient:
         self.servers[0].rpc_sync().worker_done(self.worker)
 
     def wait_all_done(self) -> None:
-        self.servers[0].rpc_sync(timeout=0).wait_all_done()  # 0: no RPC timeout
+        self.servers[0].rpc_sync(timeout=0).wait_all_done()  # 0: no call timeout (heartbeats still run)
 
     def checkpoint(self, step: int) -> str:
         self.wait()

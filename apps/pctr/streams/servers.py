@@ -1,6 +1,6 @@
 """``mariana pctr stream --servers S --workers W``: the stream of `streamer.py` on parameter servers.
 
-Job layout: the one of ``pctr train --servers S --workers W`` (torchrun through `run_job`, TensorPipe RPC;
+Job layout: the one of ``pctr train --servers S --workers W`` (torchrun through `run_job`, the ZeroMQ transport;
 ranks ``0..S-1`` servers, ``S..S+W-1`` workers). Servers hold the sharded table and the dense parameters
 with their optimisers (`apps/pctr/ps.py`'s ``_serve``); server 0 also keeps the stream's *announcements*
 (`Coordinator`).
@@ -59,8 +59,7 @@ from mariana.platform.ps.coordinator import Coordinator
 from mariana.platform.ps.job import TableClient, assemble_model, serve, start_process
 from mariana.platform.ps.loader import PullAheadLoader
 from mariana.platform.ps.pull import predict_batches
-from mariana.platform.ps.runtime import rpc_session
-from mariana.platform.ps.server import remote_handle, server_name
+from mariana.platform.ps.runtime import ps_session, remote
 from mariana.platform.ps.shard import contiguous_part
 from mariana.platform.ps.worker import PSClient
 from mariana.platform.runtime.dist import DistContext
@@ -80,7 +79,7 @@ STREAM_STATE = "stream.json"
 # --------------------------------------------------------------------------- cutting a file into steps
 def step_parts(rows, batch_size: int, workers: int) -> list[list]:
     """``rows`` (a `Batch` of N rows) -> one list per worker of T step batches (module docstring, 2.);
-    every part is non-empty and a copy (an RPC would send a view's whole storage). [] if N < workers."""
+    every part is non-empty and a copy (the transport would send a view's whole storage). [] if N < workers."""
     n, chunk = len(rows), batch_size * workers
     if n < workers:
         return []
@@ -156,7 +155,7 @@ class PSStreamer(Streamer):
         self.stop = stop or threading.Event()
         self.export_kind, self.export_n = parse_export_every(cfg.export_every)
         self.setup = stream_setup(cfg, None)
-        self.coordinator = remote_handle(server_name(0), "coordinator")
+        self.coordinator = remote(0, "coordinator")
         self.parts = PartTrainer(cfg, step, ctx, run)
         self.device = torch.device("cpu")
         self._start_records()
@@ -232,8 +231,8 @@ class PSStreamer(Streamer):
 
 
 # --------------------------------------------------------------------------- the processes
-def rpc_threads(workers: int) -> int:
-    """RPC threads per process of a stream of ``workers`` workers: the workers waiting on server 0 for the
+def call_threads(workers: int) -> int:
+    """Threads serving calls per process of a stream of ``workers`` workers: the workers waiting on server 0 for the
     next file each hold one of its threads, and the pulls, pushes and dumps still need theirs."""
     return 16 + 2 * workers
 
@@ -247,10 +246,10 @@ def run_ps_stream_process(cfg: StreamConfig) -> int:
             role, run, setup, cfg.net, cfg.table, cfg.optim, cfg.rows, cfg.staleness, cfg.seed
         )
         services = {"coordinator": Coordinator(role.num_workers, server.stop)} if role.index == 0 else {}
-        return serve(server, role, run, restored, cfg.timeout, rpc_threads(cfg.workers), services)
+        return serve(server, role, run, restored, cfg.timeout, call_threads(cfg.workers), services)
     (run.path / "counters").mkdir(exist_ok=True)
     state = read_state(run) or {"step": 0, "seq": 0}
-    with rpc_session(role, cfg.timeout, rpc_threads(cfg.workers)):
+    with ps_session(role, cfg.timeout, call_threads(cfg.workers)):
         client = PSClient(role.num_servers, role.index, cfg.staleness, cfg.timeout)
         step = make_worker_step(cfg, setup.schema, client, role, run)
         step.t = int(state["step"])
@@ -265,7 +264,7 @@ def run_ps_stream_process(cfg: StreamConfig) -> int:
             log.info("stream: %d files, %d rows, %d exports", t["files"], t["rows"], t["exports"])
             return 0
         coordinator, parts_trainer = (
-            remote_handle(server_name(0), "coordinator"),
+            remote(0, "coordinator"),
             PartTrainer(cfg, step, ctx, run),
         )
         seq = int(state["seq"])
