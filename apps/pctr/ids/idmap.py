@@ -348,11 +348,10 @@ class IdMap:
         used = per >= 0
         n = used.sum(1)
         held = row_key[row_key >= 0]
+        in_order = used[:, 1:] == (np.arange(self.R - 1)[None, :] < n[:, None])  # rows handed out in order
         if (
             used[:, 0].any()  # the OOV rows hold no id
-            or (
-                used[:, 1:] != (np.arange(self.R - 1)[None, :] < n[:, None])
-            ).any()  # rows handed out in order
+            or not in_order.all()
             or ((per >> KEY_BITS) != np.arange(self.F)[:, None])[used].any()  # a field's keys in its rows
             or len(np.unique(held)) != len(held)
         ):
@@ -360,5 +359,5 @@ class IdMap:
         self.row_key[...] = row_key
         self.row_count[...] = (row_key >= 0).astype(np.int64)
         self.row_last[...] = 0
-        self.used[...] = (row_key.reshape(self.F, self.R) >= 0).sum(1)
+        self.used[...] = n
         self._rebuild()
