@@ -1,12 +1,10 @@
 """Micro-batching of concurrent requests onto one inference thread.
 
-Requests submit a list of instances and await their slice of the answer. One collector task per model
-takes everything queued (up to ``max_batch`` instances, whole requests only), waits -- only while other
-requests are already inside the server (`expect`/`arrived`), and at most ``max_wait_s`` from the oldest
-request's arrival -- for company, and runs ``fn(items)`` on a single dedicated thread, so the
-event loop keeps accepting requests while the model runs and the model never sees two callers at once
-(PyTorch's intra-op threads do the parallel work). While one batch runs the next one queues, so under load
-batches grow by themselves and no extra waiting happens.
+One collector task per model takes everything queued (up to ``max_batch`` instances, whole requests
+only), waits for company only while other requests are already inside the server (`expect`/`arrived`)
+and at most ``max_wait_s``, and runs ``fn(items)`` on a dedicated thread: the event loop keeps accepting
+requests and the model never sees two callers at once. While one batch runs the next one queues, so
+under load batches grow by themselves.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """What an app's REST routes get from the server: `AppContext`, the server's `ServeConfig`, and the JSON
 error reply every route uses.
 
-``mariana serve`` calls each servable app's ``AppSpec.routes`` function with one `AppContext` and mounts
-the `fastapi.APIRouter` it returns. The context holds the app's `ModelSlot` (None when the command line gave
-no model of that app: the routes then answer `not_served`), the server config and metrics, and the app's
-inference thread; the routes declare through it how large their request bodies may be and which of them
-are micro-batched, which the server's middleware enforces and its lifespan starts and stops. `ServeConfig`
-lives here rather than in `app` so that this module, which `app` imports, imports nothing back from it.
+``mariana serve`` mounts the `fastapi.APIRouter` each servable app's ``AppSpec.routes`` returns for one
+`AppContext`: the app's `ModelSlot` (None when no model of that app was given: the routes answer
+`not_served`), the server config and metrics, the inference thread, and the routes' body limits and
+micro-batchers, which the server's middleware enforces and its lifespan starts. `ServeConfig` lives here
+so that this module, which `app` imports, imports nothing back from it.
 """
 
 from __future__ import annotations

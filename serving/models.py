@@ -1,12 +1,10 @@
-"""The served models: loading through each app's serving loader, versions, atomic hot reload, file watching.
+"""The served models: loading through each app's serving loader (`AppSpec.loader`), versions, atomic hot
+reload, file watching.
 
-A `ModelSlot` holds one app's current `Loaded` model. Reloading builds the new model completely (on a
-worker thread, so serving continues), and only then replaces the slot's reference in one assignment:
-requests already holding the old `Loaded` finish on it, new ones get the new one, and a model that fails
-to load is refused while the old one keeps serving. Each app's loader is named by its spec
-(`mariana.platform.core.registry.AppSpec.loader`); model files are read through safetensors / JSON
-(`mariana.platform.core.export.load_exported`): no pickle, no code execution. A model's version is its
-exported weights' digest (``model.json`` ``version``), which the loaders expose as ``obj.version``.
+A `ModelSlot` holds one app's current `Loaded` model. A reload builds the new model completely on a worker
+thread, then swaps the reference in one assignment: requests holding the old one finish on it, and a
+model that fails to load is refused while the old one keeps serving. Model files are read through
+safetensors / JSON (no pickle); a model's version is its weights' digest (``obj.version``).
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Model export, one format for every app: ``RUN/model.safetensors`` + ``RUN/model.json``.
 
 The weights file holds the state dict (CPU, contiguous) with the metadata JSON embedded under the
-``mariana`` key; ``model.json`` repeats the metadata for people and tools. Loading never executes code.
-
-The metadata always has:
-
-- ``app``: the app that trained it (``AppSpec.name``); ``arch``: the model architecture ("deepfm",
-  "cifar-fast", "dnn-ctc", "click-mlp", ...);
-- ``config``: the resolved training config (a dict); ``metrics``: final scalar metrics (may be empty);
-- ``created``: ISO-8601 UTC time of the export;
-- ``version``: `weights_digest` of the weights: the same weights always have the same version, whatever
-  run or time produced them (the model version serving reports);
-
-plus the app's own keys (vocabulary, classes, schema, ...) at the top level.
+``mariana`` key; ``model.json`` repeats it for people and tools. Loading never executes code. The
+metadata: ``app``, ``arch``, ``config`` (the resolved training config), ``metrics`` (final scalars, may be
+empty), ``created`` (ISO-8601 UTC), ``version`` (`weights_digest`: the same weights always have the same
+version, whatever run produced them), plus the app's own keys (vocabulary, classes, schema, ...).
 """
 
 from __future__ import annotations

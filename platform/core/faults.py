@@ -1,35 +1,15 @@
 """Fault injection for the fault-tolerance tests (real faults in real processes), for every framework.
 
-``MARIANA_FAULT`` holds comma-separated entries ``KIND:WHO=I:WHEN=N``:
+``MARIANA_FAULT`` holds comma-separated entries ``KIND:WHO=I:WHEN=N`` (platform/README.md, Fault
+injection): ``kill`` (SIGKILL itself), ``raise`` (``ValueError``: a bug, not bad input) or ``hang`` (sleep
+forever, for the watchdog); ``rank=R`` (default ``rank=0``) or a role set by `set_role` (``worker=W``,
+``server=S``); ``step=N`` before the N-th (1-based) training step, ``push=N`` at a server's N-th push.
+E.g. ``kill:rank=1:step=5``, ``kill:server=1:push=30``.
 
-- ``KIND``: ``kill`` (the process SIGKILLs itself), ``raise`` (it raises ``ValueError``: a bug, not bad
-  input) or ``hang`` (it stops participating: sleeps forever, for the watchdog to notice).
-- ``WHO=I``: which process. ``rank=R``: the process of global rank R (the default, ``rank=0``, when an
-  entry names none); in a parameter-server job also ``worker=W`` (the W-th worker) and ``server=S`` (the
-  S-th server), the roles the job registered with `set_role`.
-- ``WHEN=N``: ``step=N`` fires before the process's N-th training step (1-based: ``step=8`` after 7
-  steps; the `Trainer` checks it, so it works on data-parallel ranks and parameter-server workers alike);
-  ``push=N`` fires when a parameter server receives its N-th push.
-
-Every entry fires on the first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), so a restarted group can
-finish. Examples::
-
-    MARIANA_FAULT=kill:rank=1:step=5            data-parallel rank 1 dies before step 5
-    MARIANA_FAULT=hang:rank=1:step=4            rank 1 stalls before step 4
-    MARIANA_FAULT=raise:rank=1:step=3           rank 1 raises ValueError before step 3
-    MARIANA_FAULT=kill:worker=1:step=15         parameter-server worker 1 dies before its step 15
-    MARIANA_FAULT=kill:server=1:push=30         parameter server 1 dies at its 30th push
-
-A malformed entry raises ``ValueError`` naming it (a typo must not silently test nothing). Unset in normal
-use; checked with one dict lookup per step or push.
-
-Injection points: each holds a `FaultInjector` read from ``MARIANA_FAULT`` when it is built and calls
-``maybe_fire(n)`` at its event; nothing replaces their methods at run time.
-
-- `mariana.platform.core.loop.Trainer`: ``step`` events, before each optimizer step (``n``: the 1-based
-  step about to run), in `Trainer.fit` and `Trainer.train_now`;
-- `mariana.platform.ps.server.ParamServer`: ``push`` events, before the server applies its ``n``-th push
-  (replays included).
+Entries fire on the first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), so a restarted group can
+finish; a malformed entry raises ``ValueError`` naming it (a typo must not silently test nothing). Each
+injection point (`mariana.platform.core.loop.Trainer`: ``step``; `mariana.platform.ps.server.ParamServer`:
+``push``, replays included) holds a `FaultInjector` and calls ``maybe_fire(n)``: one dict lookup per event.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Host-read audit: which training steps read a tensor back to the host (a device sync on a GPU).
 
 `HostReadAudit` is a ``torch.overrides.TorchFunctionMode`` that the `Trainer` enters around each step's
-compute and bookkeeping (not around fetching the batch) when ``MARIANA_AUDIT_HOST_READS=DIR`` is set in the
-environment (the launcher passes it on to every worker process). It counts, on tensors made inside the
-current step (results of torch functions called since the step began; the loader's batches are made
-outside it, so host-side sizes from the loader may be read freely):
-
-- reads: ``item``, ``tolist``, ``__bool__``, ``__int__``, ``__float__``, ``__index__``, ``numpy``, ``cpu``;
-- data-dependent output sizes: ``unique``, ``nonzero``, ``masked_select``, ``argwhere``, one-argument
-  ``where``, and indexing with a boolean mask.
-
-Each rank appends one JSON line per step to ``DIR/rank{R}.jsonl``: ``{"step", "log", "eval", "ckpt",
-"reads": {name: count}, "where": [first call sites]}``. `violations(DIR)` lists the records of steps that
-read although they are no log / eval / checkpoint step (those may read: that is when values are shown).
+compute and bookkeeping (not around fetching the batch) when ``MARIANA_AUDIT_HOST_READS=DIR`` is set
+(platform/README.md, Host-read audit). It counts reads (``item``, ``tolist``, ``__bool__``, ``__int__``,
+``__float__``, ``__index__``, ``numpy``, ``cpu``) and data-dependent output sizes (``unique``,
+``nonzero``, ``masked_select``, ``argwhere``, one-argument ``where``, boolean-mask indexing) only on
+tensors made inside the current step, so host-side sizes from the loader may be read freely. Each rank
+appends one JSON line per step to ``DIR/rank{R}.jsonl``; `violations(DIR)` lists the steps that read
+although they are no log / eval / checkpoint step.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""The one training loop every job runs on.
+"""The one training loop every job runs on (its components: platform/README.md, One training loop).
 
-`Trainer` is built from small components (after torchtitan): a **step** supplied by the parallel strategy
-(`steps.ModuleStep` for one process and DDP, the pipeline step, the pCTR local and parameter-server steps),
-a **checkpointer**, a **metrics logger** (``metrics.jsonl`` + the progress bar), an **evaluator** with its
-early stopper (`evaluator.Evaluator`) and an **exporter** (the app's function that writes
-``RUN/model.safetensors``). The loop itself only counts: optimizer steps, the data position
-``(epoch, batch)``, when to log, evaluate, checkpoint and stop.
-
-With ``cfg.resume`` (or when torchrun restarts the worker group) it continues from the last checkpoint
-exactly: the step's state (model, optimizers, schedules, tables), the data position, the evaluator's best
-value and every rank's RNG states. When an evaluator monitors a metric, the exported model is the best
-evaluated one and ``metrics.json`` records its step (``best_step``).
+The loop itself only counts: optimizer steps, the data position ``(epoch, batch)``, when to log,
+evaluate, checkpoint and stop. With ``cfg.resume`` (or when torchrun restarts the worker group) it
+continues exactly from the last checkpoint (step state, data position, the evaluator's best value, every
+rank's RNG states); with a monitored metric the exported model is the best evaluated one.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """``mariana export RUN --format onnx``: a run's exported model as ONNX, checked, and compared with torch.
 
-Writes ``RUN/model.onnx`` and ``RUN/model.onnx.json`` (the app, the safetensors ``version`` it was made
-from, the file's digest, opset, inputs and output, the versions, the comparison's result). The app's
-inference object (its serving loader, `AppSpec.load`) says what the graph is: ``obj.onnx_graph(batch, gen)
--> (module, {input name: example tensor}, output name, {input name: {axis: axis name}})``; its parsing,
-features and decoding stay in torch. ``obj.use_onnx(fn)`` makes it score through ``fn(*inputs)`` instead
-(`mariana.serving.onnx_runtime`).
-
-The exporter is torch's dynamo one (``torch.onnx.export(dynamo=True)``: torch.export, then onnxscript):
-it exports all three apps' models with dynamic batch (and ASR's frame) axes, keeps every input (the
-TorchScript exporter drops an input no output depends on, as libFM pCTR models' empty ``dense``) and is
-the one torch keeps; vision's global max-pool is written as ``amax`` for it (`vision.predict`). The file is
-checked with ``onnx.checker`` (full check) and ONNX Runtime's outputs must equal torch's on held-out inputs
-(another batch size, other values) within ``|ort - torch| <= atol + rtol * |torch|``; nothing is written
-when either fails.
+Writes ``RUN/model.onnx`` and ``RUN/model.onnx.json`` (platform/README.md, ONNX). The app's inference
+object (`AppSpec.load`) says what the graph is: ``obj.onnx_graph(batch, gen) -> (module, {input name:
+example tensor}, output name, {input name: {axis: axis name}})``; ``obj.use_onnx(fn)`` makes it score
+through ``fn(*inputs)`` instead (`mariana.serving.onnx_runtime`). torch's dynamo exporter is used because
+it keeps every input (the TorchScript one drops libFM pCTR models' empty ``dense``); nothing is written
+unless ``onnx.checker`` passes and ONNX Runtime matches torch on held-out inputs within
+``|ort - torch| <= atol + rtol * |torch|``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,4 @@
-"""The run directory every command writes.
-
-Layout::
-
-    RUN/config.toml        resolved config (defaults < preset < TOML < flags)
-    RUN/checkpoints/       step_XXXXXXXX/{state.pt, rng-rankR.pt} + `latest` (name of the newest complete one)
-    RUN/metrics.jsonl      one JSON object per logged step (step, loss, samples_per_s, step_time_s, comm_time_s, data_wait_s, lr)
-    RUN/metrics.json       final metrics of the run
-    RUN/logs/              rank-R.log per process, stall reports from the watchdog
-    RUN/model.safetensors  exported weights + RUN/model.json (config and metadata), see `export.py`
-"""
+"""The run directory every command writes (layout: platform/README.md, The run directory)."""
 
 from __future__ import annotations
 

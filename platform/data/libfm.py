@@ -1,16 +1,11 @@
 """The platform's one libSVM/libFM parser: ``label id:value id:value ...`` per line.
 
-Used by the platform's click MLP (`mariana.apps.mlp.data.read_libfm`) and by pCTR's streaming
-encoder (`mariana.apps.pctr.data.encoding.Encoder`). `parse_lines` turns a chunk of lines into arrays, vectorised
-with numpy when every line of the chunk is valid (one C-level conversion per chunk) and line by line
-otherwise, so that every malformed line is reported with its reason:
-
-- label (when ``has_label``): ``1`` = click, ``0`` or ``-1`` = no click (any spelling ``float`` reads,
-  e.g. ``1.0``); anything else is an error;
-- features: ``id:value`` tokens, ``id`` a non-negative integer, ``value`` a float; the k-th token is
-  field k. A line may have no feature (every field missing); an empty line is an error;
-- ``num_fields``: at most that many features per line (more is an error); None: no limit, the arrays are
-  as wide as the widest valid line of the chunk.
+Used by the click MLP (`mariana.apps.mlp.data.read_libfm`) and pCTR's encoder. `parse_lines` turns a chunk
+of lines into arrays, vectorised when every line is valid, else line by line so that each malformed line
+is reported with its reason. Label (when ``has_label``): ``1`` = click, ``0`` or ``-1`` = no click (any
+spelling ``float`` reads); features: ``id:value`` (``id`` a non-negative int, ``value`` a float), the
+k-th token field k; a line may have no feature but may not be empty; ``num_fields``: at most that many
+features per line (None: no limit, the arrays as wide as the chunk's widest valid line).
 """
 
 from __future__ import annotations

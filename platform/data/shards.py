@@ -2,23 +2,15 @@
 
 A `BatchStore` holds the batches of one pass over a data set, each a record of tensors with one leading
 size (pCTR's `Batch`: ids [B, F] int64, vals [B, F], dense [B, D], labels [B] float32), where the shared
-tier rule (`mariana.platform.core.tiers.choose_tier`, ``--cache-gb``) puts them, decided from the first
-batch's bytes per row times the rows expected:
+tier rule (`mariana.platform.core.tiers.choose_tier`, ``--cache-gb``) puts them: ``device`` / ``host`` (a
+list of batches) or ``disk`` (``FOLDER/shard-NNNNN.bin`` of about ``shard_bytes`` each, fields 64-byte
+aligned, mapped back copy-on-write so resident memory stays O(batches in flight)).
 
-- ``device`` / ``host``: a list of batches on the training device / in host RAM;
-- ``disk``: appended to shards ``FOLDER/shard-NNNNN.bin`` of about ``shard_bytes`` each, a batch being its
-  fields' raw bytes back to back (each field 64-byte aligned). ``FOLDER/index.json``, written last, lists the
-  fields (dtype, trailing shape), each batch's (shard, byte offset, rows), the fingerprint of the sources
-  and the encoding, and the caller's ``extra`` (e.g. read statistics). ``store[k]`` maps batch ``k``'s
-  bytes copy-on-write (a private `mmap`: no copy, the tensors are views of the file's pages); the
-  mapping ends when the batch's tensors are dropped, so the process's resident memory stays O(batches in
-  flight), whatever the size of the data set.
-
-Trust: a shard is written as ``NAME.tmp`` and renamed once whole, the index atomically after the last
-shard. A store is reused (a resumed or restarted run skips parsing) only when its index exists, its
-fingerprint equals the current one (every source file's size, mtime and a SHA-256 of its first and last
-MiB, and the caller's encoding key) and every shard has the size the index says; otherwise the folder is
-deleted and rebuilt, so a killed run, a changed file or a changed schema never serves stale rows.
+Trust: shards are written as ``NAME.tmp`` and renamed once whole, ``FOLDER/index.json`` atomically after
+the last. A store is reused only when its index's fingerprint (each source file's size, mtime and SHA-256
+of its first and last MiB, plus the caller's encoding key) matches and every shard has its recorded size;
+otherwise the folder is rebuilt, so a killed run or a changed file never serves stale rows. Layout and
+lifetime: apps/pctr/README.md, Data (Disk tier).
 """
 
 from __future__ import annotations

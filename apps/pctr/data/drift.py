@@ -1,37 +1,12 @@
 """A drifting click-log generator: days of Criteo-format logs whose ads, users and click rates change.
 
 ``mariana pctr drift-logs --out DIR --days 7 --rows-per-day 100000 --seed 0`` writes ``DIR/day-01.tsv``,
-``DIR/day-02.tsv``, ... (one impression per line: ``label \\t I1..I13 \\t C1..C26``, the layout
-`data/encoding.py` reads with ``--format criteo``) and ``DIR/_generator.json`` (the settings and per-day facts;
-its leading ``_`` keeps it out of folder readers). Each day file is written under a temporary name
-(``.day-NN.tsv.XXXX.tmp``) and renamed when complete, so a folder watcher never sees half a day. The
-output is a deterministic function of the settings (same settings -> the same bytes).
-
-The world behind the log (one `numpy.random.Generator` seeded with ``seed``, advanced day by day):
-
-- **Ads are born and die.** ``ads`` ads are alive on any day. Each new day ``new_ads`` of them (a share)
-  retire, chosen at random, and as many new ads are born with ids never used before, each with a
-  category (``categories``), an advertiser and a popularity (log-normal). Impressions pick an alive ad in
-  proportion to its popularity, so about ``new_ads`` of each day's traffic is on ads born that day.
-- **Users come and go.** A share ``new_users`` of each day's impressions comes from user ids never seen
-  before; the others from returning users (power-law over the ids so far). A user belongs to one of
-  ``segments`` segments (a fixed function of the id).
-- **Click rates drift.** ``logit = bias + M[segment, category] + ad effect + site effect + user effect +
-  hour effect - position``. ``M`` (segment x category affinity, std ``affinity``) is the dot product of
-  latent segment and category tastes (``rank`` dimensions each, as a factorisation model assumes); the
-  tastes and every ad's effect (std ``ad_effect``) move each day by a stationary AR(1) step
-  ``x <- sqrt(1 - drift^2) x + drift * fresh``, so ``drift`` = 0 keeps them fixed and ``drift`` = 1 redraws them every day. Their spread stays the same,
-  so a model that keeps learning stays as good while one frozen after day 1 decays.
-- **Many ids.** Ad ids, user ids and sites are drawn from vocabularies far larger than a small hashed
-  table (defaults: 20k alive ads, 50k ad ids over a week, about 200k user ids), so
-  hashing into few rows per field collides a lot; 15 more fields are power-law noise ids without signal.
-
-Columns. Label: 1 = click. Integers (empty = missing): I1 hour of day 0-23, I2 days since the ad was born,
-I3 a noisy per-user activity count (log-normal, no click signal), I4 ad position 1-5 (lower clicks
-less), I5 a power-law count (no signal), I6-I13 noise counts (Poisson / power law, about 10% missing). Categoricals (8 hex digits like Criteo's, empty = missing): C1 ad id, C2 ad category, C3
-advertiser, C4 user id, C5 user segment, C6 site id, C7 device type (4), C8 hour of day, C9 ad age
-bucket (0, 1, 2-3, 4+ days), C10 weekday, C11 creative size (8), C12-C26 noise ids (vocabularies of
-10 to 100k values, power law, C26 missing in about 30% of rows).
+... (``label \t I1..I13 \t C1..C26``, as `data/encoding.py` reads with ``--format criteo``) and
+``DIR/_generator.json`` (settings and per-day facts; the leading ``_`` keeps it out of folder readers).
+Day files are written under a temporary name and renamed when complete, so a folder watcher never sees
+half a day; the same settings give the same bytes. The world (ads born and retired, new users, click
+logits drifting by a stationary AR(1) step) and the columns are described in apps/pctr/README.md,
+Drifting click logs.
 """
 
 from __future__ import annotations
@@ -58,6 +33,7 @@ GENERATOR = "_generator.json"
 # for _generator.json)
 OWNED = re.compile(r"day-\d{2,}\.tsv|\.(day-\d{2,}\.tsv|_generator\.json)\..*\.tmp")
 
+AD_COLUMNS = ("ad_id", "ad_cat", "ad_adv", "ad_pop", "ad_eff", "ad_born", "ad_size")  # per alive ad
 NOISE_VOCAB = (10, 30, 100, 300, 1000, 3000, 10_000, 30_000, 100_000, 50, 500, 5000, 20, 200, 2000)
 
 
@@ -148,13 +124,8 @@ class DriftWorld:
         self.site_pop = rng.permutation(s.sites)  # popularity rank -> site id
         self.hour_eff = 0.3 * np.sin(np.arange(24) / 24 * 2 * np.pi)
         self.next_ad = 0
-        self.ad_id = np.zeros(0, np.int64)
-        self.ad_cat = np.zeros(0, np.int64)
-        self.ad_adv = np.zeros(0, np.int64)
-        self.ad_pop = np.zeros(0)
-        self.ad_eff = np.zeros(0)
-        self.ad_born = np.zeros(0, np.int64)
-        self.ad_size = np.zeros(0, np.int64)
+        for name in AD_COLUMNS:  # empty; `_birth` appends (the float columns promote on the first)
+            setattr(self, name, np.zeros(0, np.int64))
         self._birth(s.ads, day=1)
         self.users = s.users  # user ids so far: [0, users)
         self.noise_perm = [rng.permutation(v) for v in NOISE_VOCAB]
@@ -192,7 +163,7 @@ class DriftWorld:
         k = int(round(s.new_ads * len(self.ad_id)))
         if k:
             alive = np.sort(rng.permutation(len(self.ad_id))[k:])
-            for name in ("ad_id", "ad_cat", "ad_adv", "ad_pop", "ad_eff", "ad_born", "ad_size"):
+            for name in AD_COLUMNS:
                 setattr(self, name, getattr(self, name)[alive])
             self._birth(k, day)
 

@@ -1,24 +1,14 @@
 """Streaming readers for click logs: Criteo TSV and libSVM/libFM, hashed per field.
 
-Formats
-- ``criteo``: ``label \\t I1..I13 \\t C1..C26`` (39 features; empty = missing). Integer counts become
-  (a) dense features ``log1p(max(x, 0))`` ``[13]`` and (b) categorical buckets ``floor(log(x)^2)`` for
-  x > 2 (the Criteo winners' log transform; small values kept as they are), categoricals are hashed.
-  Fields: 13 bucketised integers + 26 categoricals = 39.
-- ``libfm``: ``label id:value id:value ...`` (label 1 = click, 0 or -1 = no click). The k-th pair is
-  field k (Frappe: 10 one-hot fields); missing trailing fields get the missing row with value 0. Parsed by
-  the platform's libFM parser (`mariana.platform.data.libfm`), shared with the platform's click MLP.
+- ``criteo``: ``label \t I1..I13 \t C1..C26``: 13 bucketised counts + 26 hashed categoricals = 39 fields,
+  plus the counts as dense ``log1p(max(x, 0))`` [13];
+- ``libfm``: ``label id:value ...``, the k-th pair field k (parsed by `mariana.platform.data.libfm`).
 
-Hashing: field f owns rows ``[f * R, (f + 1) * R)`` of one table (``R = rows_per_field``). Row ``f * R``
-is the field's missing / out-of-vocabulary row; a value maps to ``f * R + 1 + h(value) % (R - 1)``.
-Integer ids (libFM ids, bucketised counts) use ``h(x) = x``; strings use CRC32 mixed with the field.
-At prediction time a row never trained (no gradient reached it) is mapped to the OOV row too, so ids
-unseen in training never fail and never read an untrained random vector.
-With ``--ids dynamic`` (`Schema.ids`) the encoder emits per-field keys instead of rows and the training
-step maps them through a dynamic id -> row map of the same ``R - 1`` rows per field (`ids/idmap.py`).
-
-Readers are generators over lines, parsed in chunks (vectorised with numpy per chunk): memory is O(chunk).
-A malformed line is skipped and counted with its (1-based) line number in `ReadStats`.
+Field f owns rows ``[f R, (f + 1) R)``; row ``f R`` is its missing/OOV row, a value maps to
+``f R + 1 + h(value) % (R - 1)`` (``--ids dynamic``: a per-field key instead, `ids/idmap.py`). The exact
+encoding is in apps/pctr/README.md (Serving, the model's inputs). Readers are generators over lines,
+vectorised per chunk (memory O(chunk)); a malformed line is skipped and counted with its 1-based line
+number in `ReadStats`.
 """
 
 from __future__ import annotations
@@ -43,7 +33,7 @@ from mariana.platform.data.libfm import (
 )
 from mariana.platform.data.textblocks import lines_array, ordered_map, read_blocks
 
-from ..ids.keys import key_of
+from ..ids.keys import MIX1, MIX2, key_of
 from .sources import count_file_lines, resolve_sources
 
 FORMATS = ("criteo", "libfm")
@@ -138,16 +128,12 @@ class ReadStats:
             self.errors[lineno] = msg
 
 
-_M1 = np.uint64(0x9E3779B97F4A7C15)
-_M2 = np.uint64(0xBF58476D1CE4E5B9)
-
-
 def _mix(x: np.ndarray, salt: np.ndarray) -> np.ndarray:
     """splitmix64-style mix of uint64 values with a per-field salt (deterministic across processes)."""
     with np.errstate(over="ignore"):
-        z = (x + salt * _M1) * _M2
+        z = (x + salt * MIX1) * MIX2
         z ^= z >> np.uint64(31)
-        z *= _M1
+        z *= MIX1
         z ^= z >> np.uint64(29)
     return z
 

@@ -1,21 +1,13 @@
 """pCTR's input as one object: a ``--data`` source resolved, counted, checked, split and encoded once.
 
-`ClickSource` is made once per process from a run's data section (`ClickSource.from_sections`: ``--data``,
-``--format``, ``--rows-per-field``, ``--num-fields``, ``--ids``, ``--split``) or, to score an exported
-model, from a data value and that model's encoder. It holds
-
-- the files (`data.sources.DataSources`: a file, a comma-separated list of files or a folder of partitions,
-  read as one sequence of lines; resolved once, a missing file or an empty folder a `DataError`);
-- the `Schema` (inferred once: Criteo's fixed layout, libFM's fields from the first lines) and the one
-  `Encoder` of it (bad lines are skipped and named by file and line in `ReadStats`);
-- the line count, taken the first time a split needs it and kept (servers and streams, which need no
-  split, never count);
-- the splits by the platform's one row-split rule (`mariana.platform.data.splits.split_bounds`) and a
-  worker's contiguous share of the training split (`shard_lines`, `worker_data`);
-- the encoded rows of any line range (`chunks`, `load`) and the validation set (`val_set`).
-
-The one-process trainer, the parameter-server workers, ``pctr eval`` and the streams read through it.
-`WorkerData` (a worker's share in batches, cached encoded after the first pass) lives here too.
+`ClickSource` is made once per process from a run's data section (`ClickSource.from_sections`) or, to
+score an exported model, from a data value and that model's encoder. It holds the files
+(`data.sources.DataSources`), the `Schema` (inferred once) and its one `Encoder`, the line count (taken
+the first time a split needs it: servers and streams never count), the splits
+(`mariana.platform.data.splits.split_bounds`) and a worker's contiguous share of the training split
+(`shard_lines`, `worker_data`), the encoded rows of any line range (`chunks`, `load`) and the validation
+set (`val_set`). The one-process trainer, the parameter-server workers, ``pctr eval`` and the streams read
+through it; `WorkerData` is a worker's share in batches, cached encoded after the first pass.
 """
 
 from __future__ import annotations

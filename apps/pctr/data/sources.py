@@ -1,16 +1,11 @@
 """``--data`` as one sequence of lines: a file, a comma-separated list of files, or a folder of partitions.
 
-- a **file**: its lines;
-- a **list** ``a.tsv,b.tsv`` (when the whole text is not itself an existing path): the files' lines, one
-  file after the other in the order given;
-- a **folder** (e.g. day partitions ``day-01.tsv``, ``day-02.tsv``, ...): its regular files in name order,
-  leaving out names that start with ``.`` or ``_`` (``_SUCCESS`` markers, hidden files, the temporary
-  names of files still being written) and names ending in ``.tmp`` or ``.part``.
-
-Rows are the concatenation of the files' lines in that order: line numbers, ``--split`` fractions and
-parameter-server workers' line ranges refer to it. A file that does not end in a newline still ends its
-last line (the next file starts a new line). Malformed lines are reported with their file and line
-(`DataSources.where`). Only the standard library here: the CLI checks ``--data`` before torch loads.
+A **list** ``a.tsv,b.tsv`` (when the whole text is not an existing path) is read in the order given; a
+**folder** is its regular files in name order, leaving out names starting with ``.`` or ``_`` (markers,
+files still being written) and ending in ``.tmp`` or ``.part``. Line numbers, ``--split`` fractions and
+workers' line ranges refer to the concatenation (a file without a final newline still ends its last
+line); malformed lines are reported with their file and line (`DataSources.where`). Standard library
+only: the CLI checks ``--data`` before torch loads.
 """
 
 from __future__ import annotations

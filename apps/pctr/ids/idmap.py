@@ -1,29 +1,10 @@
 """Dynamic id -> row map per field (``--ids dynamic``): admission after a minimum count, LFU/LRU eviction.
 
-With ``--ids hash`` (the default) a value lands in row ``f R + 1 + h(value) % (R - 1)`` of field f, so ids
-share rows once a field has more distinct values than rows. With ``--ids dynamic`` the encoder emits a
-*key* per field instead of a row (`keys.key_of`: ``f << 48 | (raw & (2^48 - 1))``; ``-1`` = missing), and the
-training step asks this map for rows, batch by batch in training order:
-
-- a key that holds a row keeps it (its count and last-use step are updated);
-- a key without a row is counted in a count-min sketch (``depth x width`` int32 cells, TinyLFU-style:
-  every cell is halved once ``10 x width`` occurrences were added, so the counts follow recent traffic);
-  until its estimate reaches ``admit_after`` it is looked up as the field's OOV row ``f R``;
-- an admitted key takes the next free row of its field (rows ``f R + 1 ..``, handed out in order), or, once
-  the field's ``R - 1`` rows are in use, the row of the coldest row of the field that the current batch does
-  not use: lowest count (``lfu``, counts halved with the sketch, ties to the least recently used; the key
-  takes it only if its estimate beats that count, TinyLFU's admission test) or least recently used
-  (``lru``, unconditionally). The caller re-initialises evicted rows (weights, row-optimiser state,
-  ``seen``), so a new id never inherits a dead id's weights.
-
-Memory is bounded whatever the number of distinct ids: ``row_key`` int64 / ``row_count`` int32 /
-``row_last`` int32 per table row, an open-addressing index of 4-byte slots (a power of two >= 1.5 x the
-rows; a slot holds a row, whose key is ``row_key[row]``), the sketch ``depth x width`` int32 cells; ids
-that are not admitted are never stored (`memory_bytes`).
-
-Everything is numpy over the batch's unique keys (no per-id Python loop), and deterministic: the same
-batches in the same order give the same map, so a checkpoint (`state_dict`) and ``--resume`` continue
-exactly. The index is rebuilt from ``row_key`` on load.
+Keys (`keys.key_of`, ``-1`` = missing) find rows batch by batch in training order; unadmitted keys are
+counted in a TinyLFU count-min sketch and use the field's OOV row ``f R``. The rules, and why, are in
+apps/pctr/README.md, Dynamic ids. Memory is bounded whatever the number of distinct ids (`memory_bytes`);
+everything is numpy over the batch's unique keys and deterministic, so `state_dict` and ``--resume``
+continue exactly (the index is rebuilt from ``row_key`` on load).
 """
 
 from __future__ import annotations
@@ -31,12 +12,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .keys import KEY_BITS
+from .keys import KEY_BITS, MIX1, MIX2
 
 EMPTY, TOMB = -1, -2
 EVICT = ("lfu", "lru")
-_M1 = np.uint64(0x9E3779B97F4A7C15)
-_M2 = np.uint64(0xBF58476D1CE4E5B9)
+STATE_ARRAYS = ("row_key", "row_count", "row_last", "used", "sketch", "admitted", "evicted", "oov")
 
 
 def _unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -53,11 +33,11 @@ def _unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def _hash(keys: np.ndarray, salt: int = 0) -> np.ndarray:
     """splitmix64 finaliser of int64 keys (non-negative) -> uint64."""
     with np.errstate(over="ignore"):
-        z = keys.astype(np.uint64) + np.uint64(salt) * _M1
+        z = keys.astype(np.uint64) + np.uint64(salt) * MIX1
         z ^= z >> np.uint64(30)
-        z *= _M2
+        z *= MIX2
         z ^= z >> np.uint64(27)
-        z *= _M1
+        z *= MIX1
         z ^= z >> np.uint64(31)
     return z
 
@@ -232,14 +212,10 @@ class IdMap:
         """Give rows to keys ``uk[idx]`` whose estimated counts are ``score`` (sets ``urow[idx]``); returns
         the evicted rows.
 
-        Vectorised over fields: a field's free rows go first (hottest keys first), then victims, the
-        coldest rows of the field that this batch does not use, paired hottest key <-> coldest row. Under
-        ``lfu`` a key takes a victim's row only if its estimate beats the victim's count (TinyLFU's
-        admission: a one-off id never pushes out a row in use). Victims are exact (a partial sort of the
-        field's rows) while the evicting fields' rows number at most ``exact_limit``, else the coldest of
-        ``samples`` random rows per key (sampled LFU/LRU as in Redis: O(keys), not O(rows), per batch; the
-        draws are seeded by the map's step, so a resumed run draws the same). A new row's count starts at
-        the key's estimate."""
+        Vectorised over fields: free rows first (hottest keys first), then victims, the coldest rows this
+        batch does not use, exact while the evicting fields hold <= ``exact_limit`` rows, else sampled
+        (Redis-style, seeded by the step so a resumed run draws the same). Under ``lfu`` a key takes a
+        victim's row only if its estimate beats the victim's count (TinyLFU's admission test)."""
         F, R, C = self.F, self.R, self.R - 1
         fields = uk[idx] >> KEY_BITS
         order = np.lexsort((-score, fields))  # by field, hottest first
@@ -348,19 +324,8 @@ class IdMap:
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict:
         """Tensors and numbers only (``torch.load(weights_only=True)`` loads it)."""
-        t = torch.from_numpy
-        return {
-            "row_key": t(self.row_key.copy()),
-            "row_count": t(self.row_count.copy()),
-            "row_last": t(self.row_last.copy()),
-            "used": t(self.used.copy()),
-            "sketch": t(self.sketch.copy()),
-            "admitted": t(self.admitted.copy()),
-            "evicted": t(self.evicted.copy()),
-            "oov": t(self.oov.copy()),
-            "sketch_adds": int(self.sketch_adds),
-            "step": int(self.step),
-        }
+        sd = {k: torch.from_numpy(getattr(self, k).copy()) for k in STATE_ARRAYS}
+        return {**sd, "sketch_adds": int(self.sketch_adds), "step": int(self.step)}
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore `state_dict`; ValueError if its shape is not this map's (fields, rows, sketch)."""
@@ -369,7 +334,7 @@ class IdMap:
                 f"id map of {tuple(sd['row_key'].shape)} rows / sketch {tuple(sd['sketch'].shape)}, expected "
                 f"{self.row_key.shape} / {self.sketch.shape}"
             )
-        for k in ("row_key", "row_count", "row_last", "used", "sketch", "admitted", "evicted", "oov"):
+        for k in STATE_ARRAYS:
             getattr(self, k)[...] = sd[k].numpy()
         self.sketch_adds, self.step = int(sd["sketch_adds"]), int(sd["step"])
         self._rebuild()
@@ -383,11 +348,10 @@ class IdMap:
         used = per >= 0
         n = used.sum(1)
         held = row_key[row_key >= 0]
+        in_order = used[:, 1:] == (np.arange(self.R - 1)[None, :] < n[:, None])  # rows handed out in order
         if (
             used[:, 0].any()  # the OOV rows hold no id
-            or (
-                used[:, 1:] != (np.arange(self.R - 1)[None, :] < n[:, None])
-            ).any()  # rows handed out in order
+            or not in_order.all()
             or ((per >> KEY_BITS) != np.arange(self.F)[:, None])[used].any()  # a field's keys in its rows
             or len(np.unique(held)) != len(held)
         ):
@@ -395,5 +359,5 @@ class IdMap:
         self.row_key[...] = row_key
         self.row_count[...] = (row_key >= 0).astype(np.int64)
         self.row_last[...] = 0
-        self.used[...] = (row_key.reshape(self.F, self.R) >= 0).sum(1)
+        self.used[...] = n
         self._rebuild()

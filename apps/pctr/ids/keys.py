@@ -12,6 +12,7 @@ from mariana.platform.core.errors import DataError
 KEY_BITS = 48
 KEY_MASK = np.uint64((1 << KEY_BITS) - 1)
 MAX_FIELDS = 1 << (63 - KEY_BITS)  # keys stay non-negative int64
+MIX1, MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9)  # splitmix64 multipliers
 
 
 def key_of(raw: np.ndarray, known: np.ndarray) -> np.ndarray:

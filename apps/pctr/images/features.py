@@ -1,30 +1,11 @@
 """Image features for click models: a field of the click log names the ad's creative image, and a trained
 `mariana vision train` CNN turns the image into a dense input of the click model (LR and the deep models).
 
-The field (``--image-field``): criteo ``C1``..``C26`` (a categorical column), libfm a 1-based field number
-(the id of that ``id:value`` pair). Its value names an image under ``--images DIR``: ``DIR/VALUE`` when
-the value ends in ``.png``/``.jpg``/``.jpeg`` (may contain sub-folders), else the first of
-``DIR/VALUE.png``, ``DIR/VALUE.jpg``, ``DIR/VALUE.jpeg``. Absolute paths and ``..`` are refused (serving
-resolves client-supplied values). The field stays an ordinary hashed categorical field as well.
-
-Features: the CNN's penultimate activations (the input of its last ``nn.Linear``, ``D`` floats) of the image
-decoded and resized exactly as the vision model's evaluation does (short side to ``image_size``, centre
-crop, mean/std normalisation), extracted once per distinct image file in batches. A projection fitted on
-the distinct images of the training split (PCA, whitened: ``k = --image-dims`` components of unit
-variance; 0 keeps the raw ``D`` features) maps them to the ``k`` floats appended to ``Batch.dense``.
-
-A record whose image is missing, unreadable or not decodable is skipped and counted like a malformed line
-(`ReadStats`), with the file named in the message; at serving the instance gets that error.
-
-Cache (train / eval): ``CACHE/<vision version>/seg-*.safetensors``, each a ``features [n, D]`` float32
-tensor whose metadata lists the ``[absolute path, size, mtime_ns]`` of its rows; a changed file (size or
-mtime) is recomputed. Segments are written atomically and only added, never rewritten, so concurrent
-runs cannot corrupt each other's. Serving keeps its features in memory only.
-
-Export: the pCTR ``model.safetensors`` holds the CNN's weights (``image.cnn.*``) and the projection
-(``image.mean [D]``, ``image.proj [D, k]``); its metadata ``image`` key holds the field, the images folder,
-the CNN's architecture / image size / normalisation and version. A served model therefore computes the
-same features as training without the vision run.
+In: the field's values (resolved under ``--images DIR``); out: ``k = --image-dims`` floats per record
+(the CNN's penultimate activations [D], projected by a whitened PCA fitted on the training split's
+images; k = D when 0) appended to ``Batch.dense``. The field, bad images, the on-disk cache (append-only
+safetensors segments, safe under concurrent runs) and the export are described in apps/pctr/README.md,
+Image features: a served model computes the same features as training without the vision run.
 """
 
 from __future__ import annotations

@@ -56,13 +56,7 @@ from .fields import (
     opt,
     when,
 )
-from .files import (
-    flatten,
-    load_toml,
-    read_config_values,
-    save_config,
-    sectioned_toml,
-)
+from .files import load_toml, read_config_values, save_config, sectioned_toml
 from .resolve import (
     add_config_args,
     applicable_values,
@@ -73,7 +67,6 @@ from .resolve import (
 from .sections import MAX_FIELDS, Config, Section
 from .train import (
     RESUME_MAY_CHANGE,
-    TRAIN_SECTIONS,
     WITHOUT_MAX_STEPS,
     DataParallelSection,
     DataSection,
@@ -92,7 +85,6 @@ from .train import (
 __all__ = [
     "MAX_FIELDS",
     "RESUME_MAY_CHANGE",
-    "TRAIN_SECTIONS",
     "Config",
     "DataParallelSection",
     "DataSection",
@@ -116,7 +108,6 @@ __all__ = [
     "default_of",
     "finite_non_negative",
     "flag",
-    "flatten",
     "given",
     "load_config",
     "load_toml",

@@ -1,12 +1,9 @@
-"""Sections and the configs composed of them (see the package docstring for how an app declares them).
+"""Sections and the configs composed of them (the package docstring says how an app declares them).
 
-A `Section` is a small typed dataclass (at most `MAX_FIELDS` fields) with a ``NAME`` (its TOML table and its
-attribute on a config), a ``TITLE`` (its ``--help`` group) and a ``validate()`` of its own fields. A `Config`
-subclass names the sections a command uses (``class PctrTrain(Config, sections=(...))``) and becomes a
-dataclass whose fields are the union of its sections' fields: field names are unique within a composition
-(checked here, at definition time), so ``cfg.lr`` and ``cfg.optim.lr`` name the same value and
-``dataclasses.replace(cfg, lr=...)``, ``fields(cfg)`` and ``Cls(lr=...)`` work on the flat names.
-Standard library only."""
+A `Section` has a ``NAME`` (TOML table, attribute on a config), a ``TITLE`` (``--help`` group) and a
+``validate()`` of its own fields; a `Config` subclass's fields are the union of its sections' fields,
+whose names are checked unique here, at definition time. Standard library only.
+"""
 
 from __future__ import annotations
 
