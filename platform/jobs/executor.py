@@ -20,11 +20,7 @@ the job's process (remembered at the first signal, identified by pid + start tim
 this host: ``--nodes``/``--tasks-per-node`` above 1, ``--time`` and more GPUs or CPUs than the host has
 are refused at submit.
 
-`SlurmExecutor` (``slurm.py``, ``mariana jobs serve --executor slurm``) hands jobs to a Slurm cluster:
-``sbatch`` of a batch script kept in the run directory, the Slurm job id as the handle's ``ext``. A
-``KubernetesExecutor`` would create a Job (or a PyTorchJob / an indexed Job with a headless service for
-the rendezvous endpoint) running the same command with the run directory on a shared volume; the Job's
-name/uid is the handle's ``ext``, ``poll`` reads its status (and the exit file), ``terminate`` deletes it.
+`SlurmExecutor` (``slurm.py``) hands jobs to a Slurm cluster, the Slurm job id as the handle's ``ext``.
 Run directories must be on storage the service can read, since the LogStore tails files there.
 """
 
@@ -234,12 +230,7 @@ class LocalExecutor(Executor):
                 os.killpg(handle.pid, sig)  # the runner is its session's leader: pgid == pid
             except (ProcessLookupError, PermissionError):
                 pass
-        for pid, start in list(tree):
-            if process_alive(pid, start):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+        _kill_live(tree, sig)
 
     def terminate(self, handle: Handle) -> None:
         self._signal(handle, signal.SIGTERM)
@@ -248,9 +239,14 @@ class LocalExecutor(Executor):
         self._signal(handle, signal.SIGKILL)
 
     def forget(self, handle: Handle) -> None:
-        for pid, start in self._tree.pop(handle.pid, ()):
-            if process_alive(pid, start):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        _kill_live(self._tree.pop(handle.pid, ()), signal.SIGKILL)
+
+
+def _kill_live(procs, sig: int) -> None:
+    """Send ``sig`` to each (pid, start time) of ``procs`` that is still that process."""
+    for pid, start in list(procs):
+        if process_alive(pid, start):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass

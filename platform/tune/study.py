@@ -38,6 +38,7 @@ from typing import Any
 from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.config import applicable_values, read_config_values, sectioned_toml
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.jobs.logstore import parse_record, read_lines
 from mariana.platform.jobs.scheduler import PRUNED
 from mariana.platform.jobs.trials import trial_row, used_params
 
@@ -83,25 +84,9 @@ def metric_value(record: dict, monitor: str, prefixes=("eval_",)) -> float | Non
 
 
 def read_new_records(f: InFlight) -> list[dict]:
-    """Complete lines of RUN/metrics.jsonl after what was read before."""
-    path = f.run_dir / "metrics.jsonl"
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(f.offset)
-            data = fh.read()
-    except FileNotFoundError:
-        return []
-    end = data.rfind(b"\n") + 1
-    f.offset += end
-    out = []
-    for line in data[:end].splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
+    """The JSON-object lines of RUN/metrics.jsonl completed since the last read."""
+    lines, f.offset = read_lines(f.run_dir / "metrics.jsonl", f.offset)
+    return [r for r in map(parse_record, lines) if r is not None]
 
 
 def final_value(run_dir: Path, monitor: str) -> tuple[float | None, str]:
