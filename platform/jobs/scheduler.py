@@ -1,20 +1,12 @@
 """The scheduler: a queue with a slot budget, FIFO within a priority, higher priorities first.
 
-State machine (only forward): ``queued -> running -> succeeded | failed | cancelled`` and
-``queued -> cancelled``. A retry never moves a job backwards: it creates a NEW job (``retry_of`` = the old
-id) with the same argv plus ``--resume`` when the run has a checkpoint (same run directory, so training
-continues from it; without one the run starts again).
-
-Slots: a job asks for ``--workers`` slots plus the values of its app's ``AppSpec.extra_slots`` flags (e.g.
-parameter servers), default 1. The sum over running jobs never exceeds ``slots``; the queue is served
-strictly in order (priority desc, id asc), so a big job at the head is not starved by smaller ones behind
-it. A job asking for more than the whole budget is refused at submit.
-
-Every ``tick`` (about twice a second, and at once when a local job's process ends, on the service's
-background thread) reads running jobs' files into the database (LogStore), finalises those whose process
-ended, escalates cancels (SIGTERM, then SIGKILL after ``grace_s``) and starts what fits. ``recover`` runs
-once at start-up: running jobs whose process is still alive (pid + start time) are re-adopted; dead ones
-are finalised from their ``RUN/job.exit``.
+States move only forward: ``queued -> running -> succeeded | failed | cancelled`` and ``queued ->
+cancelled``; a retry is a NEW job (``retry_of``) with ``--resume`` when the run has a checkpoint. A job takes
+``--workers`` slots plus its app's ``AppSpec.extra_slots`` flags; the queue is served strictly in order, so a
+big job at the head is not starved by smaller ones behind it, and one asking for more than the budget is
+refused at submit. ``tick`` (about twice a second, and when a local job ends) finalises jobs whose process
+ended, escalates cancels (SIGTERM, SIGKILL after ``grace_s``) and starts what fits; ``recover`` re-adopts
+live jobs (pid + start time) at start-up and finalises dead ones from ``RUN/job.exit``.
 """
 
 from __future__ import annotations

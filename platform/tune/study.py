@@ -1,25 +1,16 @@
 """The tuning loop: Optuna ask/tell with P trials in flight, pruning from the trials' eval records.
 
-``run_study(opts) -> int`` is ``mariana tune``. Files under TUNE_DIR:
+``run_study(opts) -> int`` is ``mariana tune`` (the outputs under TUNE_DIR: ``platform/tune/README.md``;
+``study.json`` says what the study is, so a second run with the same ``--out`` continues it).
 
-- ``study.json``      what the study is (name, storage URL, app, metric, direction): a second run with the
-                      same ``--out`` continues it
-- ``study.db``        the Optuna storage when no job service is running (else the service's database)
-- ``trials/trial-NNNN/``  each trial's run directory (``trial.log`` for local trials, ``job.log`` for jobs)
-- ``results.json``    every trial (number, state, value, params, error, run directory)
-- ``best.toml``       the best trial's full training config, less data/out (``train --config`` takes it)
-- ``best/``           a copy of the best trial's run directory (model.safetensors + model.json, no checkpoints)
+Pruning: each trial's new ``eval_<metric>`` records are reported as they appear; when the pruner says so the
+trial's process group (or job) is cancelled and it is PRUNED, also when it ended before the tuner read the
+records, so which trials are pruned does not depend on how fast the tuner polls.
 
-Pruning: each trial's new ``eval_<metric>`` records are reported (``trial.report(value, step)``) as they
-appear; when ``trial.should_prune()`` says so the trial's process group (or job) is cancelled and the trial
-is PRUNED. A trial whose records the pruner rejects is PRUNED even when it ended before the tuner read them,
-so which trials are pruned does not depend on how fast the tuner polls.
-
-Resuming: trials a killed tuner left RUNNING are stopped (their process group or job), recorded as FAIL
-with ``interrupted = true`` and re-queued with the same parameters (`enqueue_trial`), so every sampled
-configuration is evaluated exactly once and completed trials are kept; interrupted trials do not count
-towards ``--trials``. The sampler's seed is ``--seed`` plus the number of trials already in the study, so a
-resumed study does not draw the first configurations again.
+Resuming: trials a killed tuner left RUNNING are stopped, FAILed with ``interrupted = true`` (not counted
+towards ``--trials``) and re-queued with the same parameters, so every sampled configuration is evaluated
+exactly once. The sampler's seed is ``--seed`` plus the trials already in the study, so a resumed study does
+not draw the first configurations again.
 """
 
 from __future__ import annotations
