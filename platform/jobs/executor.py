@@ -1,26 +1,16 @@
 """Where jobs run: the `Executor` interface and `LocalExecutor` (process groups on this host).
 
-The scheduler only talks to an `Executor`:
-
-- ``check(resources, options)``: at submit, refuse (MarianaError, one line) what the executor cannot
-  honour (``resources``: see `resources.py`; ``options``: the option strings the job's command takes).
-- ``start(job_id, argv, run_dir, cwd, env, resources) -> Handle``: launch ``mariana <argv>`` for the job;
-  the handle's ``pid`` and ``start`` (an opaque "which process is this" token, here the process start
-  time from ``/proc/PID/stat``) or ``ext`` (a cluster scheduler's job id) are stored in the database.
-  A submission the cluster rejects raises `StartError` with the cluster's message (the job fails with it).
-- ``poll(handle, run_dir) -> int | None``: ``None`` while the job runs, else its exit status.
-- ``alive(handle) -> bool``: used after a service restart to re-adopt jobs that kept running.
-- ``terminate(handle)`` / ``kill(handle)``: a cancel sends ``terminate``, then ``kill`` after a grace period.
+The scheduler only talks to an `Executor`: ``check`` refuses at submit (MarianaError, one line) what it
+cannot honour; ``start`` returns a `Handle` whose ``pid`` + ``start`` (the process start time from
+``/proc/PID/stat``) or ``ext`` (a cluster's job id) are stored in the database, or raises `StartError` with
+the cluster's message; ``poll`` -> None while the job runs, else its exit status; ``alive`` re-adopts jobs
+after a service restart; a cancel sends ``terminate``, then ``kill`` after a grace period.
 
 `LocalExecutor` runs each job as ``python -m mariana.platform.jobs.runner --exit-file RUN/job.exit --
-argv...`` in a new session (``start_new_session=True``: its own process group, so it survives the service
-and a cancel reaches every process of the group), stdout+stderr appended to ``RUN/job.log``. torchrun
-starts its workers in sessions of their own, so terminate/kill also signal every descendant found under
-the job's process (remembered at the first signal, identified by pid + start time). It runs one task on
-this host: ``--nodes``/``--tasks-per-node`` above 1, ``--time`` and more GPUs or CPUs than the host has
-are refused at submit.
-
-`SlurmExecutor` (``slurm.py``) hands jobs to a Slurm cluster, the Slurm job id as the handle's ``ext``.
+argv...`` in a new session (its own process group, so it survives the service and a cancel reaches every
+process of the group), output appended to ``RUN/job.log``. torchrun starts its workers in sessions of their
+own, so terminate/kill also signal every descendant found under the job's process (remembered at the first
+signal, identified by pid + start time). It runs one task on this host. `SlurmExecutor`: ``slurm.py``.
 Run directories must be on storage the service can read, since the LogStore tails files there.
 """
 
