@@ -114,9 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             rc = _main(argv, worker)
-        except (
-            SystemExit
-        ):  # --help, argparse errors: their output is flushed here, where a closed pipe is caught
+        except SystemExit:  # --help, argparse errors: flushed here, where a closed pipe is caught
             sys.stdout.flush()
             raise
         sys.stdout.flush()
