@@ -205,10 +205,6 @@ def requeue_interrupted(study, runner) -> int:
     return n
 
 
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-
 def run_study(o: TuneOptions, runner) -> int:
     import optuna
     from optuna.trial import TrialState
@@ -318,7 +314,7 @@ def _report(f: InFlight, monitor: str) -> int | None:
 
 
 def _params_text(params: dict) -> str:
-    return " ".join(f"{k}={_fmt(v)}" for k, v in params.items())
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
 
 
 def best_config(run_dir: Path, config_cls: type) -> dict:
