@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from mariana.platform.cli.common import subcommands
 from mariana.platform.cli.outputs import foreign
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.registry import find_app
@@ -83,19 +84,12 @@ class CommandCatalog:
             if self._leaves is None:
                 if self._build_parser is None:
                     return {}
-
-                def subs(p):
-                    for a in p._actions:
-                        if isinstance(a, argparse._SubParsersAction):
-                            return a.choices
-                    return None
-
                 leaves = {}
-                for app, ap in (subs(self._build_parser()) or {}).items():
-                    cmds = subs(ap)
-                    if cmds is None:
+                for app, ap in subcommands(self._build_parser()).items():
+                    cmds = subcommands(ap)
+                    if not cmds:
                         leaves[(app, "")] = set(ap._option_string_actions)
-                    for cmd, cp in (cmds or {}).items():
+                    for cmd, cp in cmds.items():
                         leaves[(app, cmd)] = set(cp._option_string_actions)
                 self._leaves = leaves
             return self._leaves
