@@ -30,6 +30,11 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """{name: parser} of ``parser``'s subcommands ({} for a leaf; an alias names the same parser twice)."""
+    return next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+
 def add_command_parser(
     group,
     name: str,

@@ -19,7 +19,7 @@ from ..core.config import resolve_config
 from ..core.errors import MarianaError
 from ..core.registry import all_apps
 from ..runtime.workerio import WorkerIO
-from .common import DefaultsHelpFormatter
+from .common import DefaultsHelpFormatter, subcommands
 from .outputs import command_of, guard_output, guard_parsed, mark_made
 
 # The platform's commands, listed after the applications' groups.
@@ -70,10 +70,8 @@ def _fix_help_formatters(parser: argparse.ArgumentParser) -> None:
     ``(default: None)`` on required flags and empty defaults."""
     if parser.formatter_class is argparse.ArgumentDefaultsHelpFormatter:
         parser.formatter_class = DefaultsHelpFormatter
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in set(action.choices.values()):
-                _fix_help_formatters(sub)
+    for sub in set(subcommands(parser).values()):
+        _fix_help_formatters(sub)
 
 
 def check_command(argv: list[str], cwd: str | None = None) -> None:
@@ -114,9 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             rc = _main(argv, worker)
-        except (
-            SystemExit
-        ):  # --help, argparse errors: their output is flushed here, where a closed pipe is caught
+        except SystemExit:  # --help, argparse errors: flushed here, where a closed pipe is caught
             sys.stdout.flush()
             raise
         sys.stdout.flush()

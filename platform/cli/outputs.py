@@ -1,26 +1,13 @@
-"""What a command may write into: nothing the user made is replaced without ``--force``.
+"""What a command may write into: nothing the user made is replaced without ``--force`` (the rule:
+``platform/README.md``, "Nothing is written over data a command did not create").
 
-Every flag that names a folder a command writes into (``--out`` of every train, stream, prepare, synth,
-drift-logs, tune and LOSO eval) is marked on its argparse action (`mark_output`: ``action.output = (kind,
-reuse)``), so tests and `guard_output` find them all from the parser. The rule, checked before anything
-is written (`guard_output`):
-
-* a path that does not exist, or an empty folder, is taken, and the command writes the marker
-  ``FOLDER/.mariana-output`` (``{"command": "pctr drift-logs", "created": ...}``) into it: that is how
-  "created by this command" is recognised later;
-* an existing file, or a folder holding anything else, is refused in one line (exit 2) unless ``--force``,
-  except a folder whose marker names the same command and whose reuse is allowed: ``run`` (a run
-  directory of a train/stream command: ``--resume`` continues it, an interrupted run without a
-  checkpoint starts again, a finished one is refused by `common.check_fresh_run_dir`) or ``continue``
-  (the command continues its own earlier output: ``asr synth`` and ``asr eval --loso`` reuse what is
-  made, ``tune`` continues its study). ``never`` (``asr prepare``, ``pctr drift-logs``): re-running into its
-  own output replaces it, so that needs ``--force`` too.
-
-A run directory written before the marker existed (no marker) counts as a run of the command only when the
-project's own files prove it, in their own format (`legacy_run`): a ``config.toml`` that parses as the
-command's config sections together with ``checkpoints/latest`` or ``metrics.jsonl``; file names alone
-(a user's ``metrics.json`` or ``config.toml``) never do. ``job.log``, ``trial.log`` and ``slurm-job.sh`` (the job service's and tune's logs of this very invocation
-and the Slurm executor's batch script, written before the command starts) do not count as existing data."""
+Every flag naming a folder a command writes into is marked on its argparse action (`mark_output`:
+``action.output = (kind, reuse)``), so tests and `guard_output` find them all from the parser. ``reuse``:
+``run`` (a train/stream run directory: `common.check_fresh_run_dir` decides), ``continue`` (the command
+continues its own earlier output) or ``never`` (a re-run into its own output needs ``--force``). The marker
+``FOLDER/.mariana-output`` names the command that made the folder; an unmarked run directory counts as one
+only when `legacy_run` proves it. ``IGNORED`` files (the job service's and tune's logs of this very
+invocation, the Slurm batch script, written before the command starts) do not count as existing data."""
 
 from __future__ import annotations
 

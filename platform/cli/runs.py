@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 
 from ..core.errors import MarianaError
-from .common import DefaultsHelpFormatter, checkpoint_step
+from .common import DefaultsHelpFormatter, checkpoint_step, subcommands
 from .dispatch import handler
 from .main import build_parser
 from .outputs import legacy_run, owner
@@ -55,10 +55,8 @@ def run_commands() -> dict[str, type | None]:
         for _flag, command, reuse in (p.get_default("_outputs") or {}).values():
             if reuse == "run":
                 found[command] = cfg[0] if cfg else None
-        for a in p._actions:
-            if isinstance(a, argparse._SubParsersAction):
-                for child in set(a.choices.values()):
-                    walk(child)
+        for child in set(subcommands(p).values()):
+            walk(child)
 
     walk(build_parser())
     return found

@@ -1,9 +1,6 @@
 """``mariana jobs serve|list|show|logs|cancel|wait|retry`` and ``mariana submit``: the parsers (standard
-library only, so ``mariana --help`` stays fast); the handlers are in ``commands.py`` and ``serve.py``, imported by the CLI's
-dispatch when a command runs.
-
-Clients find the service through ``--url``, env MARIANA_JOBS_URL, or http://127.0.0.1:8765; mutating
-requests send the token from ``--token-file`` or env MARIANA_JOBS_TOKEN.
+library only, so ``mariana --help`` stays fast); the handlers (``commands.py``, ``serve.py``) are imported by
+the CLI's dispatch when a command runs.
 """
 
 from __future__ import annotations

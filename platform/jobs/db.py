@@ -2,16 +2,9 @@
 
 Default: a SQLite file ``HOME/jobs.db`` in WAL mode (readers never block the writer, a ``kill -9`` loses
 no committed transaction). Any SQLAlchemy URL works unchanged, e.g. ``postgresql+psycopg://user@host/db``
-for a team-wide service (``postgresql://`` works as is: psycopg 3 is used when psycopg2 is not installed).
-
-Tables:
-- ``jobs``: one row per job (argv, state, slots, resources, run dir, pid + process start time or the
-  cluster's job id, results).
-- ``job_events``: every state change with its time (``queued``, ``running``, ``succeeded``, ...).
-- ``metric_records``: the lines of ``RUN/metrics.jsonl`` (``seq`` numbers them per job from 1).
-- ``counter_records``: the lines of ``RUN/counters/*.jsonl`` (parameter-server worker counters).
-- ``tail_offsets``: how far each file of each job has been read (bytes), committed together with the
-  records, so a restarted service continues where it stopped without duplicates.
+(``postgresql://`` works as is: psycopg 3 is used when psycopg2 is not installed). ``tail_offsets`` (bytes
+read per file of each job) are committed together with the records, so a restarted service continues where
+it stopped without duplicates.
 
 All writes go through `Database.write`, which serialises writers inside this process (SQLite allows one
 writer; a lock here avoids busy retries between the API threads and the scheduler thread).

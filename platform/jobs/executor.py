@@ -1,30 +1,16 @@
 """Where jobs run: the `Executor` interface and `LocalExecutor` (process groups on this host).
 
-The scheduler only talks to an `Executor`:
-
-- ``check(resources, options)``: at submit, refuse (MarianaError, one line) what the executor cannot
-  honour (``resources``: see `resources.py`; ``options``: the option strings the job's command takes).
-- ``start(job_id, argv, run_dir, cwd, env, resources) -> Handle``: launch ``mariana <argv>`` for the job;
-  the handle's ``pid`` and ``start`` (an opaque "which process is this" token, here the process start
-  time from ``/proc/PID/stat``) or ``ext`` (a cluster scheduler's job id) are stored in the database.
-  A submission the cluster rejects raises `StartError` with the cluster's message (the job fails with it).
-- ``poll(handle, run_dir) -> int | None``: ``None`` while the job runs, else its exit status.
-- ``alive(handle) -> bool``: used after a service restart to re-adopt jobs that kept running.
-- ``terminate(handle)`` / ``kill(handle)``: a cancel sends ``terminate``, then ``kill`` after a grace period.
+The scheduler only talks to an `Executor`: ``check`` refuses at submit (MarianaError, one line) what it
+cannot honour; ``start`` returns a `Handle` whose ``pid`` + ``start`` (the process start time from
+``/proc/PID/stat``) or ``ext`` (a cluster's job id) are stored in the database, or raises `StartError` with
+the cluster's message; ``poll`` -> None while the job runs, else its exit status; ``alive`` re-adopts jobs
+after a service restart; a cancel sends ``terminate``, then ``kill`` after a grace period.
 
 `LocalExecutor` runs each job as ``python -m mariana.platform.jobs.runner --exit-file RUN/job.exit --
-argv...`` in a new session (``start_new_session=True``: its own process group, so it survives the service
-and a cancel reaches every process of the group), stdout+stderr appended to ``RUN/job.log``. torchrun
-starts its workers in sessions of their own, so terminate/kill also signal every descendant found under
-the job's process (remembered at the first signal, identified by pid + start time). It runs one task on
-this host: ``--nodes``/``--tasks-per-node`` above 1, ``--time`` and more GPUs or CPUs than the host has
-are refused at submit.
-
-`SlurmExecutor` (``slurm.py``, ``mariana jobs serve --executor slurm``) hands jobs to a Slurm cluster:
-``sbatch`` of a batch script kept in the run directory, the Slurm job id as the handle's ``ext``. A
-``KubernetesExecutor`` would create a Job (or a PyTorchJob / an indexed Job with a headless service for
-the rendezvous endpoint) running the same command with the run directory on a shared volume; the Job's
-name/uid is the handle's ``ext``, ``poll`` reads its status (and the exit file), ``terminate`` deletes it.
+argv...`` in a new session (its own process group, so it survives the service and a cancel reaches every
+process of the group), output appended to ``RUN/job.log``. torchrun starts its workers in sessions of their
+own, so terminate/kill also signal every descendant found under the job's process (remembered at the first
+signal, identified by pid + start time). It runs one task on this host. `SlurmExecutor`: ``slurm.py``.
 Run directories must be on storage the service can read, since the LogStore tails files there.
 """
 
@@ -234,12 +220,7 @@ class LocalExecutor(Executor):
                 os.killpg(handle.pid, sig)  # the runner is its session's leader: pgid == pid
             except (ProcessLookupError, PermissionError):
                 pass
-        for pid, start in list(tree):
-            if process_alive(pid, start):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+        _kill_live(tree, sig)
 
     def terminate(self, handle: Handle) -> None:
         self._signal(handle, signal.SIGTERM)
@@ -248,9 +229,14 @@ class LocalExecutor(Executor):
         self._signal(handle, signal.SIGKILL)
 
     def forget(self, handle: Handle) -> None:
-        for pid, start in self._tree.pop(handle.pid, ()):
-            if process_alive(pid, start):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        _kill_live(self._tree.pop(handle.pid, ()), signal.SIGKILL)
+
+
+def _kill_live(procs, sig: int) -> None:
+    """Send ``sig`` to each (pid, start time) of ``procs`` that is still that process."""
+    for pid, start in list(procs):
+        if process_alive(pid, start):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass

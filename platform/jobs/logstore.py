@@ -65,7 +65,7 @@ def update_best(job: Job, record: dict) -> None:
     job.best_metric = {"name": name, "value": value, "step": record.get("step")}
 
 
-def _read_lines(path: Path, offset: int) -> tuple[list[str], int]:
+def read_lines(path: Path, offset: int) -> tuple[list[str], int]:
     """Complete lines of ``path`` from ``offset``; returns them and the offset after the last one."""
     try:
         with open(path, "rb") as f:
@@ -79,7 +79,8 @@ def _read_lines(path: Path, offset: int) -> tuple[list[str], int]:
     return chunk[: end + 1].decode("utf-8", "replace").splitlines(), offset + end + 1
 
 
-def _parse(line: str) -> dict | None:
+def parse_record(line: str) -> dict | None:
+    """A JSON object line as a dict; None for anything else."""
     try:
         rec = json.loads(line)
     except ValueError:
@@ -110,7 +111,7 @@ class _Pass:
             row = TailOffset(job_id=self.job.id, file=name, offset=0)
             self.s.add(row)
             self.offsets[name] = row
-        lines, end = _read_lines(path, row.offset)
+        lines, end = read_lines(path, row.offset)
         if end == row.offset:
             return []
         row.offset = end
@@ -118,7 +119,7 @@ class _Pass:
         for line in lines:
             if not line.strip():
                 continue
-            rec = _parse(line)
+            rec = parse_record(line)
             if rec is None:
                 self.counters["corrupt_lines"] = self.counters.get("corrupt_lines", 0) + 1
                 self.changed = True
@@ -152,7 +153,7 @@ class LogStore:
                 self._server_counters(p, run / "counters")
             final_counters = run / "counters.json"
             if final_counters.is_file():
-                rec = _parse(final_counters.read_text())
+                rec = parse_record(final_counters.read_text())
                 if rec is not None and p.counters.get("final") != rec:
                     p.set_counter("final", rec)
             if p.changed:
@@ -198,7 +199,7 @@ class LogStore:
     def _server_counters(p: _Pass, cdir: Path) -> None:
         """``RUN/counters/server-*.json`` (each parameter server's latest snapshot) into the job's counters."""
         for path in sorted(cdir.glob("server-*.json")):
-            rec = _parse(path.read_text()) if path.is_file() else None
+            rec = parse_record(path.read_text()) if path.is_file() else None
             if rec is not None and p.counters.get("servers", {}).get(path.stem) != rec:
                 p.set_counter("servers", {**p.counters.get("servers", {}), path.stem: rec})
 

@@ -1,20 +1,12 @@
 """The scheduler: a queue with a slot budget, FIFO within a priority, higher priorities first.
 
-State machine (only forward): ``queued -> running -> succeeded | failed | cancelled`` and
-``queued -> cancelled``. A retry never moves a job backwards: it creates a NEW job (``retry_of`` = the old
-id) with the same argv plus ``--resume`` when the run has a checkpoint (same run directory, so training
-continues from it; without one the run starts again).
-
-Slots: a job asks for ``--workers`` slots plus the values of its app's ``AppSpec.extra_slots`` flags (e.g.
-parameter servers), default 1. The sum over running jobs never exceeds ``slots``; the queue is served
-strictly in order (priority desc, id asc), so a big job at the head is not starved by smaller ones behind
-it. A job asking for more than the whole budget is refused at submit.
-
-Every ``tick`` (about twice a second, and at once when a local job's process ends, on the service's
-background thread) reads running jobs' files into the database (LogStore), finalises those whose process
-ended, escalates cancels (SIGTERM, then SIGKILL after ``grace_s``) and starts what fits. ``recover`` runs
-once at start-up: running jobs whose process is still alive (pid + start time) are re-adopted; dead ones
-are finalised from their ``RUN/job.exit``.
+States move only forward: ``queued -> running -> succeeded | failed | cancelled`` and ``queued ->
+cancelled``; a retry is a NEW job (``retry_of``) with ``--resume`` when the run has a checkpoint. A job takes
+``--workers`` slots plus its app's ``AppSpec.extra_slots`` flags; the queue is served strictly in order, so a
+big job at the head is not starved by smaller ones behind it, and one asking for more than the budget is
+refused at submit. ``tick`` (about twice a second, and when a local job ends) finalises jobs whose process
+ended, escalates cancels (SIGTERM, SIGKILL after ``grace_s``) and starts what fits; ``recover`` re-adopts
+live jobs (pid + start time) at start-up and finalises dead ones from ``RUN/job.exit``.
 """
 
 from __future__ import annotations
@@ -27,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from mariana.platform.cli.common import subcommands
 from mariana.platform.cli.outputs import foreign
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.registry import find_app
@@ -91,19 +84,12 @@ class CommandCatalog:
             if self._leaves is None:
                 if self._build_parser is None:
                     return {}
-
-                def subs(p):
-                    for a in p._actions:
-                        if isinstance(a, argparse._SubParsersAction):
-                            return a.choices
-                    return None
-
                 leaves = {}
-                for app, ap in (subs(self._build_parser()) or {}).items():
-                    cmds = subs(ap)
-                    if cmds is None:
+                for app, ap in subcommands(self._build_parser()).items():
+                    cmds = subcommands(ap)
+                    if not cmds:
                         leaves[(app, "")] = set(ap._option_string_actions)
-                    for cmd, cp in (cmds or {}).items():
+                    for cmd, cp in cmds.items():
                         leaves[(app, cmd)] = set(cp._option_string_actions)
                 self._leaves = leaves
             return self._leaves

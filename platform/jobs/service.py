@@ -1,17 +1,8 @@
-"""The job service: ``create_app(home, db_url, slots, token)`` -> a FastAPI app with the REST API, the web
-UI (``ui.py``, when present) and the scheduler thread (started and stopped with the app's lifespan).
-
-REST API (JSON; ``/docs`` documents it):
-
-- ``POST /api/jobs`` ``{"argv": [...], "priority": 0, "name": "", "cwd": ""}`` -> 201 job object;
-  ``GET /api/jobs`` -> ``{"jobs": [...]}`` newest first; ``GET /api/jobs/{id}`` -> job + config + counters.
-- ``GET /api/jobs/{id}/metrics?after=SEQ``, ``/counters``, ``/logs?tail=N`` (or ``?offset=BYTES``),
-  ``/events``, ``/files/{path}`` (inside the run directory only).
-- ``POST /api/jobs/{id}/cancel|retry|serve``, ``POST /api/jobs/{id}/serve/stop``; ``GET /healthz``.
-- Request bodies are capped at ``MAX_BODY`` bytes (413, body unread) and a job's argv at ``MAX_ARGV``.
-
-Routes: ``routes.py`` (one `APIRouter` per concern: jobs, runs, models, health), ``ui.py`` (pages,
-studies); they find the database, scheduler and model servers in ``app.state``.
+"""The job service: ``create_app(home, db_url, slots, token)`` -> a FastAPI app with the REST API (``/docs``
+documents it; the routers are in ``routes.py``, ``studies.py`` and ``ui.py`` and find the database,
+scheduler and model servers in ``app.state``), the web UI and the scheduler thread (started and stopped
+with the app's lifespan). Request bodies are capped at ``MAX_BODY`` bytes (413, body unread), a job's argv
+at ``MAX_ARGV``.
 
 Auth: with a token configured, every mutating request (anything but GET/HEAD/OPTIONS) needs
 ``Authorization: Bearer TOKEN`` (401 otherwise), and so do ``/api`` reads from other hosts than loopback.

@@ -1,34 +1,21 @@
 """`SlurmExecutor`: the job service hands its jobs to a Slurm cluster (``mariana jobs serve --executor slurm``).
 
-- ``start``: writes ``RUN/slurm-job.sh`` (kept with the run) and ``sbatch``es it. The script is
-  self-contained (``sbatch RUN/slurm-job.sh`` resubmits it by hand): ``#SBATCH`` lines carry the job's
-  resources (``--nodes``, ``--ntasks-per-node``, ``--gpus-per-node``, ``--cpus-per-task``, ``--time``, the
-  partition: the job's or the service's ``--partition``, the service's ``--account`` and extra
-  ``--sbatch-arg``s). Output goes to ``RUN/job.log`` (append), which the LogStore tails as for local jobs,
-  so the run directory must be on storage shared by the service and the nodes. The handle's ``ext`` is
-  the Slurm job id; sbatch's own error (unknown partition, bad gres, ...) fails the job with that line.
-- The batch script runs on the allocation's first node. A job of one task runs ``python -m
-  mariana.platform.cli ARGV`` there. A job of several tasks (``--nodes N`` x ``--tasks-per-node K``)
-  ``srun``s one torchrun agent per task with ``ARGV --nnodes $SLURM_NTASKS --rdzv-endpoint HEAD:PORT
-  --rdzv-id slurm-$SLURM_JOB_ID``: HEAD is the first node, PORT ``10000 + job id % 20000`` (below
-  Linux's ephemeral ports, so no client connection holds it; distinct for any 20000 consecutive jobs,
-  without the race of a port bound, released and bound again). torchrun's c10d rendezvous gives the agents their node ranks itself (in the order
-  they join), so no ``--node-rank`` is passed; data-parallel and parameter-server commands
-  (``--servers S --workers W``: ranks 0..S-1 serve) take these flags already. ``--kill-on-bad-exit``: one
-  failed task ends the others, so the job fails as a whole (torchrun's ``--max-restarts`` restarts the
-  group across the agents first, as on one host).
-- The script writes the status of its command (srun's: the worst task's) to ``RUN/job.exit`` before it
-  ends. ``poll`` reads the job's state from one ``squeue`` per scheduler tick for all the jobs the
-  executor watches (``sacct``, one call too, for those the controller has forgotten, where the cluster
-  keeps an accounting database) and reads the exit file; a job Slurm has forgotten is
-  finished from that file alone (e.g. after a service restart). A job pending for a reason that cannot
-  change by waiting (``PartitionNodeLimit``: more nodes than the partition has, ...) is cancelled and fails
-  with that reason instead of waiting forever.
-- ``terminate``: ``scancel`` (Slurm sends SIGTERM to every process of the job, SIGKILL after KillWait);
-  ``kill``: ``scancel --full --signal KILL``.
-- After a service restart ``alive`` (the job is pending or running in Slurm) re-adopts it.
-
-Client commands find the cluster as usual (``SLURM_CONF`` or the system's slurm.conf).
+- ``start``: writes ``RUN/slurm-job.sh`` (self-contained: ``sbatch RUN/slurm-job.sh`` resubmits it by hand;
+  ``#SBATCH`` lines carry the job's resources, the partition, the service's ``--account`` and
+  ``--sbatch-arg``s) and ``sbatch``es it. Output is appended to ``RUN/job.log``, which the LogStore tails, so
+  the run directory must be on storage shared by the service and the nodes. ``ext`` is the Slurm job id;
+  sbatch's own error fails the job with that line.
+- One task runs ``python -m mariana.platform.cli ARGV`` on the first node. Several (``--nodes N`` x
+  ``--tasks-per-node K``) ``srun`` one torchrun agent per task with ``ARGV --nnodes $SLURM_NTASKS
+  --rdzv-endpoint HEAD:PORT``: HEAD the first node, PORT ``10000 + job id % 20000`` (below Linux's ephemeral
+  ports, so no client connection holds it). c10d's rendezvous assigns the node ranks. ``--kill-on-bad-exit``:
+  one failed task ends the others (after torchrun's ``--max-restarts``).
+- The script writes its command's status (srun's: the worst task's) to ``RUN/job.exit``. ``poll`` runs one
+  ``squeue`` per tick for all watched jobs (``sacct`` for those the controller has forgotten) and reads the
+  exit file; a forgotten job is finished from that file alone. A job pending for a reason waiting cannot
+  cure (``HOPELESS``) is cancelled and fails with that reason.
+- ``terminate``: ``scancel``; ``kill``: ``scancel --full --signal KILL``; ``alive`` (pending or running in
+  Slurm) re-adopts a job after a service restart.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Optuna studies (``mariana tune``) in the job service: their REST API (``router``; the pages are in
-``ui.py``).
-
-- ``GET /api/tune/storage``    the service database's URL, where a tuner stores its study (loopback only:
-                               it may hold a password)
-- ``GET /api/studies``         ``{"studies": [{name, direction, n_trials, best_value, app, monitor}, ...]}``
-- ``GET /api/studies/{name}``  the study: every trial (number, state, value, params, intermediate values
-                               by step, start/end times, job id) and parameter importances (Optuna's
-                               default evaluator; null until two trials completed)
-
-Optuna is imported on the first request, so a service that never sees a study does not pay for it.
+``ui.py``): ``/api/tune/storage`` (the database URL a tuner stores its study in; loopback only: it may hold
+a password), ``/api/studies`` and ``/api/studies/{name}`` (every trial and the parameter importances, null
+until two trials completed). Optuna is imported on the first request, so a service that never sees a study
+does not pay for it.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """The job service's web pages: ``mount_ui(app)`` adds the HTML pages and the ``/static`` files.
 
 Pages are static HTML + hand-written JavaScript shipped inside the package (``static/``: no CDN, no build
-step); they read everything from the service's REST API (``/api/jobs...``) in the browser.
-
-- ``GET /``                  jobs table (live)
-- ``GET /jobs/{id}``         one job: header, live plots, counters, config, log tail, exported model
-- ``GET /compare?ids=1,2``   loss and validation curves of several runs overlaid
-- ``GET /studies[/{name}]``  `mariana tune` studies: trials table, metric per trial over steps, importances
-  (``studies.py``, which also adds their ``/api/studies`` API)
-- ``GET /static/<file>``     the pages' CSS and JavaScript (``plot.js`` is the SVG plotting module)
+step; ``plot.js`` is the SVG plotting module); they read everything from the REST API in the browser.
 """
 
 from __future__ import annotations

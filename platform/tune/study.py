@@ -1,25 +1,16 @@
 """The tuning loop: Optuna ask/tell with P trials in flight, pruning from the trials' eval records.
 
-``run_study(opts) -> int`` is ``mariana tune``. Files under TUNE_DIR:
+``run_study(opts) -> int`` is ``mariana tune`` (the outputs under TUNE_DIR: ``platform/tune/README.md``;
+``study.json`` says what the study is, so a second run with the same ``--out`` continues it).
 
-- ``study.json``      what the study is (name, storage URL, app, metric, direction): a second run with the
-                      same ``--out`` continues it
-- ``study.db``        the Optuna storage when no job service is running (else the service's database)
-- ``trials/trial-NNNN/``  each trial's run directory (``trial.log`` for local trials, ``job.log`` for jobs)
-- ``results.json``    every trial (number, state, value, params, error, run directory)
-- ``best.toml``       the best trial's full training config, less data/out (``train --config`` takes it)
-- ``best/``           a copy of the best trial's run directory (model.safetensors + model.json, no checkpoints)
+Pruning: each trial's new ``eval_<metric>`` records are reported as they appear; when the pruner says so the
+trial's process group (or job) is cancelled and it is PRUNED, also when it ended before the tuner read the
+records, so which trials are pruned does not depend on how fast the tuner polls.
 
-Pruning: each trial's new ``eval_<metric>`` records are reported (``trial.report(value, step)``) as they
-appear; when ``trial.should_prune()`` says so the trial's process group (or job) is cancelled and the trial
-is PRUNED. A trial whose records the pruner rejects is PRUNED even when it ended before the tuner read them,
-so which trials are pruned does not depend on how fast the tuner polls.
-
-Resuming: trials a killed tuner left RUNNING are stopped (their process group or job), recorded as FAIL
-with ``interrupted = true`` and re-queued with the same parameters (`enqueue_trial`), so every sampled
-configuration is evaluated exactly once and completed trials are kept; interrupted trials do not count
-towards ``--trials``. The sampler's seed is ``--seed`` plus the number of trials already in the study, so a
-resumed study does not draw the first configurations again.
+Resuming: trials a killed tuner left RUNNING are stopped, FAILed with ``interrupted = true`` (not counted
+towards ``--trials``) and re-queued with the same parameters, so every sampled configuration is evaluated
+exactly once. The sampler's seed is ``--seed`` plus the trials already in the study, so a resumed study does
+not draw the first configurations again.
 """
 
 from __future__ import annotations
@@ -38,6 +29,7 @@ from typing import Any
 from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.config import applicable_values, read_config_values, sectioned_toml
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.jobs.logstore import parse_record, read_lines
 from mariana.platform.jobs.scheduler import PRUNED
 from mariana.platform.jobs.trials import trial_row, used_params
 
@@ -83,25 +75,9 @@ def metric_value(record: dict, monitor: str, prefixes=("eval_",)) -> float | Non
 
 
 def read_new_records(f: InFlight) -> list[dict]:
-    """Complete lines of RUN/metrics.jsonl after what was read before."""
-    path = f.run_dir / "metrics.jsonl"
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(f.offset)
-            data = fh.read()
-    except FileNotFoundError:
-        return []
-    end = data.rfind(b"\n") + 1
-    f.offset += end
-    out = []
-    for line in data[:end].splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
+    """The JSON-object lines of RUN/metrics.jsonl completed since the last read."""
+    lines, f.offset = read_lines(f.run_dir / "metrics.jsonl", f.offset)
+    return [r for r in map(parse_record, lines) if r is not None]
 
 
 def final_value(run_dir: Path, monitor: str) -> tuple[float | None, str]:
@@ -229,10 +205,6 @@ def requeue_interrupted(study, runner) -> int:
     return n
 
 
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-
 def run_study(o: TuneOptions, runner) -> int:
     import optuna
     from optuna.trial import TrialState
@@ -342,7 +314,7 @@ def _report(f: InFlight, monitor: str) -> int | None:
 
 
 def _params_text(params: dict) -> str:
-    return " ".join(f"{k}={_fmt(v)}" for k, v in params.items())
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
 
 
 def best_config(run_dir: Path, config_cls: type) -> dict:
