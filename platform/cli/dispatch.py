@@ -11,6 +11,8 @@ import argparse
 import importlib
 from collections.abc import Callable
 
+from ..core.errors import MarianaError
+
 
 def handler(target: str) -> Callable[[argparse.Namespace, list[str]], int]:
     """``handler("mariana.apps.pctr.commands:train")`` -> a ``func(args, argv) -> int`` for
@@ -21,7 +23,15 @@ def handler(target: str) -> Callable[[argparse.Namespace, list[str]], int]:
         raise ValueError(f"handler target must be 'package.module:function', got {target!r}")
 
     def run(args: argparse.Namespace, argv: list[str]) -> int:
-        return getattr(importlib.import_module(module_name), attr)(args, argv)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:  # an optional extra (onnx, ...) that is not installed: one line
+            if (e.name or "mariana").startswith("mariana"):
+                raise
+            raise MarianaError(
+                f"this command needs the package {e.name!r} (an optional extra: pyproject.toml)"
+            ) from e
+        return getattr(module, attr)(args, argv)
 
     run.__qualname__ = run.__name__ = f"handler[{target}]"
     return run
