@@ -19,9 +19,10 @@ import torch
 
 from ..core.rundir import RunDir
 from ..core.steps import autocast_for
+from ..sparse.local import fresh_rows
 from .dense import unflatten_into
 from .protocol import TABLE, SparseBatch, SparseModel, StepConfig
-from .pull import Done, Pulled, fresh_rows, send_pull, train_step, write_counter
+from .pull import Done, Pulled, send_pull, train_step, write_counter
 
 
 class RemoteIdMap:
