@@ -274,7 +274,7 @@ class Streamer(StreamRecords):
 
     # ---------------------------------------------------------------- the loop
     def run_forever(self) -> dict[str, Any]:
-        """Follow the folder until a stop condition (module docstring); returns the totals."""
+        """Follow the folder until a stop condition (README, "Streaming"); returns the totals."""
         cfg = self.cfg
         idle_since = time.monotonic()
         reason = "stopped"
