@@ -11,6 +11,21 @@ from mariana.apps.pctr.models.nets import MODELS, CTRModel
 from mariana.platform.sparse.rules import RowOptConfig, apply_rows, init_state
 
 
+class LocalClient:
+    """A worker client over an in-process shard (pull/push as `PSClient`'s); no dense store: the caller
+    steps a torch optimiser."""
+
+    def __init__(self, shard):
+        self.shard = shard
+
+    def pull(self, reqs: dict, step: int = -1, want_dense: bool = False):
+        return {n: self.shard.pull(n, r) for n, r in reqs.items()}, None
+
+    def push(self, grads: dict, dense_grad=None, step: int = -1):
+        for n, (r, g) in grads.items():
+            self.shard.push(n, r, g)
+
+
 def batch(B=6, nf=4, R=10, nd=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, R, (B, nf), generator=g) + torch.arange(nf) * R
@@ -51,7 +66,6 @@ def _trained_rows(rule: str, model: CTRModel, steps: int = 3, **row_kw) -> torch
     from mariana.apps.pctr.data.encoding import Batch
     from mariana.platform.ps.pull import TABLE, train_step
     from mariana.platform.ps.shard import EmbeddingShard, TableSpec
-    from mariana.platform.ps.worker import LocalClient
 
     spec = TableSpec(TABLE, 40, model.table.weight.shape[1], 0.01)
     cfg = RowOptConfig(rule=rule, lr=0.1, **row_kw)
@@ -113,7 +127,6 @@ def test_train_step_equals_autograd_through_the_table(kind, unit_vals):
     from mariana.apps.pctr.data.encoding import Batch
     from mariana.platform.ps.pull import TABLE, train_step
     from mariana.platform.ps.shard import EmbeddingShard, TableSpec
-    from mariana.platform.ps.worker import LocalClient
 
     torch.manual_seed(0)
     ref = CTRModel(kind, 40, 4, 2, dim=3, hidden=(8, 4), cross_layers=2)
@@ -147,7 +160,6 @@ def test_clip_grad_bounds_the_joint_norm_of_dense_and_row_gradients(clip):
     from mariana.apps.pctr.data.encoding import Batch
     from mariana.platform.ps.pull import TABLE, train_step
     from mariana.platform.ps.shard import EmbeddingShard, TableSpec
-    from mariana.platform.ps.worker import LocalClient
 
     def step(model, clip_grad):
         spec = TableSpec(TABLE, 40, model.table.weight.shape[1], 0.01)
@@ -181,7 +193,6 @@ def test_l2_regularised_step_equals_autograd_of_the_regularised_loss(kind):
     from mariana.apps.pctr.data.encoding import Batch
     from mariana.platform.ps.pull import TABLE, train_step
     from mariana.platform.ps.shard import EmbeddingShard, TableSpec
-    from mariana.platform.ps.worker import LocalClient
 
     l2_emb, wd, lr = 0.3, 0.2, 0.5
     torch.manual_seed(0)

@@ -80,9 +80,8 @@ def assemble(net: Net, ids: str, st: Setup, client, step: PSWorkerStep):
 
 def _work(cfg: PctrConfig, role, run, st: Setup) -> int:
     """A worker: train its share with the platform `Trainer`; worker 0 then finishes the job."""
-    data = st.worker_data(
-        role.index, role.num_workers, cache_dir=run.path / "row-cache" / f"worker-{role.index}"
-    )
+    cache_dir = run.path / "row-cache" / f"worker-{role.index}"
+    data = st.worker_data(role.index, role.num_workers, cache_dir=cache_dir)
     total = st.total_steps(data.steps_per_epoch)
     cpu = torch.device("cpu")
     val, val_labels = st.val_batches(cpu)
@@ -144,10 +143,7 @@ def _finish(
     )
     if keep_best:
         best = next((h for h in trainer.history if h["step"] == ev.best_step), {})
-        chosen = {
-            "auc": best.get("eval_auc", float("nan")),
-            "logloss": best.get("eval_logloss", float("nan")),
-        }
+        chosen = {k: best.get(f"eval_{k}", float("nan")) for k in ("auc", "logloss")}
     else:
         chosen = end
         metrics = {"eval_auc": end["auc"], "eval_logloss": end["logloss"], "step": total}

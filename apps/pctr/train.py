@@ -134,10 +134,7 @@ class Setup:
             "schema": self.schema.to_dict(),
             "model": {
                 "kind": self.cfg.model,
-                "dim": self.cfg.dim,
-                "hidden": self.cfg.hidden,
-                "cross_layers": self.cfg.cross_layers,
-                "dropout": self.cfg.dropout,
+                **{k: cfg[k] for k in ("dim", "hidden", "cross_layers", "dropout")},
             },
             "config": cfg,
             **({"image": self.image.meta()} if self.image is not None else {}),
@@ -154,14 +151,9 @@ def export(run: RunDir, setup: Setup, model: CTRModel, table: torch.Tensor, seen
     if setup.image is not None:  # the CNN and projection: serving computes the same features
         sd.update(setup.image.state())
     meta = setup.meta(extra)
+    kind = meta["model"]["kind"]
     export_model(
-        run.path,
-        sd,
-        app="pctr",
-        arch=meta["model"]["kind"],
-        config=meta["config"],
-        metrics=meta.get("metrics"),
-        extra=meta,
+        run.path, sd, app="pctr", arch=kind, config=meta["config"], metrics=meta.get("metrics"), extra=meta
     )
 
 
@@ -235,14 +227,10 @@ def _latest_checkpoint(init_from: str, flag: str) -> tuple[dict, Path]:
 
 
 def continue_training_state(step, cfg: PctrConfig) -> int:
-    """``--init-from RUN --init-train-state``: load RUN's latest one-process checkpoint into ``step`` (a
-    `LocalStep`): model and table, ``seen`` flags (and the id map), the row-optimiser state (Adagrad
-    accumulators / FTRL z, n) and the dense optimiser's state (Adam moments and step count), so training
-    goes on as if RUN had continued on this run's data. The hyper-parameters (learning rates, betas, ...)
-    stay this run's; the learning-rate schedule and step counter start over. Returns the checkpoint's step.
-
-    The weights come from the checkpoint, not from RUN's export: the two differ when RUN exported an
-    earlier, better-validated step, and optimiser state only fits the weights it was accumulated with."""
+    """``--init-from RUN --init-train-state``: load RUN's latest one-process checkpoint (model, table, row
+    and dense optimiser state) into ``step`` (a `LocalStep`); hyper-parameters stay this run's. Returns the
+    checkpoint's step. The weights come from the checkpoint, not RUN's export (an earlier, better-validated
+    step): optimiser state only fits the weights it was accumulated with."""
     ck, src = _latest_checkpoint(cfg.init_from, "--init-train-state")
     opt = step.dense_opt
     mine = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]

@@ -6,7 +6,7 @@ restores checkpoints, and per-worker counters. The sparse step, its row stores a
 - protocol.py: what an application supplies (its model, batches, settings, optional key map);
 - pull.py: `RemoteRows` (the row store on the servers) and the workers' `train_step`;
   worker_step.py: `PSWorkerStep`; loader.py: `PullAheadLoader`; checkpoint.py: `ServerCheckpointer`;
-- server.py (`ParamServer`, served through transport.py), worker.py (`PSClient`, `LocalClient`), shard.py,
+- server.py (`ParamServer`, served through transport.py), worker.py (`PSClient`), shard.py,
   dense.py; coordinator.py: announcements of one worker to all (a stream's files);
 - job.py: process start-up, serving, `assemble_model`; master.py, runtime.py: launching and transport set-up;
   transport.py: calls over ZeroMQ."""

@@ -1,17 +1,9 @@
 """The master of a parameter-server job: starts the S servers + W workers through the platform's one
-launcher (`mariana.platform.runtime.launch.launch`, torchrun's agent), supervises them, and collects the
-processes' counters.
-
-- Failure of any process (a worker or a server, e.g. SIGKILL) makes torchrun stop the group and start it
-  again (up to ``max_restarts`` times). The servers' addresses and secret belong to one formation of the group, so it restarts
-  as a whole: the servers reload the last consistent checkpoint (``RUN/checkpoints/latest``), each worker
-  resumes at the first step its shards have not applied, and training continues to the end.
-- A job that still fails is reported like every launched job: one console line per cause, here naming the
-  process by its role (``mariana: error: worker 1 (rank 3) was killed by SIGKILL (see RUN/logs/rank-3.log)``).
-- Counters: every worker appends JSON lines to ``RUN/counters/worker-W.jsonl`` (step, samples/s, loss,
-  validation AUC, pull/push wait), every server writes ``RUN/counters/server-S.json`` (pulls, pushes,
-  ``restored_from``: the checkpoint step it restarted from, ``attempt``); the master merges the last record
-  of each worker, the servers' counters and the restart count into ``RUN/counters.json``.
+launcher (`mariana.platform.runtime.launch.launch`, torchrun's agent), which restarts the whole group on a
+failure (the servers reload ``RUN/checkpoints/latest``, each worker resumes at the first step its shards
+have not applied) and names a failed process by its role. Counters: every worker appends JSON lines to
+``RUN/counters/worker-W.jsonl``, every server writes ``RUN/counters/server-S.json``; the master merges the
+last record of each worker, the servers' counters and the restart count into ``RUN/counters.json``.
 """
 
 from __future__ import annotations

@@ -14,22 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from ..core.rundir import RunDir
-from ..sparse.local import fresh_rows
 from ..sparse.step import sparse_step, step_dense
 from ..sparse.store import Gathered, row_sums
 from .dense import flatten, unflatten_into
 from .protocol import TABLE, SparseBatch, SparseModel
-
-__all__ = [
-    "TABLE",
-    "Done",
-    "Pulled",
-    "RemoteRows",
-    "fresh_rows",
-    "gather_rows",
-    "predict_batches",
-    "train_step",
-]
 
 
 class Pulled(NamedTuple):
@@ -73,7 +61,7 @@ def gather_rows(client, ids: torch.Tensor, step: int, device, want_dense: bool =
 
 class RemoteRows:
     """The row store (`mariana.platform.sparse.store`'s calls) of one worker step whose rows live behind
-    ``client`` (a `PSClient`, or a `LocalClient` over an in-process shard): ``gather`` pulls the batch's unique
+    ``client`` (a `PSClient`, or an in-process shard's client with its pull/push): ``gather`` pulls the batch's unique
     rows (or takes ``pulled``, sent ahead) and, with ``remote_dense``, the dense parameters into ``model``;
     ``update`` pushes the rows' gradients (and the dense ones, flat) for ``step``; the servers apply them."""
 
@@ -129,7 +117,7 @@ def train_step(
     ``l2_emb`` and ``weight_decay`` add). Returns the mean log-loss (float tensor). ``pulled``: this batch's
     pull, sent ahead (`send_pull`). ``dense_opt`` (if any) is stepped with the dense gradients;
     ``remote_dense``: they travel with the push instead and the servers' dense parameters are pulled first.
-    The servers (or a `LocalClient`'s in-process shard) apply the rows' gradients with their rule."""
+    The servers (or an in-process shard) apply the rows' gradients with their rule."""
     store = RemoteRows(client, step, device, model, remote_dense, pulled)
     vals = None if bool((batch.vals == 1).all()) else batch.vals  # one-hot data: skip the products
     loss, grads = sparse_step(

@@ -19,13 +19,8 @@ weights, fresh optimiser state, not ``seen``), applied after the staleness wait 
 read. The map and the last few assignments of each worker go into server 0's checkpoint, so a worker that
 replays a step after a restore gets the same rows back without counting its batch twice.
 
-Transport (transport.py): each server process serves its `ParamServer` as ``"ps"`` (`runtime.ps_session`);
-a worker holds one handle per server (`runtime.remote`) and calls the server's methods through it
-(``handle.rpc_async().pull(...)``), so every public method of `ParamServer` is an entry point, with no
-forwarding functions.
-
-Fault injection: ``faults``, a `FaultInjector` of the ``push`` event read from ``MARIANA_FAULT``
-(``KIND:server=S:push=N``), fires before the N-th push is applied (platform/core/faults.py).
+Every public method of `ParamServer` is an entry point, served as ``"ps"`` through transport.py
+(`runtime.ps_session`); workers call it through handles (`runtime.remote`).
 """
 
 from __future__ import annotations

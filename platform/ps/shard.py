@@ -51,11 +51,6 @@ def init_rows(spec: TableSpec, seed: int, shard: int = 0, num_shards: int = 1, c
     return out
 
 
-def shard_of(rows: torch.Tensor, num_shards: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(shard index [U], local row index [U]) of global rows ``[U]``."""
-    return rows % num_shards, rows // num_shards
-
-
 def contiguous_part(total: int, index: int, parts: int) -> tuple[int, int]:
     """Part ``index`` ``[lo, hi)`` of ``total`` items cut into ``parts`` contiguous pieces in order, their
     sizes differing by at most one (the dense parameters' slices per server, a worker's lines)."""
@@ -73,12 +68,9 @@ def split_by_shard(rows: torch.Tensor, num_shards: int) -> list[tuple[torch.Tens
     """For each shard: (positions in ``rows`` [u_s], local rows [u_s])."""
     if num_shards == 1:
         return [(torch.arange(rows.numel(), device=rows.device), rows)]
-    sh, loc = shard_of(rows, num_shards)
-    out = []
-    for s in range(num_shards):
-        pos = (sh == s).nonzero(as_tuple=True)[0]
-        out.append((pos, loc.index_select(0, pos)))
-    return out
+    sh, loc = rows % num_shards, rows // num_shards  # global row r: shard r % S, local row r // S
+    pos = [(sh == s).nonzero(as_tuple=True)[0] for s in range(num_shards)]
+    return [(p, loc.index_select(0, p)) for p in pos]
 
 
 class EmbeddingShard:

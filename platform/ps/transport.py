@@ -9,15 +9,9 @@ gives the ``handle.rpc_async().method(*args)`` / ``handle.rpc_sync(timeout).meth
 Wire: a message is ``[kind, request id, pickle header, *buffers]``. Tensors are pickled as numpy arrays with
 protocol 5, so their memory goes out of band as zero-copy frames (no Python-level copy: the receiver's
 tensors are views of the received frames, moved once to a 64-byte boundary when libzmq put one elsewhere,
-`_aligned`). What a network service needs:
-- a connection first says hello with `PROTOCOL` and the job's secret (handed out through the rendezvous
-  store, `runtime.ps_session`); any other message from a peer that has not is refused, and so is a hello
-  with a wrong secret or another protocol version (the client raises `TransportError` naming both);
-- messages over ``MARIANA_PS_MAX_MSG_MB`` (default 2048) MiB are dropped by ZeroMQ (the peer is
-  disconnected), so a stray peer cannot make a server allocate without bound;
-- heartbeats: a client pings each server every `peer_timeout` / 5 and fails the calls pending on a server
-  it heard nothing from for ``MARIANA_PS_PEER_TIMEOUT_S`` (default 30) seconds, so a dead server is
-  detected in that time instead of waited on (a dead worker ends the job through torchrun's agent).
+`_aligned`). A connection first says hello with `PROTOCOL` and the job's secret (`runtime.ps_session`);
+the size cap and heartbeats: platform/README.md, "Parameter-server transport". A client pings each server
+every peer timeout / 5, so a dead server is detected instead of waited on.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Worker side of the parameter server: pull the rows a batch needs, push their gradients.
 
 `PSClient` talks to the servers through the transport (one request per server per step, all tables
-bundled);
-`LocalClient` is the same interface over an in-process shard (single-process training, and the GPU path).
-
-Both take *global unique* row ids ``[U]`` and return ``[U, K]`` rows; pushes carry the gradient of exactly
+bundled). It takes *global unique* row ids ``[U]`` and return ``[U, K]`` rows; pushes carry the gradient of exactly
 those rows (the "sparse gradient" of the batch: U is the number of distinct ids, not B x fields).
 """
 
@@ -15,24 +12,7 @@ import time
 import torch
 
 from .runtime import remote
-from .shard import EmbeddingShard, contiguous_part, split_by_shard
-
-
-class LocalClient:
-    """In-process table(s) with the same pull/push API; no dense store (the caller steps a torch optimiser)."""
-
-    def __init__(self, shard: EmbeddingShard):
-        self.shard = shard
-
-    def pull(self, reqs: dict[str, torch.Tensor], step: int = -1, want_dense: bool = False):
-        return {n: self.shard.pull(n, r) for n, r in reqs.items()}, None
-
-    def push(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]], dense_grad=None, step: int = -1):
-        for n, (r, g) in grads.items():
-            self.shard.push(n, r, g)
-
-    def wait(self) -> None:
-        pass
+from .shard import contiguous_part, split_by_shard
 
 
 class PendingPull:

@@ -19,9 +19,10 @@ import torch
 
 from ..core.rundir import RunDir
 from ..core.steps import autocast_for
+from ..sparse.local import fresh_rows
 from .dense import unflatten_into
 from .protocol import TABLE, SparseBatch, SparseModel, StepConfig
-from .pull import Done, Pulled, fresh_rows, send_pull, train_step, write_counter
+from .pull import Done, Pulled, send_pull, train_step, write_counter
 
 
 class RemoteIdMap:
@@ -44,9 +45,8 @@ class PendingMap(NamedTuple):
 
 
 class PSWorkerStep:
-    """`TrainStep` of a parameter-server worker: pull rows (and, from server 0, the dense parameters),
-    compute, push the rows' and the dense gradients; the servers apply them. ``evaluate(fn)`` first waits
-    for this worker's pushes and pulls the current dense parameters."""
+    """`TrainStep` of a parameter-server worker (module docstring). ``evaluate(fn)`` first waits for this
+    worker's pushes and pulls the current dense parameters."""
 
     data_parallel = 1
 
@@ -70,8 +70,6 @@ class PSWorkerStep:
         self.t, self.n, self.loss_sum, self.loss_n = 0, 0, 0.0, 0
         self.pulled_ahead = 0  # steps whose rows were pulled by `PullAheadLoader` (for the counters)
         self.t0 = time.perf_counter()
-        # `--ids dynamic`: server 0 maps each batch's keys to rows (`ParamServer.assign`) before its pull;
-        # the rows it evicted are redrawn here (`fresh_rows`) and reset by their servers within that pull
         self.dynamic, self.width = dynamic, width
         self.ids_evicted = 0  # rows evicted for this worker's batches
         self.assign_s = 0.0  # seconds waited for server 0's answers (keys -> rows)

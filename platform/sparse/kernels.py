@@ -1,19 +1,12 @@
 """The CPU step's table work as three C loops (`rows.c`): gather, distinct rows + per-row sums, row update.
 
-On the CPU the eager step's table side was a chain of torch ops: ``torch.unique`` (a sort), an
-``index_add_`` per part, and a gather and a scatter per tensor of the row optimiser, a large share of a bf16
-step's operator time at Criteo's shapes; FBGEMM's fused CPU kernels, the field's library for this, were
-slower than our step (figures: `platform/README.md`, "Measured choices"). These loops do the same arithmetic
-in one pass each (same operations per element, same order of additions per row: the same numbers but
-for Adagrad's square root, correctly rounded here, see `tests/test_cpu_rows.py`).
-
-`rows.c` is built at install, by ``pip install -e .`` (setup.py: the optional extension
-``mariana.platform.sparse._rows``, a plain C library with portable flags, `FLAGS`), and loaded here with
-ctypes. No library (no C compiler at install), one built from another `rows.c` (edited since: its
-``mariana_rows_source()`` differs from `source_id`; reinstall), or ``MARIANA_CPU_KERNELS=off``: `kernels()`
-is None and the step keeps its torch ops (one warning line per process). Every entry point checks its
-tensors' dtypes and shapes and the loops check every id, so a wrong caller gets an error, never a write
-outside the table.
+They replace a chain of torch ops (unique, index_add_, a gather and scatter per state tensor) with one
+pass each and the same arithmetic (Adagrad's square root aside, `tests/test_cpu_rows.py`); why and the
+figures: `platform/README.md`, "Measured choices". `rows.c` is built at install (setup.py's optional
+extension ``mariana.platform.sparse._rows``) and loaded with ctypes. No library, one built from another
+`rows.c` (`source_id`; reinstall), or ``MARIANA_CPU_KERNELS=off``: `kernels()` is None and the step keeps
+its torch ops (one warning per process). Entry points check dtypes, shapes and every id: a wrong caller
+gets an error, never a write outside the table.
 """
 
 from __future__ import annotations

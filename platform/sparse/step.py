@@ -2,9 +2,8 @@
 gradient sums, ``l2_emb``, weight decay, clipping, the row update (`sparse_step`); and `SparseStep`, the
 one-process step over a local store, eager or compiled at fixed shapes.
 
-Every caller runs `sparse_step`: the one-process step (`local.LocalStep` through `SparseStep`), the
-parameter-server workers (`mariana.platform.ps.pull.train_step`, over `RemoteRows`) and the streams (which
-run those two). Which store a step runs on decides the table work (`store.py`); the math is this one.
+Every caller runs `sparse_step` (`local.LocalStep` through `SparseStep`, the parameter-server workers'
+`ps.pull.train_step` over `RemoteRows`); the store decides the table work (`store.py`), the math is this.
 
 Compiled (`SparseStep.compile`), the step runs on a padded `TorchRows`: the batch's ids ``[B, F]`` become
 ``N = B * F`` slots (`store.slots_of`), so every tensor has a shape fixed by ``(B, F, K)`` and the whole
@@ -157,15 +156,10 @@ class SparseStep:
 
     def compile(self, backend: str = "inductor", mode: str | None = None) -> None:
         """Run the step through ``torch.compile(fullgraph=True, backend=backend, mode=mode)`` from now on
-        (every shape fixed: a padded store). The learning rate reaches the graph as the 0-d tensor
-        ``self.lr`` (filled before each call), so a schedule does not recompile it.
-
-        ``mode="reduce-overhead"`` (inductor on CUDA): the graph is captured in a CUDA graph and replayed.
-        The tensors it updates in place (table, row-optimiser state, ``seen``), the learning rate and the
-        dense parameters are marked static (fixed addresses: the replay reads and writes them where they
-        are; only the batch is copied in). A replay overwrites the previous call's outputs (loss and dense
-        gradients): the caller consumes them before the next call (`apply_dense` steps the dense optimiser
-        at once), and each call starts a new step (``cudagraph_mark_step_begin``)."""
+        (a padded store); the learning rate is the 0-d tensor ``self.lr``, so a schedule does not recompile.
+        ``mode="reduce-overhead"``: a CUDA graph, replayed; the tensors it updates in place, ``lr`` and the
+        dense parameters are marked static (only the batch is copied in). A replay overwrites the previous
+        call's loss and dense gradients: the caller consumes them first (`apply_dense`)."""
         self.store = TorchRows(self.weight, self.state, self.seen, padded=True)
         self.lr = torch.zeros((), dtype=self.weight.dtype, device=self.weight.device)
         self.graphs = mode == "reduce-overhead"

@@ -1,25 +1,12 @@
-"""Inference API used by `mariana pctr eval` and the serving module.
+"""Inference API used by `mariana pctr eval` and the serving module (apps/pctr/README.md, "Serving API").
 
 ``load_predictor(run_dir) -> Predictor`` reads only the exported files (``model.safetensors`` with the
-metadata JSON: schema = format + hashing, model shape); nothing is unpickled. The weights file is
-memory-mapped (`load_exported`) and the embedding table is adopted as loaded, never copied.
-
-Predictor:
-- ``.format``: ``'criteo' | 'libfm'``; ``.version``: the exported weights' digest
-- ``.parse(lines: list[str]) -> (Batch, errors: dict[int, str])``: records in the training format WITHOUT
-  the label (criteo: 39 tab-separated fields; libfm: ``id:value ...``); invalid lines are left out and
-  reported by index.
-- ``.parse_json(instances: list[dict]) -> (Batch, errors)``: criteo ``{"I1": 3, ..., "C26": "a9b0..."}``
-  (absent key = missing); libfm ``{"features": [[id, value], ...]}`` or ``{"features": {"id": value}}``.
-- ``.predict(batch) -> np.ndarray float32 [B]`` click probabilities.
-- ``.predict_lines(lines) -> (probs: list[float | None], errors)`` (None where the line was invalid).
-- ``.onnx_graph`` / ``.use_onnx``: the graph `mariana export --format onnx` writes (`ClickScorer`), and scoring
-  through a runtime of it (``mariana serve --runtime onnxruntime``).
-Ids unseen in training (their hashed row received no gradient) are scored with the field's OOV row.
-With ``--ids dynamic`` the batch holds keys, mapped through the exported id map (``idmap.row_key``): an id
-that holds no row (never seen, not admitted, or evicted) is scored with the OOV row.
-A model trained with ``--image-features`` computes the image features itself (`images.features.ImageFeatures`,
-rebuilt from the export); a record whose image is missing or corrupt is an error for that record only.
+metadata JSON); nothing is unpickled, the weights are memory-mapped and the table adopted, never copied.
+``.parse(lines)`` / ``.parse_json(instances)`` -> (Batch, errors by index: invalid records are left out);
+criteo JSON ``{"I1": 3, ..., "C26": "a9b0..."}`` (absent key = missing), libfm ``{"features": [[id, value],
+...]}`` or ``{"features": {"id": value}}``. ``.predict(batch)`` -> float32 [B] click probabilities;
+``.predict_lines(lines)`` -> (probs, None where invalid; errors). Unseen ids (and, with ``--ids dynamic``,
+ids holding no row of the exported map) are scored with the field's OOV row.
 """
 
 from __future__ import annotations
@@ -107,8 +94,7 @@ class Predictor:
         return batch, errors
 
     def parse_json(self, instances: list[dict]) -> tuple[Batch, dict[int, str]]:
-        lines, bad = [], {}
-        index = []
+        lines, bad, index = [], {}, []
         for i, inst in enumerate(instances):
             try:
                 lines.append(self._json_line(inst))
@@ -130,18 +116,11 @@ class Predictor:
             unknown = set(inst) - set(names)
             if unknown:
                 raise KeyError(f"unknown field(s) {sorted(unknown)}")
-            vals = []
-            for n in names:
+            for n in names[:CRITEO_INTS]:
                 v = inst.get(n)
-                if v is None:
-                    vals.append("")
-                elif n.startswith("I"):
-                    if isinstance(v, bool) or not isinstance(v, int | str):
-                        raise ValueError(f"{n} must be an integer")
-                    vals.append(str(v))
-                else:
-                    vals.append(str(v))
-            return "\t".join(vals)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int | str)):
+                    raise ValueError(f"{n} must be an integer")
+            return "\t".join("" if inst.get(n) is None else str(inst[n]) for n in names)
         feats = inst.get("features")
         if isinstance(feats, dict):
             feats = list(feats.items())
@@ -183,16 +162,8 @@ class Predictor:
 
     def predict_lines(self, lines: list[str]) -> tuple[list[float | None], dict[int, str]]:
         batch, errors = self.parse(lines)
-        probs = self.predict(batch)
-        out: list[float | None] = []
-        k = 0
-        for i in range(len(lines)):
-            if i in errors:
-                out.append(None)
-            else:
-                out.append(float(probs[k]))
-                k += 1
-        return out, errors
+        probs = iter(self.predict(batch).tolist())
+        return [None if i in errors else next(probs) for i in range(len(lines))], errors
 
 
 class ClickScorer(nn.Module):

@@ -41,16 +41,9 @@ def make_local_step(cfg: PctrConfig, setup, device: torch.device) -> LocalStep:
     setup.idmap = idmap_for(cfg.rows, setup.schema)
     # criteo's values are all 1 by construction (decided once per data set, not per batch)
     unit = setup.schema.format == "criteo" and getattr(setup, "image", None) is None
-    return LocalStep(
-        cfg,
-        model,
-        model.table.weight.data,
-        row_config(cfg.table),
-        build_dense(cfg.optim, model.dense_parameters()),
-        device,
-        unit_vals=unit,
-        idmap=setup.idmap,
-    )
+    dense_opt = build_dense(cfg.optim, model.dense_parameters())
+    weight, rule = model.table.weight.data, row_config(cfg.table)
+    return LocalStep(cfg, model, weight, rule, dense_opt, device, unit_vals=unit, idmap=setup.idmap)
 
 
 def make_worker_step(cfg: PctrConfig, schema, client, role, run) -> PSWorkerStep:

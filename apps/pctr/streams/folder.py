@@ -1,5 +1,5 @@
 """The folder a `pctr stream` follows: its complete units (files and finished partitions) in arrival
-order (`scan`); the rules are in `streamer.py`'s docstring."""
+order (`scan`); the rules: apps/pctr/README.md, "Streaming"."""
 
 from __future__ import annotations
 

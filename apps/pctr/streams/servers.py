@@ -1,46 +1,11 @@
 """``mariana pctr stream --servers S --workers W``: the stream of `streamer.py` on parameter servers.
 
-Job layout: the one of ``pctr train --servers S --workers W`` (torchrun through `run_job`, the ZeroMQ transport;
-ranks ``0..S-1`` servers, ``S..S+W-1`` workers). Servers hold the sharded table and the dense parameters
-with their optimisers (`apps/pctr/ps.py`'s ``_serve``); server 0 also keeps the stream's *announcements*
-(`Coordinator`).
-
-Worker 0 is the stream (`PSStreamer`, a `Streamer` whose model lives on the servers): it alone scans the
-folder, keeps the consumed-file ledger and decides what comes next, so the workers never disagree about
-the files. Per file it
-
-1. reads the file (the training reader) and scores it with the current model before training on it
-   (progressive AUC/logloss: the whole table and the dense parameters are pulled from the servers, unseen
-   rows use the OOV row, as serving does);
-2. cuts the rows into steps: step ``j`` takes rows ``[j*W*B, (j+1)*W*B)`` (``B`` = --batch-size; a last
-   remainder of fewer than W rows joins the step before), and worker ``w`` trains its contiguous part
-   `contiguous_part` of each step's rows. Every worker therefore runs the same number of steps per file
-   (needed by --staleness 0 and s > 0, whose steps wait for every worker), and under --staleness 0 step
-   ``j`` applies the mean of the W workers' gradients of step ``j``'s rows (synchronous SGD with a global
-   batch of W*B rows; with W = 1 exactly the one-process stream). A file with fewer valid rows than W is
-   scored and consumed but not trained on (a warning);
-3. announces the parts to server 0; every worker fetches its part, trains on it with the platform
-   `Trainer` and its persistent `PSWorkerStep` (asynchronously by default, as ``pctr train``), waits until
-   the servers applied its pushes and reports the part done;
-4. once all W parts are done: appends the file to the ledger, exports when --export-every is due (the
-   table pulled from the servers, the normal pCTR export, so ``mariana serve --pctr RUN --watch`` picks it
-   up), and checkpoints: ``checkpoints/step_T/stream.json`` (ledger, totals, the workers' step T, the
-   announcement count) is written atomically first, then the servers write their shards into the same
-   folder and switch ``latest`` (`ParamServer.checkpoint`).
-
-Restart: a killed process makes torchrun restart the whole group (``--max-restarts``); a stopped or killed
-job continues with ``--resume``. Either way the servers restore ``latest`` and every worker reads the
-same ``stream.json`` (its step T and announcement count), so the file that was in progress is trained on
-again from the state before it and no consumed file is read again. Under --staleness 0 the result equals
-an uninterrupted stream (the tests compare the weights); asynchronous runs are not deterministic anyway.
-
-Stops: ``--max-files`` and ``--idle-exit`` stop cleanly (worker 0 exports what is not exported yet,
-checkpoints, tells the workers and the servers to finish). Ctrl-C/SIGTERM stop the whole job at once as
-for ``pctr train --servers`` (the launcher stops every process): the file in progress is not in the
-ledger and is trained on again after ``--resume``.
-
-Not supported with servers (refused by `config.StreamConfig.check`): --init-from, --ids dynamic, libFM
-without --num-fields (a stream has no --image-features or --nnodes at all).
+The job is laid out as ``pctr train --servers S --workers W``; server 0 also keeps the stream's
+announcements (`Coordinator`). Worker 0 is the stream (`PSStreamer`): it alone scans the folder and keeps
+the ledger, so the workers never disagree about the files; it scores each file with the servers' model,
+cuts it into steps (`step_parts`), announces the parts, and once all W are trained, exports and
+checkpoints (``stream.json`` first, then the servers' shards). Restart, stops and what is refused:
+apps/pctr/README.md, "Streaming".
 """
 
 from __future__ import annotations
@@ -78,8 +43,10 @@ STREAM_STATE = "stream.json"
 
 # --------------------------------------------------------------------------- cutting a file into steps
 def step_parts(rows, batch_size: int, workers: int) -> list[list]:
-    """``rows`` (a `Batch` of N rows) -> one list per worker of T step batches (module docstring, 2.);
-    every part is non-empty and a copy (the transport would send a view's whole storage). [] if N < workers."""
+    """``rows`` (a `Batch` of N rows) -> one list per worker of T step batches: step ``j`` takes rows
+    ``[j*W*B, (j+1)*W*B)`` and worker ``w`` its contiguous part of them, so every worker runs the same
+    number of steps (--staleness 0 and s > 0 wait for all). Every part is non-empty and a copy (the
+    transport would send a view's whole storage). [] if N < workers."""
     n, chunk = len(rows), batch_size * workers
     if n < workers:
         return []
@@ -263,10 +230,7 @@ def run_ps_stream_process(cfg: StreamConfig) -> int:
             client.finish_servers()
             log.info("stream: %d files, %d rows, %d exports", t["files"], t["rows"], t["exports"])
             return 0
-        coordinator, parts_trainer = (
-            remote(0, "coordinator"),
-            PartTrainer(cfg, step, ctx, run),
-        )
+        coordinator, parts_trainer = remote(0, "coordinator"), PartTrainer(cfg, step, ctx, run)
         seq = int(state["seq"])
         while (parts := coordinator.rpc_sync(timeout=0).fetch(seq, role.index)) is not None:
             parts_trainer.train(parts)

@@ -1,46 +1,9 @@
 """``mariana pctr stream``: follow a folder of click logs, train on each new file once, export on schedule.
 
-What counts as a file (`scan`): in ``--data DIR``,
-
-- a regular file whose name matches a pattern of ``--files`` and neither starts with ``.`` or ``_`` nor ends in ``.tmp``/``.part`` (writers
-  write under such a temporary name and rename the file into place when it is complete; a file still being
-  written under its final name is not detected: rename into place);
-- a partition subfolder (same name rules) once it holds a ``_SUCCESS`` marker: its regular files (same name
-  rules, not recursive) in name order form one unit.
-
-Arrival order: by modification time (nanoseconds; of the file, or of the partition's ``_SUCCESS``), then by
-name. A file's *landing* time is the later of its modification and status-change times (a rename sets the
-status-change time, so a copied-then-renamed file lands when it is renamed).
-
-Per file, in one process (`LocalStep`, the table and the dense and row optimiser state stay in memory across
-files): the file is parsed once (`load_split`, the training reader) into memory; scored by the current model
-before it trains on it (progressive, next-file validation: AUC and logloss, unseen ids scored with the OOV
-row as serving does); trained on for one pass in file order (every row once, the last batch may be short) by
-the one platform `Trainer` with the same step object as ``pctr train``; exported when ``--export-every`` is
-due (the normal pCTR export, `train.export`); then checkpointed (atomically, with the consumed-file ledger).
-A file that disappears before it is read is not consumed; a consumed file that changes later is not read
-again (a warning, counted in ``changed_after_consume``).
-
-Restart: ``--resume`` continues from RUN's last checkpoint (model, row and dense optimiser state, RNG state,
-ledger): files in the ledger are never read again, the others are trained on in order. Without ``--resume``,
-a RUN that already holds a checkpoint is refused. A file whose training was interrupted (kill -9) is not in
-the ledger of the last checkpoint and is trained on again from the state before it, so the result equals an
-uninterrupted stream.
-
-Stop: runs until Ctrl-C / SIGTERM (the file in progress is finished, exported when due and checkpointed; a
-second Ctrl-C exits at once, the last checkpoint is the one before that file), ``--max-files N`` (N files
-consumed by the run in total) or ``--idle-exit S`` (no new file for S seconds). On a normal stop a model not
-yet exported is exported.
-
-Outputs in RUN (besides config.toml, checkpoints/, logs/, model.safetensors + model.json):
-``metrics.jsonl`` (the Trainer's train records with the run's global step, plus one ``{"file": ...}``
-record per file), ``counters/worker-0.jsonl`` (one record per file: files, rows, skipped lines, progressive
-AUC/logloss, lags, backlog), ``metrics.json`` (the stream's totals, rewritten after each file).
-
-Parameter servers (``--servers S --workers W``): `servers.py` (worker 0 runs this stream's folder,
-ledger and counter logic with the model on the servers).
-
-This is a handler module (torch at the top): the command line's parser must not import it.
+What counts as a file, arrival order, per-file steps (read, score, train, export, checkpoint with the
+consumed-file ledger), restart, stop conditions and outputs: apps/pctr/README.md, "Streaming". One process:
+`Streamer` (`LocalStep`: table and optimiser state stay in memory across files); parameter servers:
+`servers.py`. A handler module (torch at the top): the command line's parser must not import it.
 """
 
 from __future__ import annotations
@@ -250,9 +213,7 @@ class Streamer(StreamRecords):
                 self.folder / f.name,
                 first_skipped,
             )
-        if not entry[
-            "rows"
-        ]:  # every file, whatever the cause (wrong --format, binary, empty): said, not silent
+        if not entry["rows"]:  # every file, whatever the cause (wrong --format, binary, empty): said
             log.warning(
                 "%s yielded no valid %s rows (%d line%s skipped); nothing was trained or scored on it",
                 self.folder / f.name,
@@ -313,7 +274,7 @@ class Streamer(StreamRecords):
 
     # ---------------------------------------------------------------- the loop
     def run_forever(self) -> dict[str, Any]:
-        """Follow the folder until a stop condition (module docstring); returns the totals."""
+        """Follow the folder until a stop condition (README, "Streaming"); returns the totals."""
         cfg = self.cfg
         idle_since = time.monotonic()
         reason = "stopped"
