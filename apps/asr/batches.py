@@ -1,16 +1,8 @@
-"""ASR training batches at device speed.
-
-Frames are padded to a few bucket lengths (`bucket_frames`), so a compiled model meets a handful of shapes.
-The feature cache goes where `mariana.platform.core.tiers.choose_tier` puts it:
-
-- ``device`` / ``host``: the whole fp16 cache in one tensor on the training device (or in host RAM, pinned
-  when training on a GPU); each batch is assembled there from an index (`ResidentBatches`: index ->
-  gather -> fp32; splicing happens in the model), in the training process, with no worker processes;
-- ``disk``: the memory-mapped shards through one persistent `IndexBatchLoader` (built once for the whole
-  run), pinned, with the copy of batch t+1 overlapping step t on a GPU (`Prefetcher`).
-
-Every batch carries ``sizes`` (`HostSizes`): the utterance and target lengths on the host, which CTC
-needs there, so the step never reads them back from the device.
+"""ASR training batches at device speed: frames padded to a few bucket lengths (`bucket_frames`: a compiled
+model meets a handful of shapes), from the tier `mariana.platform.core.tiers.choose_tier` picks: ``device``
+/ ``host`` (the whole fp16 cache in one tensor, batches gathered in-process: `ResidentBatches`) or ``disk``
+(the memory-mapped shards through one persistent `IndexBatchLoader`). Every batch carries ``sizes``
+(`HostSizes`: the lengths CTC needs on the host), so the step never reads them back from the device.
 """
 
 from __future__ import annotations

@@ -170,38 +170,22 @@ def _add_loso_flags(e: argparse.ArgumentParser) -> None:
         action="store_true",
         help="leave-one-speaker-out table over the FSDD folder --data (no --model)",
     )
-    lo.add_argument(
-        "--out", default=None, help="--loso: output folder (OUT/<speaker>-data, OUT/<speaker>, OUT/eval.json)"
-    )
-    lo.add_argument(
-        "--speakers",
-        default=None,
-        help="--loso: comma-separated speakers to hold out (default: every speaker in --data)",
-    )
-    lo.add_argument(
-        "--utterances", type=int, default=None, help="--loso: prepare's --utterances (default: 150)"
-    )
-    lo.add_argument(
-        "--max-digits", type=int, default=None, help="--loso: prepare's --max-digits (default: 5)"
-    )
-    lo.add_argument("--seed", type=int, default=None, help="--loso: prepare's --seed (default: 0)")
-    lo.add_argument(
-        "--synth",
-        default=None,
-        help="--loso: prepare's --synth (synthetic speakers added to every fold's training set)",
-    )
-    lo.add_argument(
-        "--synth-ratio",
-        type=float,
-        default=None,
-        help="--loso: prepare's --synth-ratio (default: prepare's, 1.0)",
-    )
-    lo.add_argument(
-        "--train-args",
-        default=None,
-        help="--loso: flags for every fold's `mariana asr train`, one quoted string (default: '--preset small "
-        "--workers 2'); a single flag needs the = form, e.g. --train-args=--spec-augment",
-    )
+    for flag, kind, text in (
+        ("--out", str, "output folder (OUT/<speaker>-data, OUT/<speaker>, OUT/eval.json)"),
+        ("--speakers", str, "comma-separated speakers to hold out (default: every speaker in --data)"),
+        ("--utterances", int, "prepare's --utterances (default: 150)"),
+        ("--max-digits", int, "prepare's --max-digits (default: 5)"),
+        ("--seed", int, "prepare's --seed (default: 0)"),
+        ("--synth", str, "prepare's --synth (synthetic speakers added to every fold's training set)"),
+        ("--synth-ratio", float, "prepare's --synth-ratio (default: prepare's, 1.0)"),
+        (
+            "--train-args",
+            str,
+            "flags for every fold's `mariana asr train`, one quoted string (default: '--preset small "
+            "--workers 2'); a single flag needs the = form, e.g. --train-args=--spec-augment",
+        ),
+    ):
+        lo.add_argument(flag, type=kind, default=None, help=f"--loso: {text}")
     lo.add_argument(
         "--fresh",
         action="store_true",

@@ -1,14 +1,7 @@
 """Cepstral mean/variance normalisation (CMVN): per speaker (training, `eval`) and per file with a
-training-set prior (`transcribe`, the REST server, `eval --cmvn file`).
-
-A model trained on per-speaker CMVN expects every bin at about zero mean and unit variance over a
-speaker's audio. A single request has no speaker: normalising it by its own statistics alone (per-utterance
-CMVN) shifts a short file by whatever its few words happen to contain, and the training speakers' average
-alone ignores the new speaker's channel and voice. `FilePrior` takes the file's mean counted together
-with ``frames`` pseudo-frames of the training speakers' average mean (the MAP estimate of the speaker's
-mean under a conjugate prior; Kaldi's online CMVN starts from global statistics the same way) and the
-training speakers' average within-speaker variance: a file's own variance over a few words is a poor
-estimate of its speaker's.
+training-set prior (`transcribe`, the REST server, `eval --cmvn file`). `FilePrior`: the file's mean counted
+together with ``frames`` pseudo-frames of the training speakers' average mean (a MAP estimate, as Kaldi's
+online CMVN), and the training speakers' average within-speaker variance (README.md: why and measurements).
 """
 
 from __future__ import annotations

@@ -292,15 +292,11 @@ _PLAIN = dict(
 
 PRESETS = {
     "debug": AsrConfig(**{**_PLAIN, "hidden": 64, "layers": 2, "batch_size": 8, "log_every": 5, "lr": 2e-3}),
-    # CPU tests (CI) and the default recipe's training settings: a +-30 frame window (0.6 s; digits are
-    # words), 1.2M parameters, 600 utterances x 5 speed copies (its training time: apps/asr/README.md).
-    # Speed perturbation, LayerNorm and dropout are what carry it to an unseen speaker
-    # (tests/test_asr_accuracy.py; numbers in apps/asr/README.md). The default recipe trains the same
-    # network on data with synthetic speakers mixed in (`prepare --synth`), twice the audio and time.
+    # The default recipe: a +-30 frame window (0.6 s; digits are words), 1.2M parameters; speed perturbation,
+    # LayerNorm and dropout carry it to an unseen speaker (numbers: apps/asr/README.md).
     "small": AsrConfig(),
-    # "small" with a TDNN instead of the DNN (same +-30 frame receptive field, augmentation and optimizer;
-    # 6 dilated convolutions of width 288, 1.3M parameters vs the DNN's 1.2M). It stays on the CTC blank
-    # plateau far longer than the DNN (apps/asr/README.md), so it is an option, not the default.
+    # "small" with a TDNN (same receptive field, 1.3M parameters); it stays on the CTC blank plateau far
+    # longer than the DNN (apps/asr/README.md), so it is an option, not the default.
     "tdnn": AsrConfig(arch="tdnn", hidden=288, layers=6),
     # The classic Mariana DNN: 440 -> 7 x 2048 -> 12000 outputs, about 50.7M parameters (GPU benchmark).
     "mariana": AsrConfig(

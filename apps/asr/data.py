@@ -1,10 +1,6 @@
-"""Connected-digit data preparation and Kaldi-style data directories.
-
-``prepare`` reads either an FSDD-style folder of isolated digits (``{digit}_{speaker}_{take}.wav``) or an
-existing Kaldi data directory (``wav.scp`` with file paths, ``text``, ``utt2spk``), splits it by speaker and
-writes ``OUT/{train,dev,test}/`` Kaldi data dirs (``wav.scp``, ``text``, ``utt2spk``, ``spk2utt``) with their
-WAVs under ``OUT/{split}/wav/``. From FSDD it builds connected-digit utterances: 1..max_digits recordings of
-one speaker joined by 50-300 ms pauses of low-level noise; the transcript is the digit words.
+"""Connected-digit data preparation and Kaldi-style data directories: ``prepare`` reads an FSDD-style folder
+(``{digit}_{speaker}_{take}.wav``; 1..max_digits recordings of one speaker joined by 50-300 ms pauses of
+low-level noise) or a Kaldi data dir, splits it by speaker and writes ``OUT/{train,dev,test}/`` data dirs.
 """
 
 from __future__ import annotations
@@ -363,15 +359,10 @@ def prepare(
 ) -> PrepareReport:
     """Build ``out/{train,dev,test}`` Kaldi data dirs from an FSDD folder or a Kaldi data dir.
 
-    ``utterances``: connected-digit utterances per speaker (FSDD input only). Speakers in
-    ``test_speakers`` go to test only and ``dev_speakers`` to dev only; the rest to train (for FSDD input at
-    least one speaker must be left to train on, unless every speaker is named in ``test_speakers``: a
-    test-only set, e.g. to evaluate a trained model on new speakers; a Kaldi data dir may become one too). Without test
-    speakers the last speaker (sorted) is held out for test. Unreadable recordings are skipped and counted.
-
-    ``synth``: an FSDD-layout folder of synthetic speakers (``mariana asr synth``) added to the training
-    split only: round(``synth_ratio`` x the real training utterances) in all, shared by its speakers as
-    evenly as `synth_counts` can (a ratio too small for one utterance per voice uses fewer voices)."""
+    Speakers in ``test_speakers`` go to test only (all of them: a test-only set), ``dev_speakers`` to dev
+    only, the rest to train; without test speakers the last speaker (sorted) is held out for test.
+    Unreadable recordings are skipped and counted. ``synth``: synthetic speakers added to the training split
+    only, round(``synth_ratio`` x the real training utterances) shared as evenly as `synth_counts` can."""
     data, out = Path(data), Path(out)
     _check_prepare_args(data, out, utterances, max_digits, seed, synth_ratio)
     test_speakers, dev_speakers = list(test_speakers or []), list(dev_speakers or [])

@@ -109,10 +109,8 @@ def beam_decode(
 
     logp [T, V] log-probabilities -> the most probable unit sequence summed over all its alignments.
     Units with log-probability below ``prune`` at a frame are not extended (the best unit always is).
-    When a prefix is extended by word k, ``lm_weight x log P_lm(k | previous word) + word_bonus`` is added
-    to that extension's score, and at the end ``lm_weight x log P_lm(</s> | last word)``; ``lm`` None
-    (or ``lm_weight`` 0) scores acoustics only, and ``word_bonus`` still applies. With both 0 the search
-    is exactly the acoustic-only one."""
+    Extending a prefix by word k adds ``lm_weight x log P_lm(k | previous word) + word_bonus``, and the end
+    ``lm_weight x log P_lm(</s> | last word)``; ``lm`` None (or ``lm_weight`` 0) scores acoustics only."""
     lp = logp[: length if length is not None else logp.shape[0]].double().cpu().numpy()
     v = lp.shape[1]
     zeros, ext, end = [0.0] * v, None, None  # ext[h][w], end[h]: see `BigramLM.fusion`

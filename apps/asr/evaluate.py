@@ -63,7 +63,8 @@ def choose_factor(
     """Each speaker's factor (tempo or VTLN warp): ``caches`` maps a factor to the data's features at that
     factor, whose ids and speakers carry ``prefix(factor)``; the result maps each original speaker name (only
     those in ``speakers``, default all) to the factor whose features give the highest mean peak posterior
-    over the speaker's utterances, ties to the factor closest to 1. No transcripts are used."""
+    over the speaker's utterances, ties to the factor closest to 1 (no normalisation). No transcripts are
+    used: Kaldi's per-speaker VTLN estimate by likelihood, with the model's confidence as likelihood."""
     stats: dict[str, dict[float, list[float]]] = {}
     for f, cache in caches.items():
         pre = prefix(f)
@@ -73,12 +74,6 @@ def choose_factor(
             total, n = peak_posteriors(logp)
             acc = stats.setdefault(spk[i], {}).setdefault(f, [0.0, 0])
             acc[0], acc[1] = acc[0] + total, acc[1] + n
-    return _most_confident(stats)
-
-
-def _most_confident(stats: dict[str, dict[float, list[float]]]) -> dict[str, float]:
-    """{spk: {factor: [summed peak posteriors, firing frames]}} -> {spk: the factor with the highest mean
-    peak posterior}; ties go to the factor closest to 1 (no normalisation)."""
     return {
         spk: max(per, key=lambda t: (per[t][0] / max(per[t][1], 1), -abs(t - 1.0)))
         for spk, per in stats.items()
@@ -109,14 +104,6 @@ def parse_vtln(vtln: float | str) -> float | str:
 def warp_prefix(warp: float) -> str:
     """The prefix `features.extract` gives the ids and speakers of a copy warped by ``warp`` ("" at 1)."""
     return copy_tag(1.0, warp)
-
-
-def choose_warp(
-    model, vocab, caches: dict[float, FeatureCache], speakers: set[str] | None = None
-) -> dict[str, float]:
-    """Each speaker's VTLN warp (`choose_factor` over caches keyed by warp, ids prefixed `warp_prefix`):
-    Kaldi's per-speaker VTLN estimate by likelihood, with the model's confidence as likelihood."""
-    return choose_factor(model, vocab, caches, warp_prefix, speakers)
 
 
 CMVN_MODES = ("speaker", "file")
@@ -182,7 +169,9 @@ def _speaker_settings(model, vocab, features: _Features, base: FeatureCache, tem
         warps: dict[str, float] = {}
         for t in sorted(set(chosen.values())):  # each speaker's warp at the tempo chosen for it
             spks = {k for k, v in chosen.items() if v == t}
-            warps.update(choose_warp(model, vocab, {w: features(t, w) for w in VTLN_GRID}, spks))
+            warps.update(
+                choose_factor(model, vocab, {w: features(t, w) for w in VTLN_GRID}, warp_prefix, spks)
+            )
     else:
         warps = {k: vtln for k in chosen}
     return chosen, warps
@@ -218,26 +207,14 @@ def evaluate_run(
     word_bonus: float | None = None,
     vtln: float | str = 1.0,
 ) -> dict:
-    """Decode ``data`` (a Kaldi data dir) with the model in ``run_dir``; writes the result (WER, SER, each
-    utterance's hypothesis) to ``eval_result_path(run_dir, data)`` = ``RUN/eval/<data name>.json``.
+    """Decode ``data`` (a Kaldi data dir) with the model in ``run_dir`` -> the result (WER, SER, each
+    utterance's hypothesis under its original id, the options used, ``note`` a line for the user), also
+    written to ``RUN/eval/<data name>.json``. The flags' meaning: ``mariana asr eval --help``.
 
-    ``tempo`` scales the frame shift (10 ms x tempo, window unchanged): test-time speaking-rate
-    normalisation for a speaker ``tempo`` times slower than the training speakers; ``"auto"`` picks it per
-    speaker from `TEMPO_GRID` with `choose_factor`. ``cmvn``: ``"speaker"`` normalises with each speaker's
-    statistics over ``data`` (as in training); ``"file"`` normalises each file alone exactly as
-    ``transcribe`` and the server do (`file_settings`), so their transcripts are this mode's hypotheses.
-    ``beam``, ``lm_weight``, ``word_bonus``: decoding options, None = the run's (`decode.decode_options`);
-    the result records the values used, and ``note`` a line for the user (e.g. an LM weight ignored).
-
-    ``vtln`` warps the mel filters' frequency axis (`features.fbank` ``warp``, in `VTLN_RANGE`; 1 = none)
-    for every test speaker: test-time vocal-tract-length normalisation; ``"auto"`` picks each speaker's warp
-    from `VTLN_GRID` with `choose_warp`. Each speaker's CMVN statistics are those of its warped features
-    (a warped copy is its own CMVN group in `features.extract`). With ``tempo`` also ``"auto"`` the two are
-    chosen one after the other, tempo first at warp 1 and then the warp at that speaker's tempo (9 + 7
-    feature passes instead of the 63 of the product grid). VTLN needs speaker statistics, so it is refused
-    where files are normalised one at a time (``cmvn="file"`` or a model trained so): `transcribe` cannot
-    estimate a warp from one file, and that mode exists to score exactly what `transcribe` says. The result
-    records ``vtln`` and ``speaker_vtln`` ({speaker: warp}); hypotheses keep the original utterance ids."""
+    ``tempo`` scales the frame shift (window unchanged); ``vtln`` warps the mel filters (`features.fbank`);
+    ``"auto"`` picks each speaker's most confident value (`choose_factor`), tempo first at warp 1, then the
+    warp at that tempo (9 + 7 feature passes instead of the 63 of the product grid). VTLN needs speaker
+    statistics: refused where files are normalised one at a time (``cmvn="file"`` or a model trained so)."""
     tempo, vtln = _check_options(beam, jobs, cmvn, tempo, vtln)
     model, vocab, cfg, meta = load_model(run_dir, with_meta=True)
     opts = decode_options(run_dir, cfg, meta, beam, lm_weight, word_bonus)

@@ -136,11 +136,8 @@ def swap_envelope(
 
 def copy_features(path, s: FeatureSettings, speed: float = 1.0, warp: float = 1.0, pitch: float = 1.0):
     """Raw features [frames, dim] of one perturbed copy of the WAV at ``path`` (see `perturbations`).
-
-    ``pitch`` != 1 changes the pitch alone (filterbanks only): the audio resampled as for speed
-    perturbation (pitch, formants and tempo x pitch) and framed with window and shift / pitch (the same
-    frames as the original) gives the harmonics at the new pitch; each frame keeps the original's spectral
-    envelope (`swap_envelope`), so formants and tempo stay as spoken."""
+    ``pitch`` != 1 changes the pitch alone (filterbanks only): the harmonics of the audio resampled by
+    ``pitch`` and framed by `pitch_settings`, with each original frame's envelope (`swap_envelope`)."""
     own = fbank(load_audio(path, s, speed), s, warp)
     if pitch == 1.0:
         return own
@@ -234,11 +231,9 @@ def extract(
 ) -> tuple[list[Utterance], list[np.ndarray], list[tuple[str, str]], dict[str, dict]]:
     """Features of ``utts`` (x each copy of `perturbations`), CMVN applied -> (kept utterances, [frames, dim]
     float32 arrays, skipped [(path, reason)], raw-feature statistics of each speaker's unperturbed audio
-    ``{spk: {"sum", "sumsq", "frames"}}``). Perturbed copies get ids ``sp{factor}-{utt}`` /
-    ``vtln{warp}-{utt}`` / ``pitch{factor}-{utt}`` and speakers named the same way (separate CMVN
-    statistics, as in Kaldi recipes).
-    ``s.cmvn == "file"`` normalises each utterance alone with ``prior`` (as `predict.Transcriber` does;
-    default: the prior of these utterances' own speakers, as for a training set)."""
+    ``{spk: {"sum", "sumsq", "frames"}}``). Perturbed copies' ids and speakers are prefixed `copy_tag`
+    (separate CMVN statistics, as in Kaldi recipes). ``s.cmvn == "file"`` normalises each utterance alone
+    with ``prior`` (default: the prior of these utterances' own speakers, as for a training set)."""
     work, meta = [], []
     for sp, w, p in perturbations(speeds, warps, pitches):
         tag = copy_tag(sp, w, p)

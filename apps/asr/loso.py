@@ -1,15 +1,9 @@
 """``mariana asr eval --loso``: every speaker of an FSDD folder held out in turn (leave one speaker out).
 
-For each speaker S (fold S) of ``--data``: prepare ``OUT/S-data`` with S as the only test speaker
-(`data.prepare`, in-process), train ``OUT/S`` with ``mariana asr train --data OUT/S-data --out OUT/S
-<train args>`` as a child process (its output kept in ``OUT/S.log``), then score ``OUT/S-data/test``
-with `evaluate.evaluate_run` (in-process). The folds' results, their mean and the worst speaker go to
-``OUT/eval.json``.
-
-Resuming: a fold whose data dir holds the marker ``OUT/S-data/loso.json`` with the same prepare settings is
-not prepared again, and one whose run dir holds ``model.safetensors`` and the marker ``OUT/S/loso.json``
-with the same prepare settings and train args is not trained again, so an interrupted LOSO run picks up
-at the first unfinished fold. ``--fresh`` prepares and trains every fold again.
+Fold S: prepare ``OUT/S-data`` with S the only test speaker (in-process), train ``OUT/S`` with ``mariana asr
+train`` as a child process (output in ``OUT/S.log``), score ``OUT/S-data/test`` (in-process); the folds,
+their mean and the worst go to ``OUT/eval.json``. A fold whose markers (``OUT/S-data/loso.json``,
+``OUT/S/loso.json`` next to ``model.safetensors``) record the same settings is reused (``--fresh``: redo).
 """
 
 from __future__ import annotations
@@ -246,14 +240,9 @@ def run_loso(
     fresh: bool = False,
     vtln: float | str = "1.0",
 ) -> dict:
-    """Run every fold and write ``out/eval.json``; returns its content (plus ``path``).
-
-    ``data``: FSDD recordings folder; ``speakers``: comma-separated fold speakers (default: all found,
-    sorted). ``utterances``/``max_digits``/``seed``/``synth``/``synth_ratio``: passed to `data.prepare`
-    (``synth``/``synth_ratio`` only when given). ``train_args``: shell words appended to each fold's
-    ``mariana asr train``. ``beam``/``jobs``/``tempo``/``cmvn``/``vtln``: as ``mariana asr eval``
-    (``vtln`` checked before any fold is prepared). WER and SER are percentages; seconds are wall-clock
-    per fold and step."""
+    """Run every fold and write ``out/eval.json`` -> its content (plus ``path``). The arguments are
+    ``mariana asr eval --loso``'s (``vtln`` checked before any fold is prepared); WER and SER are
+    percentages, seconds wall-clock per fold and step."""
     parse_vtln(vtln)  # a bad value fails now, not after the first fold's training
 
     if synth_ratio is not None and not synth:

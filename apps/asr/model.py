@@ -1,10 +1,6 @@
 """The acoustic models: filterbank frames -> per-frame log posteriors over word units + blank. `AcousticDNN`
-(spliced frames, fully connected) or `AcousticTDNN` (dilated 1-D convolutions over frames).
-
-A plain single-device `nn.Module`; data parallelism is applied from outside (train.py). Frame splicing
-(+-``context`` frames, Kaldi style, edges replicated within each utterance) happens on the device with
-`Tensor.unfold`, so spliced features are never stored.
-"""
+(spliced frames, fully connected) or `AcousticTDNN` (dilated 1-D convolutions over frames); plain
+single-device modules (data parallelism is applied from outside, train.py)."""
 
 from __future__ import annotations
 
@@ -14,13 +10,11 @@ from torch import nn
 
 
 def splice(feats: torch.Tensor, context: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """Stack each frame with its +-``context`` neighbours.
+    """Stack each frame with its +-``context`` neighbours, on the device (spliced features are never stored).
 
     feats [B, T, F] (padded batch), lengths [B] valid frames per utterance (None: all T valid) ->
     [B, T, (2*context+1)*F], ordered frame t-context .. t+context. Neighbours outside an utterance repeat
-    its first/last frame (as Kaldi's splice-feats does): the same values as `pad_edges` then a sliding
-    window, made by one gather with an index table cached per (T, context, device) (`_window_index`), so a
-    step pays 3 small kernels and the gather instead of building the padded copy and the window."""
+    its first/last frame (as Kaldi's splice-feats does), by one gather with a cached index table."""
     if context == 0:
         return feats
     b, t, f = feats.shape
@@ -37,9 +31,8 @@ _WINDOWS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
 
 def _window_index(t: int, context: int, device: torch.device) -> torch.Tensor:
-    """[T, 2*context+1] int64 on ``device``: the frame each window position reads, clamp(t + j - context, 0,
-    T - 1); built once per bucket length (frames come in a few bucket lengths) and kept (64 at most). Under
-    ``torch.compile`` it is built in the graph instead (the compiler folds it; a cache would be a guard)."""
+    """[T, 2*context+1] int64 on ``device``: clamp(t + j - context, 0, T - 1), kept per bucket length (64 at
+    most); under ``torch.compile`` built in the graph (the compiler folds it; a cache would be a guard)."""
     if torch.compiler.is_compiling():
         return _build_window(t, context, device)
     key = (t, context, device)
@@ -111,14 +104,10 @@ class AcousticDNN(nn.Module):
 
 
 def tdnn_dilations(context: int, layers: int) -> list[int]:
-    """Dilations of the TDNN's kernel-3 layers (0 = a kernel-1 layer with no context) whose receptive
-    field is +-``context`` frames, or as close to it as ``layers`` layers reach contiguously.
-
-    Each layer takes an equal share (rounded up) of the context still to cover, capped at 2 x (context
-    covered so far) + 1: the cap keeps every frame offset in the window reachable (dilations 1, 3, 9, ...
-    tile it without gaps; a first layer of dilation 2 would only see even offsets). So small dilations come
-    first, as in Kaldi's TDNN recipes, and layers left over once the context is covered get kernel 1.
-    The receptive field is min(context, (3**layers - 1) / 2)."""
+    """Dilations of the TDNN's kernel-3 layers (0 = a kernel-1 layer) whose receptive field is
+    min(context, (3**layers - 1) / 2) frames each side. Each layer takes an equal share (rounded up) of the
+    context still to cover, capped at 2 x (covered so far) + 1 so every offset stays reachable (1, 3, 9, ...
+    tile without gaps; a first dilation of 2 would see even offsets only): small dilations first, as Kaldi."""
     out, covered = [], 0
     for i in range(layers):
         share = -(-(context - covered) // (layers - i))
@@ -130,17 +119,10 @@ def tdnn_dilations(context: int, layers: int) -> list[int]:
 
 @register_model("asr", "tdnn")
 class AcousticTDNN(nn.Module):
-    """Kaldi-style TDNN: 1-D convolutions over frames with growing dilations.
-
-    Input feats [B, T, num_bins] (float), lengths [B]; output log-probabilities [B, T, output_units]
-    (float32), unit 0 the CTC blank, as `AcousticDNN`. ``layers`` x (Conv1d of width ``hidden``, kernel 3
-    with the dilations of `tdnn_dilations` so the receptive field is +-``context`` frames like the DNN's
-    splice window, [LayerNorm over channels], ReLU|sigmoid, [Dropout]) -> Linear -> log-softmax.
-
-    The input is edge-padded once by the whole receptive field per utterance (`pad_edges`, as `splice`
-    does) and every convolution is unpadded ("valid"), so an utterance's outputs do not depend on what
-    else is in its batch. LayerNorm rather than BatchNorm for the same reason: it normalises each frame
-    alone, so training batches (and their padding) do not leak into the statistics."""
+    """Kaldi-style TDNN, in and out as `AcousticDNN`: ``layers`` x (Conv1d with the dilations of
+    `tdnn_dilations`, [LayerNorm], activation, [Dropout]) -> Linear -> log-softmax. The input is edge-padded
+    once per utterance (`pad_edges`) and every convolution is unpadded, so an utterance's outputs do not
+    depend on its batch; LayerNorm rather than BatchNorm for the same reason."""
 
     def __init__(
         self,

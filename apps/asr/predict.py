@@ -1,9 +1,7 @@
 """Inference API used by serving and ``mariana asr transcribe``: WAV bytes or file -> transcript.
 
-A single request has no speaker statistics. A model trained with per-speaker CMVN normalises each file by
-its own statistics counted together with the training speakers' (`cmvn.FilePrior`, stored in the exported
-model), exactly as ``mariana asr eval --cmvn file`` does, so both give the same words for the same file.
-Models exported before the prior was stored fall back to per-utterance CMVN."""
+Each file is normalised alone (`evaluate.file_settings`), exactly as ``mariana asr eval --cmvn file`` does,
+so both give the same words for the same file."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""Synthetic digit speakers from a text-to-speech engine (``mariana asr synth``).
-
-eSpeak NG (the ``espeakng-loader`` wheel bundles its library and voice data, so nothing needs root) speaks
-each digit word in many voices: an English accent x a voice variant (formant set, breathiness, ...) x a
-base pitch, pitch range and speaking rate, with small per-take jitter of rate and pitch. Every synthetic
-speaker is one such combination, drawn from ``seed``. The output is an FSDD-layout folder
-``OUT/{digit}_{speaker}_{take}.wav`` (mono, ``sample_rate`` Hz, leading/trailing silence trimmed like the
-FSDD recordings) plus ``OUT/synth.json`` with every speaker's settings, so ``mariana asr prepare --synth
-OUT`` mixes them into the training set. Files already present and readable are kept (the cache); a file
-that is missing, empty or unreadable is (re)generated and counted; a word the engine returns no audio for
-is skipped and counted.
+"""Synthetic digit speakers from eSpeak NG (``mariana asr synth``): each speaker an accent x voice variant x
+pitch and rate drawn from ``seed``, with per-take jitter. Output: ``OUT/{digit}_{speaker}_{take}.wav``
+(FSDD layout, silence trimmed) plus ``OUT/synth.json`` (every speaker's settings). Readable files already
+there are kept; missing or unreadable ones are (re)generated, words without audio skipped (both counted).
 """
 
 from __future__ import annotations
@@ -186,11 +179,8 @@ def speaker_files(out: Path, spk: SynthSpeaker, takes: int) -> list[tuple[int, i
 
 def synth_speaker(out: Path, spk: SynthSpeaker, takes: int, seed: int, sr: int, write: set[str]):
     """Generate all of ``spk``'s takes in order from a freshly seeded engine and write the files named in
-    ``write`` -> (files written, [(path, reason)] skipped).
-
-    eSpeak NG keeps state between calls (its random generator and wave generator), so one speaker's files
-    are only reproducible when generated in the same order from a fresh engine: `synthesize` runs each
-    speaker in a new process, and regenerating one bad file regenerates its speaker's whole sequence."""
+    ``write`` -> (files written, [(path, reason)] skipped). eSpeak NG keeps state between calls, so a
+    speaker is reproducible only in order from a fresh engine (a new process per speaker)."""
     engine = Espeak.get()
     engine.lib.espeak_ng_SetRandSeed(ctypes.c_long(seed * 100_003 + int(spk.name.rsplit("x", 1)[1])))
     written, skipped = 0, []
@@ -229,11 +219,8 @@ def synthesize(
     progress: bool = True,
     jobs: int = 2,
 ) -> SynthReport:
-    """Write ``speakers`` x 10 digits x ``takes`` WAVs into ``out`` (FSDD names) and ``out/synth.json``.
-
-    Deterministic from ``seed``: the same arguments give byte-identical files (each speaker is generated
-    in a fresh process from a seeded engine, every take draws its jitter from its own seeded generator).
-    ``jobs``: speakers generated in parallel processes."""
+    """Write ``speakers`` x 10 digits x ``takes`` WAVs into ``out`` (FSDD names) and ``out/synth.json``;
+    the same arguments give byte-identical files. ``jobs``: speakers generated in parallel processes."""
 
     if speakers < 1 or takes < 1:
         raise MarianaError(f"--speakers and --takes must be >= 1, got {speakers} and {takes}")

@@ -99,12 +99,9 @@ def stretch_plan(
 def time_stretch(
     feats: torch.Tensor, lengths: torch.Tensor, lo: float, hi: float, segment: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random tempo change on the frame axis (pitch and spectra untouched), on the device.
-
-    feats [B, T, F] padded, lengths [B] on the host -> (stretched feats [B, T', F] with T' a bucket length
-    (`stretch_plan`), new lengths [B] on the host). Each segment is resampled by linear interpolation
-    between frames, so the model sees each word at more speaking rates than the training speakers have.
-    Nothing is read back from the device."""
+    """Random tempo change on the frame axis (linear interpolation between frames), on the device with no
+    read-back: feats [B, T, F] padded, lengths [B] on the host -> (feats [B, T', F], T' a bucket length
+    (`stretch_plan`); new lengths [B] on the host)."""
     b, t, f = feats.shape
     dev = feats.device
     rate_h, new_len_h, t_out = stretch_plan(lengths, t, lo, hi, segment)
@@ -159,16 +156,13 @@ def make_step_fn(augment: AsrAugment):
 
 def compiles(acoustic: AsrModel, device: torch.device | str) -> bool:
     """Whether training compiles the model on ``device``: ``--compile`` / ``--no-compile`` when given, else
-    on a GPU only. There the default small recipe's eager step is launch-bound (many kernels of a few
-    microseconds; `bench/asr_throughput.py` measures it), and compiling fuses them; on the CPU the step
-    is compute-bound and compiling would only add start-up."""
+    on a GPU only (there the eager step is launch-bound, `bench/asr_throughput.py`; on the CPU compute-bound)."""
     return acoustic.compile if acoustic.compile is not None else torch.device(device).type == "cuda"
 
 
 def compile_model(model: torch.nn.Module, acoustic: AsrModel) -> torch.nn.Module:
-    """The model (its parameters on the training device) torch.compiled with ``--compile-backend`` where
-    `compiles` says so, else itself; frames come in bucket lengths, so after the first epoch no shape is
-    new (tests/test_asr_speed.py checks it)."""
+    """The model torch.compiled with ``--compile-backend`` where `compiles` says so, else itself (frames come
+    in bucket lengths: no new shape after the first epoch)."""
     if not compiles(acoustic, next(model.parameters()).device):
         return model
     return torch.compile(model, backend=acoustic.compile_backend)
@@ -286,9 +280,9 @@ def batches(data: AsrData, cfg: AsrConfig, optim, run, ctx, log):
 
 def dev_decoder(data: AsrData, decode: AsrDecode):
     """-> the dev set's WER/SER as a function of the model, or None without DATA/dev."""
-    d = decode
     if data.dev is None:
         return None
+    d = decode
 
     def eval_fn(m):
         r = error_rates(

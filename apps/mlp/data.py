@@ -1,9 +1,7 @@
 """libFM data of the smoke-test job: ``label id:value id:value ...`` (label 1, 0 or -1).
 
-Read with the platform's one libFM parser (`mariana.platform.data.libfm`, shared with pCTR); rows become
-(label in {0,1}, padded id matrix; the values are not used: every feature is one-hot). Malformed lines and
-lines without a feature are skipped and counted with their line numbers (blank lines are ignored); a file
-with no valid row is an error naming the file.
+Read with the platform's libFM parser (`mariana.platform.data.libfm`) into (label in {0,1}, padded id
+matrix; every feature is one-hot). Malformed and featureless lines are skipped and counted by line number.
 """
 
 from __future__ import annotations

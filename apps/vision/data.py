@@ -1,28 +1,10 @@
-"""Image data: ImageFolder layout read from a directory or straight from a ``.tar`` shard, JPEG decoding
-with torchvision.io (on the GPU when asked), batch augmentation with torchvision.transforms.v2.
+"""Image data in the ImageFolder layout ``[split/]CLASS/NAME.jpg`` (classes sorted by name, so a tar and its
+extracted copy give the same labels), read from a folder or from an uncompressed ``.tar`` indexed once and
+read with ``os.pread`` (no extraction; forked DataLoader workers each open their own descriptor).
 
-Layout (both sources)::
-
-    [split/]{class}/{name}.jpg        e.g. train/cat/0001.jpg inside train.tar, or DIR/cat/0001.jpg
-
-The class of an image is the name of its immediate parent folder; classes are sorted by name (the
-torchvision ImageFolder convention), so a tar and its extracted copy give the same labels.
-
-A tar shard is indexed once (member name -> byte offset and size, ``tarfile`` only walks the headers) and
-images are read with ``os.pread`` at those offsets: no extraction, and any number of DataLoader worker
-processes read concurrently from one file (each opens its own descriptor after the fork).
-
-Two input paths:
-
-- ``DecodedImages``: decode every image once (batched ``decode_jpeg``, on the GPU when available) into one
-  uint8 tensor ``[N, 3, S, S]``; epochs then only index it. Used when the data set fits in memory
-  (CIFAR-10 at 32 px is 150 MB), and it removes JPEG decoding from the per-step cost on a 2-core CPU.
-- ``StreamingImages`` (read by ``loaders.StreamLoader``): a torch DataLoader whose workers read and decode
-  (``decode_image``, resize/crop to ``S``) and return uint8 batches in pinned memory; the trainer copies
-  them with ``non_blocking=True`` and a prefetching iterator overlaps the copy with compute. With
-  ``decode='cuda'`` the workers only read bytes and decoding happens batched on the GPU.
-
-Corrupt or non-image files are skipped and counted with their path (``bad`` lists), never a crash.
+Two input paths: ``DecodedImages`` (every image decoded once into uint8 ``[N, 3, S, S]``, on the GPU when
+available: no JPEG decoding per step) and ``StreamingImages`` (DataLoader workers read, and decode unless
+``decode='cuda'``, per batch). Corrupt files are skipped and listed with their path, never a crash.
 """
 
 from __future__ import annotations
@@ -234,8 +216,7 @@ class DecodedImages:
 
 def subset_indices(n: int, limit: int) -> list[int]:
     """Indices of the ``--limit`` subset of ``n`` images (all when ``limit`` is 0 or >= n): a fixed random
-    choice, in index order; random rather than the first ``limit`` because names are sorted class by class,
-    so the subset keeps the class balance. Both input paths (decoded once, streamed) use it."""
+    choice in index order (names are sorted class by class: random keeps the class balance)."""
     if not limit or limit >= n:
         return list(range(n))
     g = torch.Generator().manual_seed(1234)
@@ -251,12 +232,9 @@ def decode_all(
     progress: bool = False,
     workers: int = 0,
 ) -> DecodedImages:
-    """Read and decode every image of ``src`` (the first ``limit`` of a class-balanced order when
-    ``limit`` > 0) into a `DecodedImages`. Corrupt images are skipped and counted with their path.
-
-    ``workers`` > 0: chunks are read and decoded on the CPU in that many DataLoader worker processes
-    (libjpeg-turbo, the same pixels as ``device='cpu'`` with no workers) and copied to ``device`` as they
-    arrive; 0: decoded in this process, batched on ``device`` (nvJPEG on CUDA)."""
+    """Every image of ``src`` (its `subset_indices` ``limit`` subset) decoded into a `DecodedImages`; corrupt
+    ones skipped and listed. ``workers`` > 0: chunks decoded on the CPU in that many DataLoader workers and
+    copied to ``device`` as they arrive; 0: decoded in this process, batched on ``device`` (nvJPEG on CUDA)."""
     idx = subset_indices(len(src), limit)
     subs = [idx[s : s + chunk] for s in range(0, len(idx), chunk)]
     if workers > 0:  # several chunks per worker so the last ones finish together
@@ -324,12 +302,9 @@ class StreamingImages(torch.utils.data.Dataset):
         if not self.decode:
             return data, label, path
         try:
-            from torchvision.io import ImageReadMode, decode_image
-
-            img = decode_image(_as_u8(data), mode=ImageReadMode.RGB)
-        except (RuntimeError, ValueError):
+            return decode_one(data, self.size), label, path
+        except ValueError:
             return None, label, path
-        return fit_size(img, self.size), label, path
 
 
 def collate_stream(items):
@@ -346,8 +321,7 @@ def collate_stream(items):
 # ------------------------------------------------------------------------------------- GPU-side transforms
 @functools.cache
 def _norm_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """`MEAN` and `STD` x 255 as ``[1,3,1,1]`` tensors on ``device``, built once per device (building them
-    per batch would copy from the host inside every training step)."""
+    """`MEAN` and `STD` x 255 as ``[1,3,1,1]`` on ``device``, cached (no host copy per training step)."""
     mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1) * 255
     std = torch.tensor(STD, device=device).view(1, 3, 1, 1) * 255
     return mean, std
@@ -361,9 +335,8 @@ def normalize(x: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
 
 
 def augment_batch(x: torch.Tensor, generator: torch.Generator | None = None, pad: int = 4) -> torch.Tensor:
-    """Batch augmentation on uint8 ``[B,3,S,S]`` (any device): random crop with ``pad`` px reflect padding
-    and horizontal flip, per image, as whole-batch tensor ops (no per-image Python loop), so it runs on
-    the GPU at full speed. Deterministic given ``generator`` (a CPU generator)."""
+    """uint8 ``[B,3,S,S]`` (any device) -> per-image random crop with ``pad`` px reflect padding and
+    horizontal flip, as whole-batch tensor ops; deterministic given ``generator`` (a CPU generator)."""
     b, _, h, w = x.shape
     if pad:
         xp = torch.nn.functional.pad(x.float(), (pad, pad, pad, pad), mode="reflect")
@@ -421,6 +394,5 @@ IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a")  # J
 
 
 def image_bytes_ok(data: bytes) -> bool:
-    """Cheap check used by the classifier and the upload route: do the bytes start like an encoded image
-    torchvision can decode (JPEG, PNG, GIF)?"""
+    """Do the bytes start like an image torchvision decodes (JPEG, PNG, GIF)? A cheap upload check."""
     return any(data.startswith(m) for m in IMAGE_MAGIC)

@@ -31,12 +31,9 @@ def evaluate_run(
     tta: bool | str = False,
     limit: int = 0,
 ) -> dict:
-    """Score ``RUN/model.safetensors`` on ``data`` (.tar or folder); returns and writes to ``out`` (default
-    ``eval_result_path(run_dir, data)`` = ``RUN/eval/<data name>.json``, one file per evaluated data set)
-    ``{"top1": %, "top5": %, "images": n, "skipped": n, "data": absolute path, "tta": bool, "tta_mode"}``.
-    ``tta`` (True = "flip", "crops"): rank classes by the mean probabilities of each image's views
-    (`Classifier.probabilities`). ``limit`` > 0: the first N images of a fixed random order (`subset_indices`).
-    Images stream through a DataLoader (decode in workers), so the set may be larger than memory."""
+    """Score ``RUN/model.safetensors`` on ``data`` (.tar or folder), streamed (any size) -> ``{"top1": %,
+    "top5": %, "images", "skipped", "data": absolute path, "tta": bool, "tta_mode"}``, also written to ``out``
+    (default ``RUN/eval/<data name>.json``). ``tta``: `Classifier.probabilities`; ``limit``: `subset_indices`."""
     if batch_size < 1 or num_workers < 0:
         raise MarianaError(f"batch_size must be >= 1 and num_workers >= 0, got {batch_size}, {num_workers}")
     dev = resolve_device(device)

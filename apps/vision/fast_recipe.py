@@ -1,10 +1,7 @@
 """The ``fast`` recipe (``--preset fast``), top to bottom: the airbench paper's methods (Keller Jordan, "94 %
 on CIFAR-10 in 3.29 seconds on a single GPU", 2024), written from the paper, not from its code.
 
-1. Hyperparameters (below). The ones that are flags live in the ``fast`` preset (`configs.PRESETS`): model
-   ``fastnet``, ``--recipe fast``, batch 1024, 10 epochs, Nesterov SGD with momentum 0.85, lr 1.5 and weight
-   decay 0.0153 / 11.5 (the paper's 11.5 and 0.0153 per 1024 images converted to a mean loss and SGD's
-   coupled decay), label smoothing 0.2, ``--augment alt-flip-translate``, ``--eval-tta crops``.
+1. Hyperparameters (below; the ones that are flags live in the ``fast`` preset, `configs.PRESETS`).
 2. The net, ``fastnet``: a frozen 2x2 patch-whitening convolution initialised from training images, three
    groups conv -> max-pool -> BN -> GELU -> conv -> BN -> GELU, a 3x3 max-pool, a bias-free linear head x 1/9.
 3. Data: the whole decoded uint8 set on the training device; alternating flips (each image one random flip
@@ -14,7 +11,7 @@ on CIFAR-10 in 3.29 seconds on a single GPU", 2024), written from the paper, not
    3 epochs, the rest), a triangular lr, Lookahead to an EMA of the weights (`FastStep`).
 5. Test-time augmentation: the mean of the softmax probabilities of 6 views (`tta_probabilities`); its
    ``flip`` mode serves every vision model (`vision eval/classify --tta`, REST).
-6. The run: what `mariana.apps.vision.train` hands the platform's `Trainer` for this recipe.
+6. The run: `init_whitening_from` (`mariana.apps.vision.train` hands the rest to the platform's `Trainer`).
 
 Everything per step runs on the training device; the host reads nothing between log points (the random
 numbers of an epoch are drawn on the device when it starts; schedules are Python floats).
@@ -95,9 +92,8 @@ class Scale(nn.Module):
 
 
 def fastnet(num_classes: int = 10, widths: tuple[int, int, int] = WIDTHS) -> nn.Sequential:
-    """The recipe's net for 32 px input: float ``[B,3,32,32]`` normalised images -> logits ``[B, classes]``.
-    An ``nn.Sequential`` (children run one after another), so the platform treats it like every other vision
-    model. Call `init_whitening` with training images before training."""
+    """The recipe's net: normalised float ``[B,3,32,32]`` -> logits ``[B, classes]``; an ``nn.Sequential`` like
+    every other vision model. Call `init_whitening` with training images before training."""
     c0 = 2 * 3 * WHITEN_KERNEL**2
     whiten = nn.Conv2d(3, c0, WHITEN_KERNEL, padding=0, bias=True)
     whiten.weight.requires_grad_(False)  # frozen; only its bias trains (for WHITEN_BIAS_EPOCHS)
@@ -269,11 +265,9 @@ def lookahead_decay(step: int, total: int) -> float:
 
 
 class FastStep(ModuleStep):
-    """The platform's `ModuleStep` (forward, backward, optimizer and scheduler step) with `fast_optimizer`,
-    `fast_schedule` and, after the optimizer step, Lookahead: every `LOOKAHEAD_EVERY` steps toward the
-    weights with `lookahead_decay`, and at the last step the weights become the average. ``model`` may be
-    wrapped (DDP, compile); its plain module must be a `fastnet`. Reads --lr, --momentum, --weight-decay,
-    --epochs and --max-steps of ``cfg``."""
+    """`ModuleStep` with `fast_optimizer`, `fast_schedule` and, after the optimizer step, Lookahead: every
+    `LOOKAHEAD_EVERY` steps with `lookahead_decay`; at the last step the weights become the average.
+    ``model`` may be wrapped (DDP, compile) around a `fastnet`."""
 
     def setup(self, total_steps: int) -> None:
         cfg, net = self.cfg, unwrap(self.model)
@@ -337,12 +331,6 @@ def tta_mode(value) -> str:
 
 
 # -------------------------------------------------------------------------------------------- 6. the run
-# `mariana.apps.vision.train` builds the platform's one `Trainer` from these parts: the net (registered as
-# ``fastnet`` in `model`) whitened by `init_whitening_from`, `DeviceEpochLoader` as the loader, `FastStep`
-# as the step (its loss: cross-entropy with --label-smoothing on `normalize`d batches) and, for the
-# evaluations during training, `tta_probabilities` with --eval-tta crops. The Trainer calls
-# ``step.setup(total_steps)``, then per epoch ``loader.iterate(epoch)`` and ``step.train_step([batch])``
-# for each batch, evaluating and checkpointing between steps.
 def init_whitening_from(
     net: nn.Sequential, data: DecodedImages | None, src: ImageSource, size: int, limit: int
 ):

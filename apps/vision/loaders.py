@@ -1,12 +1,7 @@
-"""The training input of ``mariana vision train``: where JPEGs are decoded, whether the set is decoded once,
-and the `BatchLoader` the platform's `Trainer` reads (one process or data parallel).
-
-When the decoded set fits in ``--cache-gb`` every image is decoded once (batched ``decode_jpeg``, on the GPU
-when training there) into one uint8 tensor kept on the training device (`load_decoded`, `CachedLoader`);
-otherwise DataLoader workers read and decode each step (``--num-workers``) into pinned memory and a prefetch
-thread copies batches ahead with ``non_blocking=True`` (`StreamLoader`). Augmentation and normalisation run
-on the batch on the training device (`data.make_prepare`), except the fast recipe's, which its loader does
-(`fast_recipe.DeviceEpochLoader`).
+"""The training input of ``mariana vision train``, the `BatchLoader` the platform's `Trainer` reads: the set
+decoded once onto the training device when it fits in ``--cache-gb`` (`load_decoded`, `CachedLoader`), else
+DataLoader workers decoding into pinned memory, prefetched ahead (`StreamLoader`). Augmentation runs on the
+device (`data.make_prepare`; the fast recipe's in `fast_recipe.DeviceEpochLoader`).
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
-"""Vision models by name (`build_model`): the ones registered below and any torchvision model.
+"""Vision models by name (`build_model`): those registered below (``cifar-fast``: the ResNet-9 layout at
+width 16, the CPU presets' net, not the ``fast`` recipe's; ``resnet9``: width 64, ``gpu94``'s; ``fastnet``:
+in `fast_recipe`; ``mariana-cnn`` / ``mariana-cnn-32``) and any torchvision model, each a plain
+single-device ``nn.Module``. `as_blocks` gives the pipeline framework the model as an ``nn.Sequential`` of
+blocks (torchvision ResNet/AlexNet/VGG converted, sharing their parameters).
 
-Registered (`mariana.platform.core.registry`, app ``vision``):
-
-- ``cifar-fast``: the ResNet-9 layout (`resnet9_layout`) at width 16, the small CPU net of the ``debug`` and
-  ``small`` presets and the demo. Not the ``fast`` recipe's net, despite the name.
-- ``resnet9``: the same layout at width 64 (the DAWNBench CIFAR-10 ResNet-9), the ``gpu94`` preset's net.
-- ``fastnet``: the ``fast`` recipe's net (airbench's layout with a patch-whitening first layer), defined with
-  the rest of that recipe in `mariana.apps.vision.fast_recipe`.
-- ``mariana-cnn`` / ``mariana-cnn-32``: the two-column network of Krizhevsky et al. 2012 at 224 / 32 px.
-
-Every model is a plain single-device ``nn.Module``. For model parallelism the framework needs the model as
-an ordered list of blocks: `as_blocks` returns an ``nn.Sequential`` whose children run one after the other
-(``x -> block0 -> block1 -> ... -> logits``). The Mariana models *are* such Sequentials; torchvision
-ResNet/AlexNet/VGG are converted (sharing the same parameter tensors). The pipeline framework chooses the
-split points (balanced by parameter count); nothing here knows about devices or processes.
-
-``mariana-cnn``: AlexNet as published splits every layer's kernels between two GPUs ("columns"); conv2,
-conv4 and conv5 see only the feature maps of their own column, conv3 and the fully connected layers see
-both. A convolution with ``groups=2`` is exactly two such private columns, so the network is written as a
-single-device model with grouped convolutions (same parameter count and connectivity as the paper:
-96-256-384-384-256 kernels, 4096-4096 FC units, local response normalisation, overlapping max-pooling).
-The modern framework then places *stages* (depth) rather than columns (width) on devices, which needs no
-per-layer exchange. The 32 px variant keeps the structure with CIFAR-sized kernels and widths.
+``mariana-cnn``: AlexNet as published splits every layer's kernels between two GPUs ("columns"); a
+convolution with ``groups=2`` is exactly two such private columns, so it is one single-device model with
+the paper's connectivity and parameter count; the framework places stages (depth), not columns, on devices.
 """
 
 from __future__ import annotations
@@ -117,10 +102,9 @@ def mariana_cnn(num_classes: int = 1000, dropout: float = 0.5) -> nn.Sequential:
 
 
 def mariana_cnn_32(num_classes: int = 10, dropout: float = 0.5) -> nn.Sequential:
-    """The two-column network at 32 px (CIFAR): the paper's kernel counts (96-256-384-384-256, grouped
-    conv2/4/5, LRN, overlapping pooling) with 5x5/3x3 kernels at stride 1 and 512-512 FC units (the 224 px
-    FC widths would put 60 % of the weights in one layer). Input float ``[B,3,32,32]`` -> logits
-    ``[B, num_classes]``; ~3.8 M parameters, about half in conv1-4 and half in conv5+FC."""
+    """The two-column network at 32 px (CIFAR): the paper's kernel counts with 5x5/3x3 kernels at stride 1
+    and 512-512 FC units (the 224 px widths would put 60 % of the weights in one layer). Float
+    ``[B,3,32,32]`` -> logits ``[B, num_classes]``; ~3.8 M parameters."""
     return _two_column(num_classes, dropout, nn.Conv2d(3, 96, 5, padding=2), 1, [], 256 * 9, 512)
 
 
@@ -138,20 +122,16 @@ def _mariana_cnn_32(num_classes: int, image_size: int = 32, dropout: float = 0.5
 
 @register_model("vision", "cifar-fast")
 def _cifar_fast(num_classes: int, image_size: int = 32, dropout: float = 0.5) -> nn.Module:
-    """The small CPU net of the debug/small presets: `resnet9_layout` at width 16 (unrelated to the fast
-    recipe)."""
     return resnet9_layout(num_classes, width=16)
 
 
 @register_model("vision", "resnet9")
 def _resnet9(num_classes: int, image_size: int = 32, dropout: float = 0.5) -> nn.Module:
-    """The DAWNBench ResNet-9 (gpu94 preset): `resnet9_layout` at width 64."""
     return resnet9_layout(num_classes, width=64)
 
 
 @register_model("vision", "fastnet")
 def _fastnet(num_classes: int, image_size: int = 32, dropout: float = 0.5) -> nn.Module:
-    """The fast recipe's net (`fast_recipe.fastnet`)."""
     return fastnet(num_classes)
 
 
@@ -174,8 +154,7 @@ def build_model(name: str, num_classes: int, image_size: int = 32, dropout: floa
         )
     kwargs = {"num_classes": num_classes, "weights": None}
     if name.startswith("inception") or name.startswith("googlenet"):
-        kwargs["aux_logits"] = False
-        kwargs["init_weights"] = True
+        kwargs.update(aux_logits=False, init_weights=True)
     return torchvision.models.get_model(name, **kwargs)
 
 

@@ -41,10 +41,8 @@ class Classifier:
 
     @torch.no_grad()
     def probabilities(self, images: torch.Tensor, tta: bool | str = False) -> torch.Tensor:
-        """uint8 ``[B,3,S,S]`` -> class probabilities float ``[B, C]``. ``tta``: test-time augmentation
-        (`fast_recipe.tta_views`), the mean of the views' probabilities: ``"flip"`` (or True) the images and
-        their mirror images (2x the compute), ``"crops"`` those plus the images translated by 1 px up-left and
-        down-right, each also mirrored (6x); False/``"none"`` the images alone."""
+        """uint8 ``[B,3,S,S]`` -> class probabilities float ``[B, C]``; ``tta`` (True = ``"flip"``: 2x the
+        compute, ``"crops"``: 6x): the mean over the views of `fast_recipe.tta_views`."""
         x = (images.to(self.device).float() - self.mean) / self.std
         return tta_probabilities(self.model, x, tta_mode(tta))
 

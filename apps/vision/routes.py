@@ -3,8 +3,6 @@
 ``POST /v1/vision/classify?k=5`` multipart ``file`` = JPEG/PNG/GIF ->
 ``{"labels": [{"label", "probability"}, ...], "model_version": v, "tta": bool, "tta_mode": m}``;
 ``?tta=true|flip|crops`` averages the probabilities of views of the image (`fast_recipe.tta_views`).
-
-Imported only when vision routes are mounted (`AppSpec.router`).
 """
 
 from fastapi import APIRouter, File, Query, UploadFile

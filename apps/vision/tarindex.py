@@ -1,9 +1,8 @@
 """Fast member index of an uncompressed tar: ``(name, data offset, size)`` of each regular file.
 
-``tarfile`` builds a Python ``TarInfo`` per member, which for 50,000 small images costs more than decoding
-them (timings: apps/vision/README.md). The common case (plain ustar/GNU headers: regular files and folders,
-names up to 255 bytes) is walked here straight from the 512-byte headers of a memory map; any other header (PAX or GNU long names, links, sparse files, a bad checksum) returns None and the caller falls
-back to ``tarfile``, so the index is the one ``tarfile`` would give or is computed by ``tarfile`` itself.
+``tarfile`` builds a Python ``TarInfo`` per member, slower than decoding 50,000 small images (timings:
+apps/vision/README.md), so plain ustar/GNU headers are walked here from a memory map; any other header
+(PAX or GNU long names, links, sparse files, a bad checksum) returns None: the caller uses ``tarfile``.
 """
 
 from __future__ import annotations

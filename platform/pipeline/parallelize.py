@@ -1,11 +1,6 @@
-"""`parallelize_pipeline`: model parallel (pipeline stages) x data parallel over a 2-D DeviceMesh.
-
-Mesh ``(dp=G, mp=K)`` named ``("dp", "mp")`` (`mariana.platform.runtime.dist.ParallelDims.build_mesh`): global
-rank ``r = g*K + s`` holds stage ``s`` of group ``g``. Activations cross stage boundaries along ``mp``
-(`schedule`); after the backward pass each rank all-reduces its stage's gradients over its ``dp`` group only
-(one flat buffer per step, optionally bf16/fp16). The caller passes a plain single-device ``nn.Sequential``
-of blocks (or a list of K stage modules) and gets back a `PipelineParallel` holding this rank's stage.
-"""
+"""`parallelize_pipeline`: model parallel (pipeline stages) x data parallel over a 2-D DeviceMesh
+``(dp=G, mp=K)``: global rank ``r = g*K + s`` holds stage ``s`` of group ``g``; gradients are all-reduced
+over ``dp`` only (README.md: Data parallel)."""
 
 from __future__ import annotations
 
@@ -28,16 +23,10 @@ log = logging.getLogger("mariana")
 
 
 class PipelineParallel(StagePosition):
-    """This rank's pipeline stage plus the step runner.
-
-    Attributes: ``stage`` (nn.Module on ``device``), ``stage_index``, ``n_stages``, ``dp_index``, ``dp_size``,
-    ``dp_ranks`` (global ranks that hold the same stage and share its gradients), ``mp_ranks`` (the
-    global ranks of this rank's pipeline, stage order), ``n_microbatches``, ``schedule_name`` (the training
-    schedule asked for: ``1f1b``/``gpipe`` from torch.distributed.pipelining, ``p2p`` the hand-written
-    GPipe), ``schedule`` (the hand-written `GPipeSchedule`: inference (`forward`) and the training batches
-    the torch schedules cannot take, see `TorchSchedule.supports`), ``last_schedule`` (which one ran the
-    last training batch), ``comm_seconds``/``comm_bytes`` (gradient all-reduce cost since the last
-    `take_comm`)."""
+    """This rank's pipeline stage plus the step runner. ``dp_ranks``: the global ranks holding the same stage;
+    ``mp_ranks``: this rank's pipeline in stage order; ``schedule``: the hand-written `GPipeSchedule`
+    (inference, and the batches `TorchSchedule.supports` refuses); ``last_schedule``: which one ran the last
+    training batch; ``comm_seconds``/``comm_bytes``: all-reduce cost since the last `take_comm`."""
 
     def __init__(
         self,
@@ -105,10 +94,9 @@ class PipelineParallel(StagePosition):
         return self.train(False)
 
     def run_schedule(self, inputs, targets, batch_size: int) -> torch.Tensor | None:
-        """Pipelined forward/backward of one batch (``inputs`` needed on the first stage, ``targets`` on
-        the last; ``batch_size`` on all); gradients accumulate into the stage's ``.grad``. Returns the
-        batch's mean loss on the last stage, None elsewhere. Every stage picks the same schedule (the choice
-        depends only on the batch size, the micro-batch count and the number of stages)."""
+        """Pipelined forward/backward of one batch (``inputs`` on the first stage, ``targets`` on the last);
+        gradients accumulate into ``.grad``; -> the mean loss on the last stage, None elsewhere. Every stage
+        picks the same schedule (it depends only on the batch size, M and K)."""
         ts = self.torch_schedule
         if ts is not None and ts.supports(batch_size):
             self.last_schedule = f"{ts.kind} (torch.distributed.pipelining)"
@@ -127,15 +115,12 @@ class PipelineParallel(StagePosition):
         return self.schedule.train_step(inputs, targets, batch_size)
 
     def infer_shapes(self, batch_size: int, inputs: torch.Tensor | None) -> None:
-        """Before training (every rank calls it): fix the torch schedule's shapes for batches of
-        ``batch_size`` (`TorchSchedule.infer_shapes`; ``inputs``: a prepared batch on the first stage, None
-        elsewhere), so no training step infers them."""
+        """Before training, on every rank: `TorchSchedule.infer_shapes`, so no training step infers them."""
         if self.torch_schedule is not None:
             self.torch_schedule.infer_shapes(batch_size, inputs)
 
     def train_step(self, inputs, targets, batch_size: int) -> torch.Tensor | None:
-        """`run_schedule`, then the gradient all-reduce over ``dp``. Returns the mean loss on the last
-        stage, None elsewhere. The caller steps its optimizer afterwards."""
+        """`run_schedule`, then the gradient all-reduce over ``dp``; the caller steps its optimizer."""
         loss = self.run_schedule(inputs, targets, batch_size)
         self.sync_gradients()
         return loss
@@ -181,14 +166,11 @@ def parallelize_pipeline(
     autocast=None,
     schedule: str = "1f1b",
 ) -> PipelineParallel:
-    """Place this rank's stage of ``model_or_stages`` on ``device`` and return its `PipelineParallel`.
+    """This rank's stage of ``model_or_stages`` on ``device``, as a `PipelineParallel`.
 
-    ``model_or_stages``: an ``nn.Sequential`` of blocks, cut into ``mesh['mp'].size()`` stages by
-    ``balance`` (see `stages.split_blocks`), or a list of exactly K stage modules. Every rank passes the
-    same (identically initialised) model; only this rank's stage is moved to ``device`` and the rest is
-    dropped by the caller. ``mesh``: 2-D DeviceMesh ``("dp", "mp")``, or None for one process (K=1).
-    ``loss_fn(logits, targets)`` returns the mean loss; ``n_microbatches``: M per batch; ``schedule``:
-    ``1f1b`` or ``gpipe`` (torch.distributed.pipelining) or ``p2p`` (the hand-written GPipe)."""
+    ``model_or_stages``: an ``nn.Sequential`` of blocks (the same on every rank), cut into K stages by
+    ``balance`` (`stages.split_blocks`), or a list of exactly K stage modules. ``mesh``: 2-D DeviceMesh
+    ``("dp", "mp")``, or None for one process (K=1). ``loss_fn(logits, targets)`` -> the mean loss."""
     k = mesh["mp"].size() if mesh is not None else 1
     s = mesh["mp"].get_local_rank() if mesh is not None else 0
     if isinstance(model_or_stages, nn.Sequential):

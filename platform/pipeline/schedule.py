@@ -9,12 +9,9 @@ micro-batches:
                           (last stage: loss_m = loss_fn(y_m, target chunk m) * n_m / B)
     backward m = 0..M-1:  g_m = recv(next) (last stage: d loss_m);  y_m.backward(g_m);  isend(x_m.grad, prev)
 
-Sends are asynchronous, so stage s computes micro-batch m+1 while m is on stage s+1 (a fill/drain bubble of
-K-1 micro-batches). The loss is the mean over the whole batch: the gradients equal the unsplit model's
-(BatchNorm sees micro-batches). All forwards precede all backwards, so traffic between two stages flows one
-way at a time and every rank posts its P2P ops in its peer's order: NCCL (one ordered stream per
-communicator) cannot deadlock on send/send. Each tensor is preceded by a small int64 header (dtype code,
-ndim, shape), so any batch size (an evaluation's last, smaller one) needs no shape inference.
+All forwards precede all backwards, so traffic between two stages flows one way at a time and every rank
+posts its P2P ops in its peer's order: NCCL (one ordered stream per communicator) cannot deadlock on
+send/send. Each tensor is preceded by a small int64 header (dtype code, ndim, shape): any batch size.
 """
 
 from __future__ import annotations
@@ -68,6 +65,11 @@ class P2P:
         self.pending.clear()
 
 
+def _autocast(autocast):
+    """The job's autocast context (``autocast()``), or none when ``autocast`` is None."""
+    return autocast() if autocast is not None else contextlib.nullcontext()
+
+
 class StagePosition:
     """Where this rank's stage sits in the pipeline: ``index`` of ``n_stages``."""
 
@@ -84,11 +86,8 @@ class StagePosition:
 
 
 class GPipeSchedule(StagePosition):
-    """Runs one pipeline stage's part of a training or inference step (see module docstring).
-
-    ``stage``: this rank's module; ``stage_index``/``n_stages``; ``prev_rank``/``next_rank``: global ranks of
-    the neighbours (None at the ends); ``n_microbatches``: M; ``loss_fn(logits, targets) -> mean loss``
-    (used on the last stage only)."""
+    """One pipeline stage's part of a training or inference step. ``prev_rank``/``next_rank``: global ranks
+    of the neighbours (None at the ends); ``loss_fn(logits, targets) -> mean loss`` (last stage only)."""
 
     def __init__(
         self,
@@ -107,9 +106,6 @@ class GPipeSchedule(StagePosition):
         self.m, self.loss_fn, self.device = n_microbatches, loss_fn, device
         self.autocast = autocast
         self.p2p = P2P(device)
-
-    def _ctx(self):
-        return self.autocast() if self.autocast is not None else contextlib.nullcontext()
 
     def _chunks(self, t: torch.Tensor | None, n_mb: int, what: str) -> list[torch.Tensor]:
         if t is None:
@@ -132,7 +128,7 @@ class GPipeSchedule(StagePosition):
         total = torch.zeros((), device=self.device)
         for i in range(n_mb):
             x = xs[i] if self.is_first else self.p2p.recv(self.prev, TAG_ACT).requires_grad_(True)
-            with self._ctx():
+            with _autocast(self.autocast):
                 y = self.stage(x)
                 if self.is_last:
                     y = self.loss_fn(y, ts[i]) * (ts[i].shape[0] / batch_size)
@@ -164,7 +160,7 @@ class GPipeSchedule(StagePosition):
         outs = []
         for i in range(n_mb):
             x = xs[i] if self.is_first else self.p2p.recv(self.prev, TAG_ACT)
-            with self._ctx():
+            with _autocast(self.autocast):
                 y = self.stage(x)
             if self.is_last:
                 outs.append(y.float())
@@ -176,30 +172,21 @@ class GPipeSchedule(StagePosition):
 
 # ------------------------------------------------------------------ torch.distributed.pipelining schedules
 class _AutocastStage(nn.Module):
-    """The stage as torch's `PipelineStage` runs it: under the job's autocast, with a contiguous output.
-
-    torch sends a stage's output tensor as it is laid out in memory and receives it into a freshly allocated
-    contiguous buffer, so a channels-last activation would arrive scrambled; ``.contiguous()`` (differentiable)
-    is what `P2P.send` does for the hand-written schedule."""
+    """The stage under the job's autocast, with a contiguous output (torch receives a stage's raw memory
+    into a contiguous buffer: a channels-last activation would arrive scrambled)."""
 
     def __init__(self, stage: nn.Module, autocast=None):
         super().__init__()
         self.stage, self.autocast = stage, autocast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with self.autocast() if self.autocast is not None else contextlib.nullcontext():
+        with _autocast(self.autocast):
             return self.stage(x).contiguous()
 
 
 class _Stage(PipelineStage):
-    """torch's `PipelineStage` with two fixes for this framework.
-
-    - Communicator warm-up: torch 2.9.1 sends an int64 scalar to each neighbour, which receives it into a
-      float32 ``[1]`` buffer; NCCL does not notice, gloo aborts ("Received data size doesn't match"). The
-      warm-up here sends a float32 ``[1]`` tensor.
-    - Runtime shape inference runs one forward of the stage on zeros; in train mode that would update
-      BatchNorm running statistics and draw dropout masks from the RNG (which a resumed run would then
-      draw again). It runs in eval mode with the RNG state restored afterwards."""
+    """torch's `PipelineStage` with a float32 communicator warm-up (gloo refuses torch 2.9.1's int64 one)
+    and shape inference in eval mode with the RNG restored (README.md: Schedules)."""
 
     def _get_init_p2p_neighbors_ops(self) -> list:
         ops = super()._get_init_p2p_neighbors_ops()
@@ -220,15 +207,10 @@ class _Stage(PipelineStage):
 
 
 class TorchSchedule(StagePosition):
-    """GPipe or 1F1B for one stage from `torch.distributed.pipelining` (``ScheduleGPipe``/``Schedule1F1B``).
-
-    Same contract as `GPipeSchedule.train_step`: gradients accumulate into the stage's ``.grad`` (the loss of
-    micro-batch m is weighted by n_m / B, torch's own gradient scaling is off), the batch's mean loss comes
-    back on the last stage. torch fixes the micro-batch shapes at a schedule's first step (runtime shape
-    inference, then preallocated receive buffers), so there is one torch schedule per batch size, and a
-    batch torch cannot take (`supports`: fewer micro-batches than stages, or a batch size the micro-batch
-    count does not divide) is the caller's to run on the hand-written schedule. ``group``: the pipeline's
-    process group (stage s is its group rank s)."""
+    """torch's ``ScheduleGPipe``/``Schedule1F1B`` for one stage, with the contract of
+    `GPipeSchedule.train_step`. torch fixes micro-batch shapes at a schedule's first step: one schedule per
+    batch size; a batch it cannot take (`supports`) is the caller's to run on `GPipeSchedule`. ``group``:
+    the pipeline's process group (stage s is its group rank s)."""
 
     KINDS = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -260,7 +242,7 @@ class TorchSchedule(StagePosition):
             stage = _Stage(self.module, self.index, self.n_stages, self.device, group=self.group)
 
             def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-                with self.autocast() if self.autocast is not None else contextlib.nullcontext():
+                with _autocast(self.autocast):
                     return self.loss_fn(logits, targets) * (targets.shape[0] / batch_size)
 
             sched = self.KINDS[self.kind](stage, self.m, loss_fn=loss, scale_grads=False)

@@ -1,20 +1,11 @@
-"""Cut a chain of blocks into K pipeline stages.
-
-A model is given to the framework as an ``nn.Sequential`` of blocks (see the app's ``as_blocks``); a stage is
-a contiguous run of blocks. The stage keeps the blocks' original names (``nn.Sequential`` with the same
-keys), so the union of the stages' state dicts is the full model's state dict, and checkpoints written per
-stage merge back into the plain model without any renaming.
-
-Split points are chosen by one of
-- ``"params"`` (default): minimise the largest stage's parameter count (what bounds per-device memory for
-  weights + gradients + optimizer state);
-- ``"time"``: minimise the largest stage's measured forward+backward time on a sample batch (what bounds
-  pipeline throughput);
-- explicit boundaries ``[b1, ..., b_{K-1}]`` (block indices where stages 1..K-1 start).
+"""Cut an ``nn.Sequential`` of blocks into K contiguous stages that keep the blocks' names (so stage state
+dicts merge back by a plain union), balanced by ``"params"`` (memory), ``"time"`` (throughput) or explicit
+boundaries ``[b1, ..., b_{K-1}]`` (the block indices where stages 1..K-1 start); README.md: How a model is split.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -55,9 +46,7 @@ def balanced_boundaries(costs: Sequence[float], k: int) -> list[int]:
     n = len(costs)
     if k < 1 or n < k:
         raise MarianaError(f"cannot cut {n} block(s) into {k} pipeline stages (each stage needs >= 1 block)")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = [0.0, *itertools.accumulate(costs)]
     inf = float("inf")
     # best[j][i]: minimal max-stage cost for blocks[:i] in j stages; arg[j][i]: start of the last stage
     best = [[inf] * (n + 1) for _ in range(k + 1)]
@@ -130,7 +119,7 @@ def param_bytes(module: nn.Module) -> int:
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the optimizer's per-parameter state tensors (momentum, Adam moments, ...)."""
-    total = 0
-    for st in optimizer.state.values():
-        total += tensor_bytes(v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return total
+    return sum(
+        tensor_bytes(v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        for st in optimizer.state.values()
+    )

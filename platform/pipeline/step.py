@@ -1,10 +1,6 @@
 """`PipelineStep`: the core `Trainer`'s step (`mariana.platform.core.steps.TrainStep`) for pipeline-parallel
-jobs (model parallel K > 1, optionally x data parallel G; what it does per step, its checkpoints and logs:
-``platform/pipeline/README.md``, "Step"). No rank holds the whole model, stage 0 alone gets the inputs and
-the last stage alone the targets and a loss, so the step, not the loop, runs the optimizer step
-(`train_step`), averages the loss (`mean_loss`), checkpoints per stage (`checkpoint_state`/`restore`:
-``RUN/checkpoints/step_X/stage-S.pt``) and assembles the full model for export (`full_state_dict`).
-"""
+jobs (README.md: "Step"). No rank holds the whole model, so the step, not the loop, runs the optimizer step,
+averages the loss, checkpoints per stage and assembles the full model for export."""
 
 from __future__ import annotations
 
@@ -31,13 +27,9 @@ PipelineBatch = tuple[Any, Any, int]
 
 
 class PipelineStep:
-    """One rank's part of a pipeline job's optimizer steps, for `mariana.platform.core.loop.Trainer`.
-
-    ``pp``: this rank's `PipelineParallel` (from `parallelize_pipeline`); ``prepare``: applied to the
-    stage-0 inputs on the device (e.g. augmentation and normalisation). ``example``: (batch size, a batch of
-    inputs as the loader yields them on the first stage, None on the others): the pipeline's shapes for
-    that batch size are fixed in `setup`, so that no training step infers them (a collective: give it on
-    every rank or on none)."""
+    """One rank's part of a pipeline job's optimizer steps. ``prepare``: applied to the stage-0 inputs on the
+    device. ``example``: (batch size, a loader batch of inputs on the first stage, None on the others): its
+    shapes are fixed in `setup`, not in a training step (a collective: give it on every rank or on none)."""
 
     def __init__(
         self,
@@ -184,10 +176,7 @@ class PipelineStep:
         dist.gather_object(local, parts, dst=pp.mp_ranks[0], group=pp.mp_group)
         if not ctx.is_main:
             return {}
-        merged: dict[str, torch.Tensor] = {}
-        for part in parts or []:
-            merged.update(part)
-        return merged
+        return {k: v for part in parts or [] for k, v in part.items()}
 
     # --- reports ---------------------------------------------------------------------------------------
     def lrs(self) -> dict[str, float]:
