@@ -28,9 +28,7 @@ def handler(target: str) -> Callable[[argparse.Namespace, list[str]], int]:
         except ModuleNotFoundError as e:  # an optional extra (onnx, ...) that is not installed: one line
             if (e.name or "mariana").startswith("mariana"):
                 raise
-            raise MarianaError(
-                f"this command needs the package {e.name!r} (an optional extra: pyproject.toml)"
-            ) from e
+            raise MarianaError(f"this command needs the package {e.name!r} (an extra: pyproject.toml)") from e
         return getattr(module, attr)(args, argv)
 
     run.__qualname__ = run.__name__ = f"handler[{target}]"

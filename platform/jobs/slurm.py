@@ -1,21 +1,9 @@
-"""`SlurmExecutor`: the job service hands its jobs to a Slurm cluster (``mariana jobs serve --executor slurm``).
-
-- ``start``: writes ``RUN/slurm-job.sh`` (self-contained: ``sbatch RUN/slurm-job.sh`` resubmits it by hand;
-  ``#SBATCH`` lines carry the job's resources, the partition, the service's ``--account`` and
-  ``--sbatch-arg``s) and ``sbatch``es it. Output is appended to ``RUN/job.log``, which the LogStore tails, so
-  the run directory must be on storage shared by the service and the nodes. ``ext`` is the Slurm job id;
-  sbatch's own error fails the job with that line.
-- One task runs ``python -m mariana.platform.cli ARGV`` on the first node. Several (``--nodes N`` x
-  ``--tasks-per-node K``) ``srun`` one torchrun agent per task with ``ARGV --nnodes $SLURM_NTASKS
-  --rdzv-endpoint HEAD:PORT``: HEAD the first node, PORT ``10000 + job id % 20000`` (below Linux's ephemeral
-  ports, so no client connection holds it). c10d's rendezvous assigns the node ranks. ``--kill-on-bad-exit``:
-  one failed task ends the others (after torchrun's ``--max-restarts``).
-- The script writes its command's status (srun's: the worst task's) to ``RUN/job.exit``. ``poll`` runs one
-  ``squeue`` per tick for all watched jobs (``sacct`` for those the controller has forgotten) and reads the
-  exit file; a forgotten job is finished from that file alone. A job pending for a reason waiting cannot
-  cure (``HOPELESS``) is cancelled and fails with that reason.
-- ``terminate``: ``scancel``; ``kill``: ``scancel --full --signal KILL``; ``alive`` (pending or running in
-  Slurm) re-adopts a job after a service restart.
+"""`SlurmExecutor`: the job service hands its jobs to a Slurm cluster (``mariana jobs serve --executor slurm``):
+``start`` writes the self-contained ``RUN/slurm-job.sh`` and ``sbatch``es it (``ext`` is the Slurm job id), ``poll``
+runs one ``squeue`` per tick for all watched jobs (``sacct`` for those the controller forgot) and reads
+``RUN/job.exit``, ``terminate``/``kill`` are ``scancel``, ``alive`` re-adopts a job after a service restart. What
+the script runs (one task, or one torchrun agent per task), the rendezvous port and the failure rules:
+platform/jobs/README.md, "Slurm".
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
-"""The parameter-server process: holds shard ``i`` of every table and slice ``i`` of the dense parameters
-(and, on server 0, the worker clocks and the checkpoint coordinator) and answers the workers' calls until
-told to finish.
-
-Consistency modes (``staleness``):
-- ``-1`` (default): fully asynchronous. Each push is applied when it arrives; no worker ever waits for
-  another (Downpour/Hogwild style).
-- ``0``: bulk-synchronous. Pushes of step t are buffered until all W workers sent theirs, then the summed
-  gradient / W is applied once; a pull for step t waits until step t-1 is applied. This is exactly
-  synchronous SGD with the global batch (the equivalence test checks it).
-- ``s > 0``: bounded staleness (SSP). Pushes apply at once, but a worker may start step t only after every
-  unfinished worker completed step t-s-1 (server 0 keeps the clocks).
-
-Key maps (optional, server 0): ``ParamServer.keymap``, an object with ``assign(keys) -> (rows, evicted
-rows)``, ``lookup(keys) -> rows``, ``state_dict``/``load_state_dict``, ``counters()`` and ``row_key``
-(e.g. pCTR's dynamic id map, ``--ids dynamic``), turns a worker's batch of keys into table rows before its
-pull (`assign`). A pull may carry resets of rows (a row the map handed to a new key starts over: given
-weights, fresh optimiser state, not ``seen``), applied after the staleness wait and before the rows are
-read. The map and the last few assignments of each worker go into server 0's checkpoint, so a worker that
-replays a step after a restore gets the same rows back without counting its batch twice.
+"""The parameter-server process: shard ``i`` of every table, slice ``i`` of the dense parameters (server 0:
+also the worker clocks, the checkpoint coordinator and the key map), answering the workers' calls until told to
+finish. Consistency modes (``staleness`` -1 asynchronous, 0 bulk-synchronous, s > 0 bounded) and key maps:
+apps/pctr/README.md, "Parameter-server mode" and "Dynamic ids".
 
 Every public method of `ParamServer` is an entry point, served as ``"ps"`` through transport.py
 (`runtime.ps_session`); workers call it through handles (`runtime.remote`).

@@ -1,16 +1,6 @@
 """Search-space files: ``load_space(path, config_cls) -> Space``.
 
-Format (TOML)::
-
-    [params.lr]                      # a float range, sampled on a log scale
-    type = "float"; low = 1e-4; high = 1e-2; log = true
-    [params.dim]                     # an int range (step or log)
-    type = "int"; low = 8; high = 64; step = 8
-    [params.model]                   # any training flag, including the model kind
-    type = "categorical"; choices = ["deepfm", "dcn"]
-    [fixed]                          # the same value in every trial
-    batch_size = 256
-
+The format (TOML ``[params.NAME]`` float/int/categorical, ``[fixed]``): platform/tune/README.md.
 Keys are config field names (``batch_size`` or ``batch-size``). Every key is checked against the app's train
 config (unknown field, wrong type, invalid range): a `MarianaError` naming the file and the key.
 """

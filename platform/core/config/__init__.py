@@ -8,30 +8,7 @@ code reads ``cfg.lr`` or ``cfg.optim.lr`` (the section as its typed dataclass), 
 ``dataclasses.replace(cfg, lr=...)`` and ``dataclasses.fields(cfg)`` work on the flat names. A value the
 user set explicitly where its field does not apply is refused (exit 2).
 
-How to declare sections for an app (``apps/APP/configs.py``, standard library only)::
-
-    from mariana.platform.core.config import (
-        DataSection, LoopSection, OptimBase, RunSection, Section, TrainJob, only, not_with, opt)
-
-    @dataclass
-    class ModelSection(Section):
-        NAME: ClassVar[str] = "model"          # the TOML table and ``cfg.model``... pick a name no field has
-        TITLE: ClassVar[str] = "the network"   # the --help group: "[model] the network"
-        kind: str = opt("mlp", "model", ["lr", "mlp"])
-        hidden: int = opt(64, "hidden width", applies=not_with("kind", "lr"))
-
-        def validate(self) -> None:            # this section's own checks; MarianaError naming the flag
-            if self.hidden < 1: raise MarianaError(f"--hidden must be >= 1, got {self.hidden}")
-
-    @dataclass
-    class AppLoop(LoopSection):                # another default for this app: subclass the section
-        epochs: int = opt(5, "passes over the data")
-
-    class AppTrainConfig(TrainJob, sections=(RunSection, DataSection, AppLoop, OptimBase, ModelSection)):
-        EVAL_METRICS: ClassVar[tuple[str, ...]] = ("auc",)
-        RESUME_MAY_CHANGE: ClassVar[frozenset[str]] = RESUME_MAY_CHANGE | {"eval_data"}
-        def check(self) -> None:               # checks across sections (each section's validate runs first)
-            ...
+How an app declares its sections (an example): platform/README.md, "Configuration".
 
 Conditions (``opt(..., applies=...)`` or a section's ``APPLIES``): `only` (field in values), `not_with`,
 `at_least` (a number >= n), `given` (a non-empty value), `when` (any test; ``layout=True``: a look into a
