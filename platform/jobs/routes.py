@@ -10,6 +10,7 @@ Routes find the service's `Database`, `Scheduler`, home folder and `ModelServers
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Annotated
@@ -127,7 +128,7 @@ def list_jobs(db: DB, state: str | None = None, limit: int = Query(1000, ge=1, l
 @jobs.get("/api/jobs/{job_id}")
 def show(job_id: int, db: DB, servers: Servers) -> dict:
     """The job object with its counters, its export (a running job's best model so far), the URL of its
-    model server (None when none runs) and its run's ``config.toml``."""
+    model server (None when none runs), its run's ``config.toml`` and ``tracking.json``."""
     with db.read() as s:
         job = get_job(s, job_id)
         out = view(job)
@@ -136,7 +137,8 @@ def show(job_id: int, db: DB, servers: Servers) -> dict:
     if not out.get("export") and model.is_file():  # a running job's best model so far (early stopping)
         out["export"] = str(model)
     out["served"] = servers.url(job_id)
-    cfg = Path(job.run_dir) / "config.toml"
+    cfg, tracking = Path(job.run_dir) / "config.toml", Path(job.run_dir) / "tracking.json"  # MLflow page
+    out["tracking"] = json.loads(tracking.read_text()) if tracking.is_file() else None
     try:
         out["config"] = read_config_values(cfg) if cfg.is_file() else None  # flat, as flags name it
     except MarianaError:

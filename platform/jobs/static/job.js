@@ -151,16 +151,10 @@ function fact(dl, label, value, cls) {
   dl.append(el("dt", {}, label), dd);
 }
 
-// The run's MLflow run page, from RUN/tracking.json (platform/core/tracking.py) once the run wrote it.
+// The run's MLflow run page, from RUN/tracking.json (platform/core/tracking.py), which /api/jobs/ID carries.
 let trackingUrl = null;
-async function fetchTracking(job) {
-  if (trackingUrl !== null) return;
-  try {
-    const rec = await api(`/api/jobs/${job.id}/files/tracking.json`);
-    trackingUrl = (rec && rec.mlflow && rec.mlflow.url) || "";
-  } catch (e) {
-    if (TERMINAL_STATES.has(job.state)) trackingUrl = "";  // an untracked run: stop asking
-  }
+function fetchTracking(job) {
+  trackingUrl = (job.tracking && job.tracking.mlflow && job.tracking.mlflow.url) || "";
 }
 
 function renderHeader(job) {
