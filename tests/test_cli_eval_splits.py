@@ -21,15 +21,17 @@ def libfm(tmp_path_factory, data_dir):
 
 def _pctr_train(data, out, split):
     tr, va, te = split
-    return ["pctr", "train", "--data", data, "--out", out, "--preset", "debug", "--max-steps", "1"] + [
-        "--batch-size",
-        "16",
-        "--split",
-        f"{tr},{va},{te}",
-        "--no-progress",
-        "--early-stop",
-        "0",
-    ]
+    return (
+        ["pctr", "train", "--data", data, "--out", out, "--preset", "debug", "--max-steps", "1"]
+        + [
+            "--batch-size",
+            "16",
+            "--split",
+            f"{tr},{va},{te}",
+            "--no-progress",
+        ]
+        + (["--early-stop", "0"] if float(va) > 0 else [])
+    )  # without validation rows the flag is refused (inert)
 
 
 def _mlp_train(data, out, split):
