@@ -16,7 +16,9 @@ are pulled and pushed once, whichever server holds them), so
 - samples/s = the smaller. PREDICTED efficiency = samples/s / (N x the one-machine prediction).
 Ignored (so the predictions are upper bounds): latency (pull-ahead hides one round trip per step),
 stragglers, server hot spots under a skewed key distribution, and a switch's own limits.
-The model is checked on this machine (N = 1, its cores) against the measured 1x1 steady rate.
+The model is checked on this machine (N = 1, its cores) against the measured 1x1 steady rate. It assumes
+every core busy; a 1x1 job on 2 cores keeps one core mostly idle (its worker runs the dense layers on one
+thread, its server's updates are a small share), so there the model/measured column is well above 1.
 
 Usage: ``python bench/ps_cost_model.py [--inputs bench/results/ps_speed-cpu.json]`` (instant; run
 bench/ps_speed.py first) -> bench/results/ps_cost_model-cpu.json.

@@ -3,8 +3,9 @@ sample, and where a parameter-server step's time goes.
 
 ``--rows`` (200,000) generated Criteo lines (bench/pctr_throughput.py's generator: 26 power-law categorical
 fields, 13 counts), `mariana pctr train --format criteo --model deepfm --no-progress` with ``--epochs 1``
-and ``--epochs 4``, one process (``--servers 0``) and ``--servers 1 --workers 1``, interleaved for
-``--rounds`` rounds. Per run and side:
+and ``--epochs 4``, one process (``--servers 0``), ``--servers 1 --workers 1``, and one process on one
+thread (``OMP_NUM_THREADS=1``: every process of a 1x1 job runs one intra-op thread, so this is the most its
+worker, which runs the dense layers alone, could reach), interleaved for ``--rounds`` rounds. Per run and side:
 - steady rate = 3 x train lines (80 % of ``--rows``) / the wall time the 3 extra epochs add;
 - CPU-seconds per sample = the CPU time the 3 extra epochs add, summed over every process of the job
   (``getrusage(RUSAGE_CHILDREN)``: torchrun waits for its processes, so theirs count), / 3 x train lines;
@@ -43,14 +44,14 @@ def cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def train(data: Path, out: Path, epochs: int, extra: list[str]) -> dict:
+def train(data: Path, out: Path, epochs: int, extra: list[str], env: dict | None = None) -> dict:
     """One `pctr train` run: its wall and CPU seconds (all its processes), and the 1x1 job's counters."""
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "mariana.platform.cli", "pctr", "train", "--data", str(data), "--format"]
     cmd += ["criteo", "--model", "deepfm", "--no-progress", "--out", str(out), "--epochs", str(epochs)]
     cmd += [*extra, "--early-stop", "0"]  # every epoch runs: the extra epochs are the measured work
     c0, t0 = cpu_s(), time.perf_counter()
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
     wall, cpu = time.perf_counter() - t0, cpu_s() - c0
     if r.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
@@ -98,30 +99,42 @@ def main() -> int:
     if not data.is_file():
         generate(data, args.rows, args.rows_per_field, 1.2)
     samples = 3 * 0.8 * args.rows  # the 3 extra epochs over the 80 % train split
-    sides = {"one_process": ["--servers", "0"], "1server_1worker": ["--servers", "1", "--workers", "1"]}
+    # a third side: one process on one thread, the most a one-thread worker could reach (every process of
+    # a 1x1 job has one intra-op thread; the dense layers, most of a step, run on the worker alone)
+    sides = {
+        "one_process": (["--servers", "0"], {}),
+        "1server_1worker": (["--servers", "1", "--workers", "1"], {}),
+        "one_process_1_thread": (["--servers", "0"], {"OMP_NUM_THREADS": "1"}),
+    }
     rounds: dict[str, list[dict]] = {k: [] for k in sides}
     for r in range(args.rounds):
-        for name, flags in sides.items():
-            runs = [train(data, args.work / f"{name}-e{e}", e, flags) for e in (1, 4)]
+        for name, (flags, env) in sides.items():
+            runs = [train(data, args.work / f"{name}-e{e}", e, flags, env) for e in (1, 4)]
             rounds[name].append(side(*runs, samples))
             print(f"round {r + 1} {name}: {rounds[name][-1]}", flush=True)
     best = {}
     for name, rs in rounds.items():
         rs = sorted(rs, key=lambda x: x["steady_samples_per_s"])
         best[name] = {**rs[(len(rs) - 1) // 2], "rounds": [x["steady_samples_per_s"] for x in rounds[name]]}
-    ratio = statistics.median(
-        p["steady_samples_per_s"] / o["steady_samples_per_s"]
-        for p, o in zip(rounds["1server_1worker"], rounds["one_process"], strict=True)
-    )
+
+    def ratio_of(a: str, b: str) -> float:
+        pairs = zip(rounds[a], rounds[b], strict=True)
+        return statistics.median(x["steady_samples_per_s"] / y["steady_samples_per_s"] for x, y in pairs)
+
+    ratio = ratio_of("1server_1worker", "one_process")
+    ceiling = ratio_of("one_process_1_thread", "one_process")
+    overhead = ratio_of("1server_1worker", "one_process_1_thread")
     rows = [{"side": k, **{c: v.get(c, "") for c in list(v)[:3]}} for k, v in best.items()]
     print(table(rows, ["side", "steady_samples_per_s", "cpu_s_per_ksample", "wire_bytes_per_sample"]))
     print("1x1 time split (4 epochs):", best["1server_1worker"].get("time_split_4_epochs"))
     load = os.getloadavg()[0]
-    print(f"median per-round ratio 1x1 / one process: {ratio:.2f} (load average {load:.1f} on "
-          f"{os.cpu_count()} cores: a loaded machine; the 0.9x target needs a quiet one)")  # fmt: skip
+    print(f"median per-round ratios: 1x1 / one process {ratio:.2f}; one process on 1 thread / on "
+          f"{os.cpu_count()} threads {ceiling:.2f} (the 1x1's ceiling); 1x1 / one process on 1 thread "
+          f"{overhead:.2f} (what the servers cost the worker); load average {load:.1f}")  # fmt: skip
     path = write_result(
         "ps_speed",
         {"rows": args.rows, "rounds": args.rounds, "loadavg_1m": load, "ratio_median": round(ratio, 3),
+         "ratio_1_thread_over_one_process": round(ceiling, 3), "ratio_1x1_over_1_thread": round(overhead, 3),
          "sides": best},
     )  # fmt: skip
     print(f"wrote {path}")

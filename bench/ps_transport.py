@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import socket
 import statistics
@@ -190,18 +191,27 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
         server(args.serve, args.rows, args.port)
         return 0
     torch.set_num_threads(1)
+    if args.measure:
+        print(json.dumps(measure(args.measure, args)))
+        return 0
     runs: dict[str, list[dict]] = {}
+    flags = [f"--{k}={getattr(args, k)}" for k in ("rows", "unique", "reps", "warmup")]
     for _ in range(args.rounds):  # interleaved: a change of the machine's load hits every transport
         for kind in args.transports.split(","):
-            try:
-                runs.setdefault(kind, []).append(measure(kind, args))
-            except ImportError as e:
-                print(f"{kind}: skipped ({e}); pip install -e '.[bench]'")
+            # each measurement in a fresh client process: a second init_rpc in one process hung at times
+            r = subprocess.run(
+                [sys.executable, __file__, "--measure", kind, *flags], capture_output=True, text=True
+            )
+            if r.returncode:
+                print(f"{kind}: skipped ({r.stderr.strip().splitlines()[-1]}); pip install -e '.[bench]'")
+                continue
+            runs.setdefault(kind, []).append(json.loads(r.stdout.strip().splitlines()[-1]))
     rows = []
     for kind, rs in runs.items():  # per column, the median over the rounds
         row = {k: round(statistics.median(x[k] for x in rs), 2) for k in rs[0] if k != "transport"}
