@@ -8,6 +8,11 @@ date, commit, command, every run's figure). The README's "The demo" section quot
 
     python bench/demo_spread.py                      # every part, seeds 0 1 2
     python bench/demo_spread.py --parts mlp,pctr     # some parts (names: see PARTS)
+    python bench/demo_spread.py --isa avx2 --seeds 0 # as on a CPU without AVX-512 -> demo_spread_isa-avx2
+
+``--isa`` caps the vector instructions torch's kernels, MKL and oneDNN use (``ATEN_CPU_CAPABILITY``,
+``MKL_ENABLE_INSTRUCTIONS``, ``ONEDNN_MAX_CPU_ISA``): the part of a CPU model that picks the kernels, so two
+CPU models' figures can be compared on one machine (same seed, same data, only the kernels differ).
 
 Each part runs as the demo runs it (``python -m mariana.platform.cli``, 2 workers where the demo has
 them), so a run takes the demo's time per seed (about 6 min on 2 CPU cores for every part)."""
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -64,13 +70,18 @@ PARTS = {
 }  # fmt: skip
 
 
-def run_part(name: str, seed: int, work: Path) -> tuple[float, float]:
+ISA_ENV = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+}
+
+
+def run_part(name: str, seed: int, work: Path, env: dict | None = None) -> tuple[float, float]:
     """(the part's figure, seconds) for one seed; a failed command stops the bench with its output."""
     _, pattern, commands = PARTS[name]
     t0, last = time.perf_counter(), ""
     for cmd in commands:
         argv = [a.format(run=work / f"{name}-{seed}", seed=seed) for a in cmd]
-        p = subprocess.run([*M, *argv], capture_output=True, text=True)
+        p = subprocess.run([*M, *argv], capture_output=True, text=True, env={**os.environ, **(env or {})})
         if p.returncode:
             sys.exit(f"demo_spread: {' '.join(argv)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
         last = (p.stdout.strip().splitlines() or [""])[-1]
@@ -104,6 +115,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated parts of: {', '.join(PARTS)}")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    ap.add_argument(
+        "--isa", choices=sorted(ISA_ENV), help="cap the kernels' vector instructions (see the top)"
+    )
     args = ap.parse_args()
     parts, seeds = args.parts.split(","), [int(s) for s in args.seeds.split(",")]
     unknown = sorted(set(parts) - set(PARTS))
@@ -114,7 +128,7 @@ def main() -> None:
         for name in parts:
             values, seconds = [], []
             for seed in seeds:  # seeds in turn within a part: the machine's load moves between parts
-                v, s = run_part(name, seed, Path(tmp))
+                v, s = run_part(name, seed, Path(tmp), ISA_ENV.get(args.isa))
                 values.append(v)
                 seconds.append(round(s, 1))
                 print(f"{name} seed {seed}: {v} ({s:.0f} s)", flush=True)
@@ -122,9 +136,8 @@ def main() -> None:
             results.append({"part": name, "figure": PARTS[name][0], "seeds": seeds, "values": values,
                             "seconds": seconds, **spread})  # fmt: skip
             rows.append({"figure": PARTS[name][0], **spread, "values": " ".join(f"{x:g}" for x in values)})
-            path = write_result(
-                "demo_spread", {"results": results}
-            )  # after each part: a long run keeps its parts
+            name_ = f"demo_spread_isa-{args.isa}" if args.isa else "demo_spread"
+            path = write_result(name_, {"isa": args.isa or "default", "results": results})  # after each part
     print(table(rows, ["figure", "min", "median", "max", "values"]))
     print(path)
 
