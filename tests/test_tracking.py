@@ -2,7 +2,8 @@
 ``mlflow server`` process started once for this module (SQLite backend store, artifacts proxied by the
 server) read back with ``MlflowClient``, and TensorBoard event files read back with TensorBoard's own
 ``EventAccumulator``. Commands run in this process (`jobs_helpers.run_in_process`), a tune's trials as
-processes of their own (their parent run id reaches them through the environment).
+processes of their own or as jobs of a real job service (their parent run id reaches them as
+``--mlflow-parent`` on their command line).
 
 The server's start takes 10-50 s on a loaded 2-core machine (measured, printed with -s): one per module."""
 
@@ -18,7 +19,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from helpers import DATA, ROOT, free_port, last_line
-from jobs_helpers import run_in_process
+from jobs_helpers import Service, run_in_process
 
 mlflow = pytest.importorskip("mlflow", reason="the tracking extra: pip install mariana[tracking]")
 pytest.importorskip("tensorboard")
@@ -167,12 +168,27 @@ eval_every = 3
 
 
 @pytest.mark.slow  # the mlflow server process (and training, trial processes)
-def test_tune_study_is_the_parent_of_its_trial_processes(server, frappe_slice, tmp_path, capsys):
+@pytest.mark.parametrize("runner", ["local", "jobs"])
+def test_tune_study_is_the_parent_of_its_trial_processes(
+    server, frappe_slice, tmp_path, capsys, monkeypatch, runner
+):
+    """Trials as local processes and as jobs of a real job service (whose environment the tune process
+    does not share: the parent id travels in each trial's command line as --mlflow-parent)."""
     space, out = tmp_path / "space.toml", tmp_path / "tune"
     space.write_text(SPACE)
-    argv = ["tune", "pctr", "--space", space, "--trials", "2", "--parallel", "2", "--out", out, "--local",
+    argv = ["tune", "pctr", "--space", space, "--trials", "2", "--parallel", "2", "--out", out,
             "--preset", "debug", "--data", frappe_slice]  # fmt: skip
-    proc = run_in_process(argv, capsys, {"MLFLOW_TRACKING_URI": server}, check=True)
+    env = {"MLFLOW_TRACKING_URI": server}
+    if runner == "local":
+        argv.append("--local")
+    else:  # the service's jobs log to MLflow through the service's own environment
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
+        svc = Service(tmp_path / "home")
+        env["MARIANA_JOBS_URL"] = svc.url
+    try:
+        proc = run_in_process(argv, capsys, env, check=True)
+    finally:
+        svc.stop() if runner == "jobs" else None
     assert last_line(proc.stdout).startswith("best trial ")
     parent = json.loads((out / "tracking.json").read_text())["mlflow"]["run_id"]
     client = MlflowClient(server)
@@ -185,3 +201,11 @@ def test_tune_study_is_the_parent_of_its_trial_processes(server, frappe_slice, t
         assert (child.data.tags["app"], child.data.tags["command"]) == ("pctr", "train")
         assert child.info.status == "FINISHED" and "eval_auc" in child.data.metrics
         assert child.data.params["run.out"].startswith(str(out))
+
+
+def test_mlflow_parent_needs_a_tracking_uri(capsys, tmp_path):
+    """--mlflow-parent without MLFLOW_TRACKING_URI changes nothing: refused in one line, exit 2."""
+    argv = ["mlp", "train", "--data", FRAPPE, "--out", tmp_path / "run", *TRAIN, "--mlflow-parent", "abc"]
+    proc = run_in_process(argv, capsys, {"MLFLOW_TRACKING_URI": ""})
+    assert proc.returncode == 2 and "--mlflow-parent applies to MLflow tracking only" in proc.stderr
+    assert not (tmp_path / "run").exists()

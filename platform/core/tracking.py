@@ -21,9 +21,10 @@ from typing import Any, ClassVar
 from . import jsonfile
 from .atomic import atomic_write_text
 from .config import Section, opt
+from .errors import MarianaError
 
 log = logging.getLogger("mariana")
-PARENT_ENV = "MARIANA_MLFLOW_PARENT"  # a tune study's MLflow run id, inherited by its trial processes
+PARENT_ENV = "MARIANA_MLFLOW_PARENT"  # a tune study's MLflow run id, given to its trials as --mlflow-parent
 RECORD = "tracking.json"  # {"mlflow": {uri, run_id, experiment_id, url}, "tensorboard": folder}
 HERE = Path(__file__).parent
 
@@ -36,6 +37,13 @@ class TrackingSection(Section):
     TITLE: ClassVar[str] = "experiment tracking (MLflow: set MLFLOW_TRACKING_URI)"
 
     tensorboard: str = opt("", "write TensorBoard event files to DIR/<run dir name>", path=True)
+    mlflow_parent: str = opt(
+        "", "nest the MLflow run under run ID (mariana tune gives its trials the study's)"
+    )
+
+    def validate(self) -> None:
+        if self.mlflow_parent and not os.environ.get("MLFLOW_TRACKING_URI"):
+            raise MarianaError("--mlflow-parent applies to MLflow tracking only: set MLFLOW_TRACKING_URI")
 
 
 def source_commit() -> str:
@@ -152,13 +160,14 @@ def attach(cfg: Any, run, ctx) -> None:
     of = getattr(type(cfg), "SECTION_OF", {})
     params = {f"{of.get(k, 'config')}.{k}": str(v) for k, v in dataclasses.asdict(cfg).items()}
     app, command = ([a for a in sys.argv[1:] if not a.startswith("-")] + ["", ""])[:2]  # `mariana APP CMD`
-    tags = {"app": app, "command": command, "mlflow.parentRunId": os.environ.get(PARENT_ENV, "")}
+    tags = {"app": app, "command": command, "mlflow.parentRunId": getattr(cfg, "mlflow_parent", "")}
     run.tracker = open_tracker(run.path, tags, params, board)
 
 
 def start_study(app: str, out: Path, params: dict[str, str]) -> Tracker:
-    """A tune study as the MLflow parent run of its trials: its id reaches the trial processes through
-    ``MARIANA_MLFLOW_PARENT`` in this process's environment; ``final({...})`` ends it."""
+    """A tune study as the MLflow parent run of its trials: its id, in ``MARIANA_MLFLOW_PARENT`` of this
+    process's environment, reaches each trial's command line as ``--mlflow-parent`` (local, job-service and
+    Slurm trials alike); ``final({...})`` ends it."""
     tracker = open_tracker(out.resolve(), {"app": app, "command": "tune"}, params)
     if tracker.sinks:
         os.environ[PARENT_ENV] = tracker.sinks["mlflow"].run.run_id

@@ -29,6 +29,7 @@ from typing import Any
 from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.config import applicable_values, read_config_values, sectioned_toml
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.tracking import PARENT_ENV
 from mariana.platform.jobs.logstore import parse_record, read_lines
 from mariana.platform.jobs.scheduler import PRUNED
 from mariana.platform.jobs.trials import trial_row, used_params
@@ -286,8 +287,9 @@ def _launch(trial, o: TuneOptions, runner, trials_dir: Path) -> InFlight:
     run_dir = trials_dir / f"trial-{trial.number:04d}"
     if run_dir.exists():  # left by a study whose database was removed: never train over it
         shutil.rmtree(run_dir)
+    parent = os.environ.get(PARENT_ENV)  # the study's MLflow run (`start_study`)
     argv = [o.app, "train", *o.train_flags, *flag_args(o.space.fixed), *flag_args(params),
-            "--out", str(run_dir.resolve())]  # fmt: skip
+            "--out", str(run_dir.resolve()), *(["--mlflow-parent", parent] if parent else [])]  # fmt: skip
     trial.set_user_attr("params", params)  # what results.json and the tables show: only what applied
     trial.set_user_attr("run_dir", str(run_dir.resolve()))
     trial.set_user_attr("argv", argv)
