@@ -19,7 +19,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def commit() -> str:
     """The code's commit: ``$MARIANA_COMMIT`` (a copy of the tree without .git, e.g. on a GPU machine), else
-    git's short HEAD (with ``+dirty`` when tracked files differ), else "unknown"."""
+    git's short HEAD (with ``+dirty`` when tracked files outside bench/results differ), else "unknown"."""
     if os.environ.get("MARIANA_COMMIT"):
         return os.environ["MARIANA_COMMIT"]
     root = Path(__file__).resolve().parents[1]
@@ -28,7 +28,10 @@ def commit() -> str:
         head = git("rev-parse", "--short", "HEAD")
         if head.returncode:
             return "unknown"
-        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        # a bench's own result files (written part by part) do not make the sources dirty
+        dirty = git(
+            "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"
+        ).stdout.strip()
         return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
