@@ -137,9 +137,7 @@ class VisionNet(Section):
     label_smoothing: float = opt(0.1, "label smoothing of the cross-entropy loss")
     channels_last: bool = opt(True, "channels-last memory format (faster convolutions)")
     compile: bool = opt(
-        False,
-        "torch.compile the model (GPU; longer start-up, faster steps)",
-        applies=ONE_STAGE,
+        False, "torch.compile the model (GPU; longer start-up, faster steps)", applies=ONE_STAGE
     )
 
     def validate(self) -> None:
