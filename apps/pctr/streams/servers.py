@@ -165,15 +165,7 @@ class PSStreamer(Streamer):
         t = self.step.t
         folder = self.run.ckpt_dir / f"step_{t:08d}"
         folder.mkdir(parents=True, exist_ok=True)
-        state = {
-            "ledger": self.ledger,
-            "totals": self.totals,
-            "version": self.version,
-            "dirty": self.dirty,
-            "since_export": [e["name"] for e in self.since_export],
-            "seq": self.seq,
-            "step": t,
-        }
+        state = {**self._saved_records(), "seq": self.seq, "step": t}
         atomic_write_text(folder / STREAM_STATE, json.dumps(state, default=float) + "\n")
         self.client.checkpoint(t)
         self._write_metrics()
