@@ -141,7 +141,7 @@ def load_exported(
     if app and meta.get("app") != app:
         made_by = f"`mariana {meta['app']} train`" if meta.get("app") else "no known app"
         raise MarianaError(
-            f"{path}: not a {app} model (it was exported by {made_by}; expected a `mariana {app} train` run)"
+            f"{path}: not a model of `mariana {app} train` (it was exported by {made_by}; expected a {app} run)"
         )
     if not meta.get("version"):
         meta["version"] = weights_digest(tensors)
