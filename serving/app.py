@@ -4,10 +4,8 @@
 app. Each app's routes come from its spec (`mariana.platform.core.registry.AppSpec.routes`, e.g.
 ``POST /v1/<app>/...``), mounted as one router per app; an app's routes exist whether or not its model
 was given (a stable API schema) and answer 404 naming the missing ``--<app>`` flag when it was not. The
-generic routes are here: ``GET /healthz`` (= ``/health``), ``/metrics`` (Prometheus), ``/v1/admin/reload``,
-``/docs``, and `open_inference`'s ``/v2/...``. ``/v1/admin/reload`` switches only to run dirs inside
-``ServeConfig.roots()`` (403 otherwise) and, with a token (``--token-file``), needs ``Authorization: Bearer
-TOKEN``, as does every request from off loopback. Every client error is a 4xx with a JSON body ``{"error":
+generic routes are here (health, metrics, reload, docs, `open_inference`'s ``/v2/...``); what they answer,
+the reload roots and the token: serving/README.md. Every client error is a 4xx with a JSON body ``{"error":
 "<what is wrong>", ...}``; request bodies are size-limited (per route, as declared) before they are read.
 """
 

@@ -58,22 +58,17 @@ def eval_loso(args: argparse.Namespace) -> int:
             "--lm-weight/--word-bonus are not used with --loso (pass them in --train-args: each fold's "
             "run then decodes with them)"
         )
+    # the fold flags given (None: run_loso's own default, stated there once)
+    loso = {k: getattr(args, k) for k in _LOSO_ONLY if getattr(args, k) is not None}
     r = run_loso(
         args.data,
-        args.out,
-        speakers=args.speakers,
-        utterances=150 if args.utterances is None else args.utterances,
-        max_digits=5 if args.max_digits is None else args.max_digits,
-        seed=0 if args.seed is None else args.seed,
-        synth=args.synth,
-        synth_ratio=args.synth_ratio,
-        train_args="--preset small --workers 2" if args.train_args is None else args.train_args,
         beam=args.beam,
         jobs=args.jobs,
         tempo=args.tempo,
         cmvn=args.cmvn,
         vtln=args.vtln,
         fresh=args.fresh,
+        **loso,
     )
     w = r["worst"]
     print(

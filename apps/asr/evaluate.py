@@ -19,9 +19,7 @@ from .model import build_model
 
 def load_model(run_dir: str | Path, device: str = "cpu", with_meta: bool = False):
     """(model in eval mode, vocab, config dict[, export metadata]) from an exported run."""
-    state, meta = load_exported(run_dir, device)
-    if meta.get("app") != "asr":
-        raise MarianaError(f"{run_dir}: not an ASR model (app {meta.get('app')!r})")
+    state, meta = load_exported(run_dir, device, app="asr")
     cfg, vocab = meta["config"], meta["vocab"]
     model = build_model(cfg, len(vocab))
     model.load_state_dict(state)

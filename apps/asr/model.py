@@ -64,13 +64,9 @@ def pad_edges(feats: torch.Tensor, context: int, lengths: torch.Tensor | None = 
     return torch.cat([feats[:, :1].expand(b, context, f), feats, feats[:, -1:].expand(b, context, f)], dim=1)
 
 
-@register_model("asr", "dnn")
-class AcousticDNN(nn.Module):
-    """Fully connected acoustic model.
-
-    Input feats [B, T, num_bins] (float), lengths [B]; output log-probabilities [B, T, output_units]
-    (float32). Unit 0 is the CTC blank, units 1..V-1 words; ``output_units`` may exceed the vocabulary
-    (a "wide" output layer, as the classic senone DNNs had), the extra units are never targets."""
+class _Acoustic(nn.Module):
+    """The constructor both acoustic models share (their `build_model` arguments): ``build`` makes the
+    layers, with ``act`` the activation's module class."""
 
     def __init__(
         self,
@@ -84,8 +80,20 @@ class AcousticDNN(nn.Module):
         norm: str = "none",
     ):
         super().__init__()
-        self.context = context
         act = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid}[activation]
+        self.build(num_bins, context, hidden, layers, output_units, act, dropout, norm)
+
+
+@register_model("asr", "dnn")
+class AcousticDNN(_Acoustic):
+    """Fully connected acoustic model.
+
+    Input feats [B, T, num_bins] (float), lengths [B]; output log-probabilities [B, T, output_units]
+    (float32). Unit 0 is the CTC blank, units 1..V-1 words; ``output_units`` may exceed the vocabulary
+    (a "wide" output layer, as the classic senone DNNs had), the extra units are never targets."""
+
+    def build(self, num_bins, context, hidden, layers, output_units, act, dropout, norm) -> None:
+        self.context = context
         dims = [num_bins * (2 * context + 1)] + [hidden] * layers
         blocks: list[nn.Module] = []
         for i in range(layers):
@@ -118,27 +126,15 @@ def tdnn_dilations(context: int, layers: int) -> list[int]:
 
 
 @register_model("asr", "tdnn")
-class AcousticTDNN(nn.Module):
+class AcousticTDNN(_Acoustic):
     """Kaldi-style TDNN, in and out as `AcousticDNN`: ``layers`` x (Conv1d with the dilations of
     `tdnn_dilations`, [LayerNorm], activation, [Dropout]) -> Linear -> log-softmax. The input is edge-padded
     once per utterance (`pad_edges`) and every convolution is unpadded, so an utterance's outputs do not
     depend on its batch; LayerNorm rather than BatchNorm for the same reason."""
 
-    def __init__(
-        self,
-        num_bins: int = 40,
-        context: int = 5,
-        hidden: int = 512,
-        layers: int = 4,
-        output_units: int = 11,
-        activation: str = "relu",
-        dropout: float = 0.0,
-        norm: str = "none",
-    ):
-        super().__init__()
+    def build(self, num_bins, context, hidden, layers, output_units, act, dropout, norm) -> None:
         self.dilations = tdnn_dilations(context, layers)
         self.receptive = sum(self.dilations)
-        act = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid}[activation]
         dims = [num_bins] + [hidden] * layers
         self.convs = nn.ModuleList(
             nn.Conv1d(dims[i], dims[i + 1], 3 if d else 1, dilation=max(d, 1))

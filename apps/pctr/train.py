@@ -5,10 +5,8 @@ pushes exactly those rows' gradients to the row optimiser; dense parameters use 
 parameter-server mode runs the same step math in `ps.py`.
 
 Data: the run's input is one `data.reader.ClickSource` (``Setup.source``: files, schema, encoder, line count
-and splits, each made once). The training split is streamed in row order in epoch 1 (parsed by a
-background thread ahead of the step) and kept, already encoded, in memory; later epochs read that cache
-(shuffled batch order). Worker w of W takes the w-th contiguous part of the training lines
-(`WorkerData`). By default the model is evaluated on the validation split at the end of every epoch,
+and splits, each made once); epoch 1 streams the text, later epochs read its encoded rows (`WorkerData`;
+apps/pctr/README.md, "Data larger than memory"). By default the model is evaluated on the validation split at the end of every epoch,
 training stops once validation AUC has not improved for ``--early-stop`` evaluations (``--epochs`` is the
 cap), and the best model is exported.
 """

@@ -19,6 +19,7 @@ from mariana.platform.core.config import (
     Section,
     TrainJob,
     at_least,
+    at_least_one,
     given,
     only,
     opt,
@@ -137,9 +138,7 @@ class VisionNet(Section):
     label_smoothing: float = opt(0.1, "label smoothing of the cross-entropy loss")
     channels_last: bool = opt(True, "channels-last memory format (faster convolutions)")
     compile: bool = opt(
-        False,
-        "torch.compile the model (GPU; longer start-up, faster steps)",
-        applies=ONE_STAGE,
+        False, "torch.compile the model (GPU; longer start-up, faster steps)", applies=ONE_STAGE
     )
 
     def validate(self) -> None:
@@ -180,10 +179,7 @@ class VisionPipeline(Section):
     )
 
     def validate(self) -> None:
-        if self.model_parallel < 1:
-            raise MarianaError(f"--model-parallel must be >= 1, got {self.model_parallel}")
-        if self.micro_batches < 1:
-            raise MarianaError(f"--micro-batches must be >= 1, got {self.micro_batches}")
+        at_least_one(self, ("model_parallel", "micro_batches"))
 
 
 VISION_SECTIONS = (

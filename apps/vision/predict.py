@@ -84,12 +84,7 @@ def load_classifier(run_dir: str | Path, device: str | torch.device = "cpu") -> 
     """Load ``RUN/model.safetensors`` (weights) + metadata (model name, classes, image size,
     normalisation) written by ``mariana vision train``."""
     device = torch.device(device)
-    state, meta = load_exported(run_dir)
-    if meta.get("app") != "vision":
-        made_by = f"`mariana {meta['app']} train`" if meta.get("app") else "no known app"
-        raise MarianaError(
-            f"{run_dir}: not a vision model (it was exported by {made_by}; expected a `mariana vision train` run)"
-        )
+    state, meta = load_exported(run_dir, app="vision")
     arch = meta.get("arch") or meta["model"]
     model = build_model(arch, len(meta["classes"]), int(meta["image_size"]), float(meta.get("dropout", 0.5)))
     try:

@@ -48,11 +48,7 @@ def skipped_line(data, count: int, examples=None, what: str = "malformed line") 
 
 
 def warn_skipped(
-    data,
-    count,
-    examples=None,
-    what: str = "malformed line",
-    log: logging.Logger | None = None,
+    data, count, examples=None, what: str = "malformed line", log: logging.Logger | None = None
 ) -> None:
     """Say once that ``count`` input units of ``data`` were skipped (nothing when ``count`` is 0/None):
     ``mariana: warning: <skipped_line>`` on stderr. With ``log`` (code running inside a training process)

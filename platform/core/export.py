@@ -105,10 +105,10 @@ def export_model(
 
 
 def load_exported(
-    run_dir: str | Path, device: str | torch.device = "cpu"
+    run_dir: str | Path, device: str | torch.device = "cpu", app: str = ""
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Read an exported model: (state dict on ``device``, metadata dict). ``run_dir`` may also be the
-    ``.safetensors`` file itself.
+    ``.safetensors`` file itself; ``app``: refuse a model another app trained (one line naming both).
 
     The file is memory-mapped (safetensors ``safe_open``), never read whole into one buffer, and each tensor
     is copied out of the mapping into memory the process owns, one at a time: peak memory is the model
@@ -138,6 +138,11 @@ def load_exported(
         raise MarianaError(f"{path}: not a readable safetensors model file (metadata is not an object)")
     if "app" not in meta and meta.get("job"):  # old runs that name their app "job" (mlp, asr)
         meta["app"] = meta["job"]
+    if app and meta.get("app") != app:
+        made_by = f"`mariana {meta['app']} train`" if meta.get("app") else "no known app"
+        raise MarianaError(
+            f"{path}: not a model of `mariana {app} train` (it was exported by {made_by}; expected a {app} run)"
+        )
     if not meta.get("version"):
         meta["version"] = weights_digest(tensors)
     return tensors, meta

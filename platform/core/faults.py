@@ -1,10 +1,8 @@
 """Fault injection for the fault-tolerance tests (real faults in real processes), for every framework.
 
 ``MARIANA_FAULT`` holds comma-separated entries ``KIND:WHO=I:WHEN=N`` (platform/README.md, Fault
-injection): ``kill`` (SIGKILL itself), ``raise`` (``ValueError``: a bug, not bad input) or ``hang`` (sleep
-forever, for the watchdog); ``rank=R`` (default ``rank=0``) or a role set by `set_role` (``worker=W``,
-``server=S``); ``step=N`` before the N-th (1-based) training step, ``push=N`` at a server's N-th push.
-E.g. ``kill:rank=1:step=5``, ``kill:server=1:push=30``.
+injection): ``kill`` is SIGKILL, ``raise`` a ``ValueError`` (a bug, not bad input), ``hang`` sleeps forever
+(for the watchdog); WHO defaults to ``rank=0``, roles come from `set_role`; ``step=N`` is 1-based.
 
 Entries fire on the first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), so a restarted group can
 finish; a malformed entry raises ``ValueError`` naming it (a typo must not silently test nothing). Each

@@ -1,12 +1,9 @@
 """Host-read audit: which training steps read a tensor back to the host (a device sync on a GPU).
 
 `HostReadAudit` is a ``torch.overrides.TorchFunctionMode`` that the `Trainer` enters around each step's
-compute and bookkeeping (not around fetching the batch) when ``MARIANA_AUDIT_HOST_READS=DIR`` is set
-(platform/README.md, Host-read audit). It counts reads (``item``, ``tolist``, ``__bool__``, ``__int__``,
-``__float__``, ``__index__``, ``numpy``, ``cpu``) and data-dependent output sizes (``unique``,
-``nonzero``, ``masked_select``, ``argwhere``, one-argument ``where``, boolean-mask indexing) only on
-tensors made inside the current step, so host-side sizes from the loader may be read freely. Each rank
-appends one JSON line per step to ``DIR/rank{R}.jsonl``; `violations(DIR)` lists the steps that read
+compute and bookkeeping (not around fetching the batch) when ``MARIANA_AUDIT_HOST_READS=DIR`` is set (what
+it counts and writes: platform/README.md, Host-read audit). It counts only on tensors made inside the current
+step, so host-side sizes from the loader may be read freely; `violations(DIR)` lists the steps that read
 although they are no log / eval / checkpoint step.
 """
 

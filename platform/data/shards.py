@@ -6,11 +6,9 @@ tier rule (`mariana.platform.core.tiers.choose_tier`, ``--cache-gb``) puts them:
 list of batches) or ``disk`` (``FOLDER/shard-NNNNN.bin`` of about ``shard_bytes`` each, fields 64-byte
 aligned, mapped back copy-on-write so resident memory stays O(batches in flight)).
 
-Trust: shards are written as ``NAME.tmp`` and renamed once whole, ``FOLDER/index.json`` atomically after
-the last. A store is reused only when its index's fingerprint (each source file's size, mtime and SHA-256
-of its first and last MiB, plus the caller's encoding key) matches and every shard has its recorded size;
-otherwise the folder is rebuilt, so a killed run or a changed file never serves stale rows. Layout and
-lifetime: apps/pctr/README.md, Data (Disk tier).
+Trust: a store is reused only when its index's fingerprint (the source files and the caller's encoding key)
+matches and every shard has its recorded size, else rebuilt, so a killed run or a changed file never serves
+stale rows. Writes, layout and lifetime: apps/pctr/README.md, "Data larger than memory".
 """
 
 from __future__ import annotations

@@ -59,11 +59,7 @@ def _timed_hook(inner, stats: CommStats, ctx: DistContext, wire_bytes: int):
 
 
 def apply_data_parallel(
-    model: torch.nn.Module,
-    ctx: DistContext,
-    mesh=None,
-    grad_comm: str = "fp32",
-    **ddp_kwargs,
+    model: torch.nn.Module, ctx: DistContext, mesh=None, grad_comm: str = "fp32", **ddp_kwargs
 ) -> torch.nn.Module:
     """Move ``model`` to ``ctx.device`` and, in a multi-process job, wrap it in DDP.
 

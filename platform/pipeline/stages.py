@@ -68,10 +68,7 @@ def balanced_boundaries(costs: Sequence[float], k: int) -> list[int]:
 
 
 def split_blocks(
-    blocks: nn.Sequential,
-    k: int,
-    balance: str | Sequence[int] = "params",
-    sample: torch.Tensor | None = None,
+    blocks: nn.Sequential, k: int, balance: str | Sequence[int] = "params", sample: torch.Tensor | None = None
 ) -> list[nn.Sequential]:
     """``blocks`` -> K stage Sequentials (sharing the block modules, names kept). See module docstring."""
     if not isinstance(blocks, nn.Sequential):

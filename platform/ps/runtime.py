@@ -5,10 +5,8 @@ World layout: ranks ``0..S-1`` are the servers ``ps0..ps{S-1}``; ranks ``S..S+W-
 announces ``host:port`` in torchrun's agent store under a key of this formation of the group (a restarted
 group never reads a dead one's addresses); rank 0 puts the job's secret there too (`ps_session`).
 
-Several hosts: start the same command on every host with torchrun's multi-node flags, e.g. on each of two
-hosts ``torchrun --nnodes 2 --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST0:29400
---rdzv-id job1 -m mariana.platform.cli pctr train ... --servers S --workers W --nnodes 2
---rdzv-endpoint HOST0:29400`` (N x 2 = S + W); ranks, hence roles, are assigned by the rendezvous.
+Several hosts: the same command on every host (platform/README.md, "Multi-node"; nproc-per-node x nnodes
+= S + W); ranks, hence roles, are assigned by the rendezvous.
 """
 
 from __future__ import annotations

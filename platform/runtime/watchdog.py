@@ -2,11 +2,10 @@
 
 Every rank runs a daemon thread that publishes a heartbeat ``(step, phase, time)`` to the job's TCPStore
 about once a second. The training loop reports progress with `Watchdog.beat` (cheap: attribute writes).
-When a rank sees no progress of its own for ``timeout_s`` it reads every rank's heartbeat, names the
-rank(s) furthest behind (the one that stopped participating; the others sit waiting in a collective),
-prints the report and this process's Python stacks (faulthandler, all threads), writes
-``RUN/logs/stall-rank-R.json`` and exits with `EXIT_STALL`. torchrun then stops the other ranks; they
-print their stacks on SIGTERM (faulthandler is registered for it) so every rank's stack is in the log.
+A rank without progress of its own for ``timeout_s`` names the rank(s) furthest behind from the heartbeats
+(the others sit waiting in a collective), dumps its stacks, writes ``RUN/logs/stall-rank-R.json`` and exits
+with `EXIT_STALL` (what the user sees: platform/README.md, "Data parallel"); the other ranks dump theirs on
+torchrun's SIGTERM (faulthandler is registered for it).
 """
 
 from __future__ import annotations

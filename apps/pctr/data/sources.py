@@ -28,10 +28,7 @@ def ignored(name: str) -> bool:
 def partition_files(folder: str | Path) -> list[Path]:
     """The data files of a folder of partitions, in name order (see the module docstring)."""
     folder = Path(folder)
-    return sorted(
-        (p for p in folder.iterdir() if p.is_file() and not ignored(p.name)),
-        key=lambda p: p.name,
-    )
+    return sorted((p for p in folder.iterdir() if p.is_file() and not ignored(p.name)), key=lambda p: p.name)
 
 
 def count_file_lines(path: Path) -> int:

@@ -37,12 +37,6 @@ class Predictor:
     ):
         """``images``: folder the image field resolves in (default: the one recorded at training);
         ``image_cache``: feature cache folder (default: none, features are kept in memory)."""
-        if meta.get("app") != "pctr":
-            made_by = f"`mariana {meta['app']} train`" if meta.get("app") else "no known app"
-            raise MarianaError(
-                f"the exported model is not a pctr model (it was exported by {made_by}; "
-                "expected a `mariana pctr train` run)"
-            )
         self.meta = meta
         if "table.weight" not in state or "seen" not in state:
             raise MarianaError("the exported pctr model lacks its embedding table ('table.weight', 'seen')")
@@ -188,5 +182,5 @@ def load_predictor(
     image_cache: str | Path | None = None,
 ) -> Predictor:
     """``images`` / ``image_cache``: see `Predictor` (models trained with ``--image-features`` only)."""
-    state, meta = load_exported(run_dir)
+    state, meta = load_exported(run_dir, app="pctr")
     return Predictor(state, meta, device, images, image_cache)

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mariana.platform.core.config import Section, TrainJob, at_least, non_negative, only, opt
+from mariana.platform.core.config import Section, TrainJob, at_least, at_least_one, non_negative, only, opt
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.tracking import TrackingSection
 
@@ -94,8 +94,7 @@ class Follow(Section):
             raise MarianaError(f"--idle-exit must be seconds >= 0, got {self.idle_exit}")
         if not (math.isfinite(self.poll) and self.poll > 0):
             raise MarianaError(f"--poll must be seconds > 0, got {self.poll}")
-        if self.log_every < 1:
-            raise MarianaError(f"--log-every must be >= 1, got {self.log_every}")
+        at_least_one(self, ("log_every",))
 
 
 @dataclass

@@ -63,16 +63,7 @@ class StreamRecords:
         n = self.totals["files"]
         folder = self.run.ckpt_dir / f"step_{n:08d}"
         folder.mkdir(parents=True, exist_ok=True)
-        state = {
-            **self.step.checkpoint_state(folder),
-            "stream": {
-                "ledger": self.ledger,
-                "totals": self.totals,
-                "version": self.version,
-                "dirty": self.dirty,
-                "since_export": [e["name"] for e in self.since_export],
-            },
-        }
+        state = {**self.step.checkpoint_state(folder), "stream": self._saved_records()}
         save_checkpoint(self.run, n, state, 0, lambda: None)
         self._write_metrics()
 
@@ -96,6 +87,17 @@ class StreamRecords:
         self.since_export: list[dict[str, Any]] = []  # ledger entries trained on since the last export
         self.last_export = time.monotonic()
         self.changed: set[str] = set()
+
+    def _saved_records(self) -> dict[str, Any]:
+        """The records a checkpoint keeps (JSON-able; `_load_records` reads them back)."""
+        since = [e["name"] for e in self.since_export]
+        return {
+            "ledger": self.ledger,
+            "totals": self.totals,
+            "version": self.version,
+            "dirty": self.dirty,
+            "since_export": since,
+        }
 
     def _load_records(self, s: dict[str, Any], checkpoint: str) -> None:
         """The records ``s`` saved in the checkpoint named ``checkpoint`` (ledger, totals, export state)."""

@@ -19,11 +19,9 @@ from typing import Any
 import torch
 from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import MarianaError
-from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.ps.coordinator import Coordinator
 from mariana.platform.ps.job import TableClient, assemble_model, serve, start_process
 from mariana.platform.ps.loader import PullAheadLoader
-from mariana.platform.ps.pull import predict_batches
 from mariana.platform.ps.runtime import ps_session, remote
 from mariana.platform.ps.shard import contiguous_part
 from mariana.platform.ps.worker import PSClient
@@ -138,15 +136,9 @@ class PSStreamer(Streamer):
         build = lambda w: build_model(self.cfg.net, st.schema, table=w)  # noqa: E731
         return assemble_model(self.client, self.step.model, build, st.spec.num_rows)
 
-    def score(self, rows) -> dict[str, float]:
-        if len(rows) == 0:
-            return {"auc": float("nan"), "logloss": float("nan")}
+    def _scorer(self):
         full, weight, seen = self._model()
-        batches = [rows.slice(i, i + 8192) for i in range(0, len(rows), 8192)]
-        probs = predict_batches(
-            full, batches, TableClient(weight), self.device, seen, self.setup.schema.rows_per_field
-        )
-        return auc_logloss(rows.labels.numpy(), probs)
+        return full, TableClient(weight), seen, {}
 
     def train_on(self, rows) -> int:
         if len(rows) == 0:
@@ -173,15 +165,7 @@ class PSStreamer(Streamer):
         t = self.step.t
         folder = self.run.ckpt_dir / f"step_{t:08d}"
         folder.mkdir(parents=True, exist_ok=True)
-        state = {
-            "ledger": self.ledger,
-            "totals": self.totals,
-            "version": self.version,
-            "dirty": self.dirty,
-            "since_export": [e["name"] for e in self.since_export],
-            "seq": self.seq,
-            "step": t,
-        }
+        state = {**self._saved_records(), "seq": self.seq, "step": t}
         atomic_write_text(folder / STREAM_STATE, json.dumps(state, default=float) + "\n")
         self.client.checkpoint(t)
         self._write_metrics()

@@ -134,19 +134,18 @@ class Streamer(StreamRecords):
         """Progressive validation: AUC/logloss of the current model on ``rows`` (before training on them)."""
         if len(rows) == 0:
             return {"auc": float("nan"), "logloss": float("nan")}
-        bs = 8192
-        batches = [rows.slice(i, i + bs) for i in range(0, len(rows), bs)]
-        s = self.step
+        batches = [rows.slice(i, i + 8192) for i in range(0, len(rows), 8192)]
+        model, client, seen, extra = self._scorer()
         probs = predict_batches(
-            s.model,
-            batches,
-            s.client,
-            self.device,
-            s.store.seen,
-            self.setup.schema.rows_per_field,
-            **({"idmap": s.idmap} if getattr(s, "idmap", None) is not None else {}),  # --ids dynamic
+            model, batches, client, self.device, seen, self.setup.schema.rows_per_field, **extra
         )
         return auc_logloss(rows.labels.numpy(), probs)
+
+    def _scorer(self):
+        """(model, table client, seen [rows], extra `predict_batches` keywords) `score` predicts with."""
+        s = self.step
+        idmap = getattr(s, "idmap", None)  # --ids dynamic
+        return s.model, s.client, s.store.seen, {} if idmap is None else {"idmap": idmap}
 
     def train_on(self, rows) -> int:
         """One pass over ``rows`` with the platform `Trainer` and this stream's step; returns the steps."""
