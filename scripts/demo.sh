@@ -46,7 +46,7 @@ $M asr eval --model "$RUNS/asr" --data "$RUNS/asr-data/test"
 $M asr synth --out "$RUNS/asr-synth" --speakers 4 --takes 2
 
 # --- pctr (issue 5): ~45 s on 2 CPU cores --------------------------------------------------------------------
-step "pctr: DeepFM on Frappe, 2 parameter servers + 2 asynchronous workers (torchrun + RPC), test-split eval"
+step "pctr: DeepFM on Frappe, 2 parameter servers + 2 asynchronous workers (torchrun + ZeroMQ), test-split eval"
 $M pctr train --data "$DATA/frappe/frappe.validation.libfm" --format libfm --out "$RUNS/pctr" --model deepfm \
   --rows-per-field 8192 --dim 8 --hidden 64,32 --servers 2 --workers 2 --epochs 2 --ckpt-every 40 --no-progress
 $M pctr eval --model "$RUNS/pctr" --data "$DATA/frappe/frappe.validation.libfm" --format libfm --split test

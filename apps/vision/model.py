@@ -29,11 +29,12 @@ def conv_bn(cin: int, cout: int, pool: bool = False) -> nn.Sequential:
 
 
 class GlobalMaxPool(nn.Module):
-    """``[B, C, H, W]`` -> ``[B, C, 1, 1]``, the maximum over H and W (``AdaptiveMaxPool2d(1)``'s values, as
-    ``amax``: torch's ONNX exporter has no translation of adaptive_max_pool2d)."""
+    """``[B, C, H, W]`` -> ``[B, C, 1, 1]``, the maximum over H and W: ``AdaptiveMaxPool2d(1)``'s values and
+    gradient (all to the first maximum; ``amax`` would split it between ties, common after a ReLU), as ``max``
+    over the flattened map because torch's ONNX exporter has no translation of adaptive_max_pool2d."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.amax((2, 3), keepdim=True)
+        return x.flatten(2).max(2).values[..., None, None]
 
 
 class Residual(nn.Module):
