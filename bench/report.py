@@ -196,6 +196,16 @@ def _ps_cost(d: dict) -> str:
     )
 
 
+def _ps_speed(d: dict) -> str:
+    s = d["sides"]
+    return (
+        f"1 server + 1 worker {k(s['1server_1worker']['steady_samples_per_s'])}/s = {d['ratio_median']:.2f}x one "
+        f"process ({k(s['one_process']['steady_samples_per_s'])}/s; one process on 1 thread "
+        f"{d['ratio_1_thread_over_one_process']:.2f}x); CPU-s/sample "
+        f"{s['1server_1worker']['cpu_s_per_ksample'] / s['one_process']['cpu_s_per_ksample']:.2f}x"
+    )
+
+
 def _serving(d: dict) -> str:
     m, n = d["summary"]["mariana"], d["summary"]["naive"]
     return (
@@ -258,6 +268,7 @@ CPU_ROWS = [
     Row("stream -> serve --watch freshness", "pctr_stream_freshness-cpu.json", _stream, "<= 60 s"),
     Row("dynamic ids vs hashing", "pctr_dynamic_ids-cpu.json", _dyn, "dynamic beats hashing at equal memory"),
     Row("click-log parsing", "parse_throughput-cpu.json", _parse, ">= 300k rows/s on 2 cores", "python bench/parse_throughput.py"),
+    Row("parameter servers vs one process (DeepFM, synthetic Criteo)", "ps_speed-cpu.json", _ps_speed, ">= 0.9x rate, <= 1.3x CPU-s/sample"),
     Row("parameter-server cost model", "ps_cost_model-cpu.json", _ps_cost, "a model labelled as a prediction", "python bench/ps_cost_model.py"),
     Row("REST serving of pCTR", "serving_latency-cpu.json", _serving, "10 ms p99, 50k/s, 3x", "python bench/serving_latency.py --duration 3"),
     Row("job service overhead", "jobs_overhead-cpu.json", _jobs, "within 2 %", "python bench/jobs_overhead.py --repeats 6 --epochs 60"),
