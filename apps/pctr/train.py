@@ -26,10 +26,10 @@ from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.prefetch import Prefetcher
 from mariana.platform.core.rundir import RunDir, setup_logging
 from mariana.platform.core.warmstart import load_init
-from mariana.platform.ps.loader import PullAheadLoader
 from mariana.platform.ps.protocol import TABLE
 from mariana.platform.ps.pull import predict_batches
 from mariana.platform.ps.shard import TableSpec
+from mariana.platform.ps.worker_step import PullAheadLoader
 from mariana.platform.runtime.dist import DistContext, resolve_device
 from mariana.platform.sparse.local import LocalStep
 from mariana.platform.sparse.memory import keep_freed_memory
