@@ -9,8 +9,3 @@ restores checkpoints, and per-worker counters. The sparse step, its row stores a
 - server.py (`ParamServer`, served through transport.py), worker.py (`PSClient`), shard.py, dense.py;
 - job.py: process start-up, serving, `assemble_model`, `Coordinator` (announcements of one worker to all, e.g.
   a stream's files); master.py, runtime.py: launching and transport set-up; transport.py: calls over ZeroMQ."""
-
-from ..sparse.rules import RowOptConfig, apply_rows, coalesce
-from .shard import EmbeddingShard, TableSpec, split_by_shard
-
-__all__ = ["EmbeddingShard", "RowOptConfig", "TableSpec", "apply_rows", "coalesce", "split_by_shard"]

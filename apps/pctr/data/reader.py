@@ -22,8 +22,7 @@ from pathlib import Path
 
 import numpy as np
 from mariana.platform.core.errors import DataError
-from mariana.platform.core.tiers import host_budget_gb
-from mariana.platform.data.shards import BatchStore
+from mariana.platform.data.shards import BatchStore, host_budget_gb
 from mariana.platform.data.splits import split_bounds
 from mariana.platform.ps.shard import contiguous_part
 
