@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from mariana.platform.core.errors import DataError
-from mariana.platform.data.compressed import open_data
 from mariana.platform.data.libfm import (
     LibfmRows,
     assign_fields,
@@ -31,7 +30,7 @@ from mariana.platform.data.libfm import (
     parse_lines,
     probe_fields,
 )
-from mariana.platform.data.textblocks import lines_array, ordered_map, read_blocks
+from mariana.platform.data.textblocks import lines_array, open_data, ordered_map, read_blocks
 
 from ..ids.keys import MIX1, MIX2, key_of
 from .sources import count_file_lines, resolve_sources
