@@ -26,7 +26,7 @@ from mariana.platform.runtime.dist import DistContext
 from .configs import DenseOptim, Ids, Net, PctrConfig, Table
 from .data.reader import ClickSource
 from .data.sources import DataSources
-from .ids.keys import FrozenIdMap
+from .ids.idmap import FrozenIdMap
 from .models.nets import build_model
 from .models.optim import row_config
 from .models.step import build_dense_only, idmap_for, make_worker_step

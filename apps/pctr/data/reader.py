@@ -74,7 +74,7 @@ class ClickSource:
         ``data``: its ``--data`` already resolved (or another value to read with the run's settings)."""
         sources = resolve_sources(input.data if data is None else data)
         schema = infer_schema(sources, input.format, rows.rows_per_field, input.num_fields)
-        schema.ids = rows.ids  # "dynamic": the encoder emits keys (`ids.keys.key_of`)
+        schema.ids = rows.ids  # "dynamic": the encoder emits keys (`ids.idmap.key_of`)
         return cls(sources, Encoder(schema), parse_split(getattr(input, "split", "1,0,0")))
 
     def __str__(self) -> str:
