@@ -15,7 +15,7 @@ import time
 from types import SimpleNamespace
 
 import torch
-from mariana.platform.core.metrics import auc_logloss
+from mariana.platform.core.evaluator import auc_logloss
 from mariana.platform.ps.job import TableClient, assemble_model, build_server, serve, start_process
 from mariana.platform.ps.pull import predict_batches, write_counter
 from mariana.platform.ps.runtime import ps_session

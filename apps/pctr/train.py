@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.evaluator import auc_logloss
 from mariana.platform.core.export import export_model
-from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.prefetch import Prefetcher
 from mariana.platform.core.rundir import RunDir, setup_logging
 from mariana.platform.core.warmstart import load_init

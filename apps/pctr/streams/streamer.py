@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.evaluator import auc_logloss
 from mariana.platform.core.loop import Trainer
-from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.rundir import RunDir, setup_logging
 from mariana.platform.ps.pull import predict_batches
 from mariana.platform.runtime.dist import DistContext, resolve_device
