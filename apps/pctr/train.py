@@ -22,10 +22,9 @@ import numpy as np
 import torch
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.evaluator import auc_logloss
-from mariana.platform.core.export import export_model
+from mariana.platform.core.export import export_model, load_init
 from mariana.platform.core.prefetch import Prefetcher
 from mariana.platform.core.rundir import RunDir, setup_logging
-from mariana.platform.core.warmstart import load_init
 from mariana.platform.ps.protocol import TABLE
 from mariana.platform.ps.pull import predict_batches
 from mariana.platform.ps.shard import TableSpec
