@@ -31,7 +31,7 @@ from mariana.platform.ps.shard import TableSpec
 from mariana.platform.ps.worker_step import PullAheadLoader
 from mariana.platform.runtime.dist import DistContext, resolve_device
 from mariana.platform.sparse.local import LocalStep
-from mariana.platform.sparse.memory import keep_freed_memory
+from mariana.platform.sparse.rules import keep_freed_memory
 from mariana.platform.train.spec import TrainSpec, build_trainer
 
 from .configs import PctrConfig

@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 
 from ..core.rundir import RunDir, setup_logging
-from ..sparse.memory import keep_freed_memory
-from ..sparse.rules import RowOptConfig
+from ..sparse.rules import RowOptConfig, keep_freed_memory
 from .dense import DenseStore, flatten, unflatten_into
 from .protocol import TABLE, KeyMap, SparseModel
 from .runtime import Role, ps_session, role_from_env
