@@ -30,8 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import open_inference
 from .batcher import MicroBatcher, Overloaded
-from .context import AppContext, ServeConfig, error
-from .metrics import Registry
+from .context import AppContext, Registry, ServeConfig, error
 from .models import ModelSlot, serving_spec, watch
 
 log = logging.getLogger("mariana.serving")

@@ -13,7 +13,7 @@ from mariana.apps.asr.configs import PRESETS, AsrConfig
 from mariana.apps.asr.features import UtteranceSet, cached_features, feature_settings
 from mariana.platform.core import loop
 from mariana.platform.core.config import add_config_args, resolve_config
-from mariana.platform.core.tiers import choose_tier
+from mariana.platform.data.shards import choose_tier
 from mariana.platform.dp import sampler as sampler_mod
 from test_app_registry import _asr_data
 

@@ -45,7 +45,7 @@ def test_file_cmvn_features_use_the_training_speakers_prior(data_dir):
     import dataclasses
 
     from mariana.apps.asr.data import Utterance
-    from mariana.apps.asr.features import FeatureSettings, extract
+    from mariana.apps.asr.features import FeatureSettings, extract, perturbations
 
     rec = data_dir / "fsdd/recordings"
     utts = [
@@ -54,7 +54,7 @@ def test_file_cmvn_features_use_the_training_speakers_prior(data_dir):
         for d in (1, 2)
     ]
     raw_s = FeatureSettings(cmvn="none")
-    _, raw, _, spk_stats = extract(utts, raw_s, jobs=1, speeds=(1.0, 1.1))
+    _, raw, _, spk_stats = extract(utts, raw_s, jobs=1, copies=perturbations((1.0, 1.1)))
     assert set(spk_stats) == {"george", "lucas"}  # unperturbed audio only
     assert spk_stats["george"]["frames"] == sum(len(f) for f in raw[:2])
     prior = FilePrior.from_speaker_stats(spk_stats)

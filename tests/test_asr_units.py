@@ -266,13 +266,13 @@ def test_mfcc_and_vtln_warped_copies_equal_torchaudio(data_dir, tmp_path):
     (d / "wav.scp").write_text(f"u1 {p}\n")
     (d / "text").write_text("u1 three\n")
     (d / "utt2spk").write_text("u1 jackson\n")
-    cache = cached_features(d, s, jobs=1, speeds=(0.9, 1.0), warps=(1.1,))
+    cache = cached_features(d, s, jobs=1, copies=perturbations((0.9, 1.0), (1.1,)))
     assert [(u["utt"], u["spk"]) for u in cache.utts] == [
         ("sp0.9-u1", "sp0.9-jackson"),
         ("u1", "jackson"),
         ("vtln1.1-u1", "vtln1.1-jackson"),
     ]
-    fb = cached_features(d, FeatureSettings(), jobs=1, warps=(1.1,), pitches=(0.9,))
+    fb = cached_features(d, FeatureSettings(), jobs=1, copies=perturbations(warps=(1.1,), pitches=(0.9,)))
     assert [(u["utt"], u["spk"], u["frames"]) for u in fb.utts] == [
         ("u1", "jackson", fb.utts[0]["frames"]),
         ("vtln1.1-u1", "vtln1.1-jackson", fb.utts[0]["frames"]),

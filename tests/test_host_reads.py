@@ -122,7 +122,7 @@ def test_asr_step_runs_under_cuda_sync_debug_error(tmp_path, compile_):
     cfg = dataclasses.replace(
         PRESETS["small"], batch_size=4, time_stretch=[0.8, 1.2], device="cuda", compile=compile_
     )
-    cache = cached_features(data / "train", feature_settings(cfg), 1, (1.0,))
+    cache = cached_features(data / "train", feature_settings(cfg), 1)
     vocab = [BLANK] + sorted({w for u in cache.utts for w in u["words"]})
     ours = Ours(cfg, UtteranceSet(cache, vocab), torch.device("cuda"), len(vocab))
     assert ours.tier == "device"

@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from helpers import run_cli
 from mariana.apps.pctr.data.encoding import CRITEO_INTS, iter_chunks
-from mariana.apps.pctr.ids.idmap import IdMap
-from mariana.apps.pctr.ids.keys import key_of
+from mariana.apps.pctr.ids.idmap import IdMap, key_of
 from mariana.apps.pctr.models.predict import load_predictor
 from mariana.platform.core.export import load_exported
 from test_serving_helpers import pctr_probs, serve

@@ -148,7 +148,7 @@ def test_export_roundtrip_without_pickle(tmp_path):
 
 def test_export_shared_and_strided_tensors_and_huge_page_tables(tmp_path):
     """Tensors that own their storage are written as is; views and aliases are de-aliased copies."""
-    from mariana.platform.sparse.memory import table_empty
+    from mariana.platform.sparse.rules import table_empty
 
     table = table_empty((1 << 21, 17))  # 136 MB: large enough to be advised onto huge pages
     table.copy_(torch.arange(table.numel(), dtype=torch.float32).view_as(table))

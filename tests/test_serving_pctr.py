@@ -10,7 +10,7 @@ import pytest
 from helpers import run_cli
 from mariana.apps.pctr.data.encoding import ReadStats, iter_chunks
 from mariana.apps.pctr.models.predict import load_predictor
-from mariana.platform.core.metrics import auc_logloss
+from mariana.platform.core.evaluator import auc_logloss
 from mariana.platform.core.rundir import eval_result_path
 from test_serving_helpers import CRITEO, FRAPPE, head_lines, parse_prometheus, pctr_probs, serve, strip_label
 from trained_runs import fresh_copy

@@ -100,7 +100,7 @@ def train_fast(shard, out, *extra):
 def test_fast_preset_trains_and_crops_tta_agrees_across_cli_and_rest(small_tar, tmp_path):
     from mariana.apps.vision.data import decode_all, open_source
     from mariana.apps.vision.predict import load_classifier
-    from mariana.platform.core.metrics import topk_correct
+    from mariana.platform.core.evaluator import topk_correct
     from mariana.platform.core.rundir import eval_result_path
 
     run = tmp_path / "run"

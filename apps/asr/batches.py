@@ -1,5 +1,5 @@
 """ASR training batches at device speed: frames padded to a few bucket lengths (`bucket_frames`: a compiled
-model meets a handful of shapes), from the tier `mariana.platform.core.tiers.choose_tier` picks: ``device``
+model meets a handful of shapes), from the tier `mariana.platform.data.shards.choose_tier` picks: ``device``
 / ``host`` (the whole fp16 cache in one tensor, batches gathered in-process: `ResidentBatches`) or ``disk``
 (the memory-mapped shards through one persistent `IndexBatchLoader`). Every batch carries ``sizes``
 (`HostSizes`: the lengths CTC needs on the host), so the step never reads them back from the device.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from mariana.platform.core.prefetch import Prefetcher
-from mariana.platform.core.tiers import choose_tier
+from mariana.platform.data.shards import choose_tier
 from mariana.platform.dp.sampler import IndexBatchLoader
 
 from .features import UtteranceSet

@@ -146,9 +146,8 @@ class _Features:
                 self.d,
                 dataclasses.replace(self.s, frame_shift_ms=self.s.frame_shift_ms * t),
                 self.jobs,
-                (1.0,) if w == 1.0 else (),
+                [(1.0, w, 1.0)],
                 Path(self.run_dir) / "feats",
-                warps=(w,),
                 prior=self.prior,
             )
         return self.caches[t, w]

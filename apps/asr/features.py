@@ -200,6 +200,9 @@ def compute_raw(
     return feats, failed
 
 
+ORIGINAL = [(1.0, 1.0, 1.0)]  # the (speed, VTLN warp, pitch) copies of an utterance: the original only
+
+
 def perturbations(
     speeds: tuple[float, ...] = (1.0,), warps: tuple[float, ...] = (1.0,), pitches: tuple[float, ...] = ()
 ) -> list[tuple[float, float, float]]:
@@ -224,18 +227,16 @@ def extract(
     utts: list[Utterance],
     s: FeatureSettings,
     jobs: int = 2,
-    speeds: tuple[float, ...] = (1.0,),
-    warps: tuple[float, ...] = (1.0,),
+    copies: list[tuple[float, float, float]] = ORIGINAL,
     prior: FilePrior | None = None,
-    pitches: tuple[float, ...] = (),
 ) -> tuple[list[Utterance], list[np.ndarray], list[tuple[str, str]], dict[str, dict]]:
-    """Features of ``utts`` (x each copy of `perturbations`), CMVN applied -> (kept utterances, [frames, dim]
-    float32 arrays, skipped [(path, reason)], raw-feature statistics of each speaker's unperturbed audio
-    ``{spk: {"sum", "sumsq", "frames"}}``). Perturbed copies' ids and speakers are prefixed `copy_tag`
+    """Features of ``utts`` (x each of the (speed, warp, pitch) ``copies``, e.g. `perturbations`), CMVN
+    applied -> (kept utterances, [frames, dim] float32 arrays, skipped [(path, reason)], raw-feature
+    statistics of each speaker's unperturbed audio ``{spk: {"sum", "sumsq", "frames"}}``). Perturbed copies' ids and speakers are prefixed `copy_tag`
     (separate CMVN statistics, as in Kaldi recipes). ``s.cmvn == "file"`` normalises each utterance alone
     with ``prior`` (default: the prior of these utterances' own speakers, as for a training set)."""
     work, meta = [], []
-    for sp, w, p in perturbations(speeds, warps, pitches):
+    for sp, w, p in copies:
         tag = copy_tag(sp, w, p)
         for u in utts:
             work.append((u.path, sp, w, p))
@@ -279,6 +280,11 @@ class FeatureCache:
         self.speaker_stats: dict[str, dict] = index.get("speaker_stats", {})
         self._shards: dict[int, np.ndarray] = {}
         self.lengths = [u["frames"] for u in self.utts]
+
+    def prior(self, cmvn: str) -> FilePrior | None:
+        """With ``cmvn`` "file": these (training) speakers' statistics, the prior every other set is
+        normalised with; else None."""
+        return FilePrior.from_speaker_stats(self.speaker_stats) if cmvn == "file" else None
 
     def __len__(self) -> int:
         return len(self.utts)
@@ -368,16 +374,15 @@ def cached_features(
     data_dir: str | Path,
     s: FeatureSettings,
     jobs: int = 2,
-    speeds: tuple[float, ...] = (1.0,),
+    copies: list[tuple[float, float, float]] = ORIGINAL,
     cache_root: str | Path | None = None,
-    warps: tuple[float, ...] = (1.0,),
     prior: FilePrior | None = None,
-    pitches: tuple[float, ...] = (),
 ) -> FeatureCache:
     """The feature cache of a Kaldi data dir, built if missing or stale (settings or wav.scp changed).
 
-    The cache lives in ``cache_root/<key>`` (default ``DATA_DIR/feats/<key>``). ``prior``: the per-file
-    CMVN prior of ``s.cmvn == "file"`` (part of the key)."""
+    ``copies``: the (speed, warp, pitch) copies of each utterance (`perturbations`). The cache lives in
+    ``cache_root/<key>`` (default ``DATA_DIR/feats/<key>``). ``prior``: the per-file CMVN prior of
+    ``s.cmvn == "file"`` (part of the key)."""
     data_dir = Path(data_dir)
     scp = data_dir / "wav.scp"
     if not scp.is_file():
@@ -385,7 +390,7 @@ def cached_features(
     stamp = hashlib.sha1(
         scp.read_bytes()
         + (data_dir / "text").read_bytes()
-        + repr(perturbations(tuple(speeds), tuple(warps), tuple(pitches))).encode()
+        + repr(list(copies)).encode()
         + (prior.digest().encode() if s.cmvn == "file" and prior else b"")
         + CACHE_FORMAT
     ).hexdigest()
@@ -395,8 +400,6 @@ def cached_features(
         cache = FeatureCache(folder)
         if cache.key == key:
             return cache
-    utts, feats, skipped, spk_stats = extract(
-        read_kaldi_dir(data_dir), s, jobs, speeds, warps, prior, pitches
-    )
+    utts, feats, skipped, spk_stats = extract(read_kaldi_dir(data_dir), s, jobs, copies, prior)
     write_cache(folder, key, utts, feats, skipped, speaker_stats=spk_stats)
     return FeatureCache(folder)

@@ -21,10 +21,9 @@ from mariana.platform.core.errors import MarianaError
 from mariana.platform.train.spec import TrainSpec, data_parallel, train_job
 
 from .batches import bucket_frames, make_loader
-from .cmvn import FilePrior
 from .configs import AsrAugment, AsrConfig, AsrDecode, AsrFeatures, AsrInput, AsrModel
 from .decode import BigramLM, decode_set, error_rates
-from .features import FeatureCache, FeatureSettings, UtteranceSet, cached_features, feature_settings
+from .features import FeatureCache, UtteranceSet, cached_features, feature_settings, perturbations
 from .model import build_model
 
 BLANK = "<blank>"
@@ -179,11 +178,6 @@ def compile_cache_file(acoustic: AsrModel, config: dict, n_units: int, device: t
     return compilecache.cache_path(key, torch.device(device))
 
 
-def _prior(train_cache: FeatureCache, s: FeatureSettings) -> FilePrior | None:
-    """``--cmvn file``: the training speakers' statistics, the prior every other set is normalised with."""
-    return FilePrior.from_speaker_stats(train_cache.speaker_stats) if s.cmvn == "file" else None
-
-
 def flush_denormals_on_cpu(device) -> None:
     """Treat denormal floats as zero on the CPU. The CTC gradient of a wide output layer (12000 units of
     which 11 are ever targets) is mostly softmax probabilities of ~1e-40, and x86 matmuls on denormals
@@ -219,15 +213,15 @@ def load_sets(input: AsrInput, feats: AsrFeatures, augment: AsrAugment, ctx, log
             f"`mariana asr eval --model RUN --data {data}/test`, or train on a prepared set with train data)"
         )
     s = feature_settings(feats)
-    speeds, warps, pitches = tuple(a.speed_perturb), tuple(a.vtln_perturb), tuple(a.pitch_perturb)
+    copies = perturbations(tuple(a.speed_perturb), tuple(a.vtln_perturb), tuple(a.pitch_perturb))
     has_dev = (dev_dir / "wav.scp").is_file() and (dev_dir / "wav.scp").stat().st_size > 0
     root = (lambda split: Path(input.cache) / split) if input.cache else (lambda split: None)
     if ctx.is_main:  # one process computes the caches; the others wait and read them
-        cache = cached_features(train_dir, s, jobs, speeds, root("train"), warps, pitches=pitches)
+        cache = cached_features(train_dir, s, jobs, copies, root("train"))
         if has_dev:
-            cached_features(dev_dir, s, jobs, (1.0,), root("dev"), prior=_prior(cache, s))
+            cached_features(dev_dir, s, jobs, cache_root=root("dev"), prior=cache.prior(s.cmvn))
     ctx.barrier()
-    cache = cached_features(train_dir, s, 1, speeds, root("train"), warps, pitches=pitches)
+    cache = cached_features(train_dir, s, 1, copies, root("train"))
     if cache.skipped and ctx.is_main:
         log.warning(
             "skipped %d unreadable recording(s): %s",
@@ -239,7 +233,7 @@ def load_sets(input: AsrInput, feats: AsrFeatures, augment: AsrAugment, ctx, log
     lm = BigramLM.from_text(train_dir / "text", vocab)
     train_set = UtteranceSet(cache, vocab)
     dev_set = (
-        UtteranceSet(cached_features(dev_dir, s, 1, (1.0,), root("dev"), prior=_prior(cache, s)), vocab)
+        UtteranceSet(cached_features(dev_dir, s, 1, cache_root=root("dev"), prior=cache.prior(s.cmvn)), vocab)
         if has_dev
         else None
     )
@@ -298,7 +292,7 @@ def export_keys(data: AsrData, acoustic: AsrModel) -> dict:
     files are normalised with (`transcribe`, serving)."""
     meta = {"vocab": data.vocab, "train_frames": sum(data.cache.lengths), "lm": data.lm.to_dict()}
     if data.cache.speaker_stats:
-        meta["cmvn_prior"] = FilePrior.from_speaker_stats(data.cache.speaker_stats).to_dict()
+        meta["cmvn_prior"] = data.cache.prior("file").to_dict()
     return {"arch": f"{acoustic.arch}-ctc", "extra": meta}
 
 

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from mariana.platform.cli.console import warn_skipped
 from mariana.platform.core.errors import DataError
-from mariana.platform.data.compressed import open_data, pieces
 from mariana.platform.data.libfm import parse_lines
 from mariana.platform.data.splits import split_bounds, tail_fractions
+from mariana.platform.data.textblocks import open_data, pieces
 
 log = logging.getLogger("mariana")
 

@@ -7,8 +7,8 @@ import os
 import numpy as np
 import torch
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.evaluator import auc_logloss
 from mariana.platform.core.export import load_exported
-from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.rundir import write_eval_result
 from mariana.platform.data.splits import split_bounds, tail_fractions
 

@@ -12,8 +12,8 @@ from mariana.platform.cli.common import check_data_path, check_fresh_run_dir
 from mariana.platform.cli.console import periodic, warn_skipped
 from mariana.platform.core.config import read_config_values, resolve_config
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.export import warm_start_note
 from mariana.platform.core.rundir import RunDir, eval_result_path
-from mariana.platform.core.warmstart import warm_start_note
 from mariana.platform.ps.master import run_job
 from mariana.platform.runtime.launch import in_worker
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from mariana.platform.core.config import read_config_values
 from mariana.platform.core.errors import MarianaError
-from mariana.platform.core.metrics import auc_logloss
+from mariana.platform.core.evaluator import auc_logloss
 from mariana.platform.core.rundir import write_eval_result
 
 from .configs import parse_split

@@ -15,19 +15,18 @@ import time
 from types import SimpleNamespace
 
 import torch
-from mariana.platform.core.metrics import auc_logloss
-from mariana.platform.ps.checkpoint import ServerCheckpointer
+from mariana.platform.core.evaluator import auc_logloss
 from mariana.platform.ps.job import TableClient, assemble_model, build_server, serve, start_process
 from mariana.platform.ps.pull import predict_batches, write_counter
 from mariana.platform.ps.runtime import ps_session
 from mariana.platform.ps.worker import PSClient
-from mariana.platform.ps.worker_step import PSWorkerStep, RemoteIdMap
+from mariana.platform.ps.worker_step import PSWorkerStep, RemoteIdMap, ServerCheckpointer
 from mariana.platform.runtime.dist import DistContext
 
 from .configs import DenseOptim, Ids, Net, PctrConfig, Table
 from .data.reader import ClickSource
 from .data.sources import DataSources
-from .ids.keys import FrozenIdMap
+from .ids.idmap import FrozenIdMap
 from .models.nets import build_model
 from .models.optim import row_config
 from .models.step import build_dense_only, idmap_for, make_worker_step

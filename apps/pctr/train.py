@@ -21,18 +21,17 @@ from pathlib import Path
 import numpy as np
 import torch
 from mariana.platform.core.errors import MarianaError
-from mariana.platform.core.export import export_model
-from mariana.platform.core.metrics import auc_logloss
+from mariana.platform.core.evaluator import auc_logloss
+from mariana.platform.core.export import export_model, load_init
 from mariana.platform.core.prefetch import Prefetcher
 from mariana.platform.core.rundir import RunDir, setup_logging
-from mariana.platform.core.warmstart import load_init
-from mariana.platform.ps.loader import PullAheadLoader
 from mariana.platform.ps.protocol import TABLE
 from mariana.platform.ps.pull import predict_batches
 from mariana.platform.ps.shard import TableSpec
+from mariana.platform.ps.worker_step import PullAheadLoader
 from mariana.platform.runtime.dist import DistContext, resolve_device
 from mariana.platform.sparse.local import LocalStep
-from mariana.platform.sparse.memory import keep_freed_memory
+from mariana.platform.sparse.rules import keep_freed_memory
 from mariana.platform.train.spec import TrainSpec, build_trainer
 
 from .configs import PctrConfig

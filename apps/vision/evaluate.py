@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from mariana.platform.cli.console import progress
 from mariana.platform.core.errors import MarianaError
-from mariana.platform.core.metrics import topk_correct
+from mariana.platform.core.evaluator import topk_correct
 from mariana.platform.core.rundir import write_eval_result
 from mariana.platform.runtime.dist import resolve_device
 

@@ -13,10 +13,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from mariana.platform.core.errors import MarianaError
-from mariana.platform.core.export import export_model
+from mariana.platform.core.export import export_model, warm_start
 from mariana.platform.core.rundir import start_run
 from mariana.platform.core.steps import ModuleStep, autocast_for, unwrap
-from mariana.platform.core.warmstart import warm_start
 from mariana.platform.dp.ddp import apply_data_parallel
 from mariana.platform.pipeline.step import PipelineStep
 from mariana.platform.runtime.dist import init_distributed, teardown

@@ -174,7 +174,7 @@ def run_training(
             check_data_path(getattr(cfg, field), "--" + field.replace("_", "-"))
     if not in_worker():
         check_fresh_run_dir(cfg, command_of(args)[0])
-    from ..core.warmstart import warm_start_note
+    from ..core.export import warm_start_note
 
     rc = launch_if_needed(cfg, argv)
     if rc is not None:

@@ -4,15 +4,24 @@ An `Evaluator` is one of the Trainer's components: it decides when an evaluation
 steps, at the end of every epoch, or only at the end), runs the app's evaluation function through the
 strategy, remembers the best value of the monitored metric (with the metric's direction: AUC and top-1 up,
 log-loss and WER down) and says when ``patience`` evaluations in a row brought no improvement.
+
+Also the evaluation metrics shared by the apps (training, ``eval`` commands, benchmarks), one implementation
+each: `auc_logloss(labels, probs)` -> ``{"auc", "logloss"}`` (scikit-learn; click models) and
+`topk_correct(logits, labels, k)` -> (top-1, top-k) correct counts (classifiers). Their heavy libraries are
+imported inside the functions, so importing this module costs nothing.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import MarianaError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 EPOCH = -1  # ``--eval-every epoch``: evaluate at the end of every pass over the training data
 
@@ -116,3 +125,25 @@ def evaluator_from(
             raise MarianaError("--early-stop needs validation data to evaluate on (this job has none)")
         return None
     return Evaluator(fn, cfg.eval_every, cfg.monitor or default_monitor, getattr(cfg, "early_stop", 0))
+
+
+def auc_logloss(labels: np.ndarray, probs: np.ndarray) -> dict[str, float]:
+    """ROC AUC and log loss of click probabilities ``probs`` for 0/1 ``labels``. Probabilities are clipped
+    to [1e-7, 1 - 1e-7]; AUC is NaN when only one class occurs, both are NaN for no rows."""
+    import numpy as np
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    labels, probs = np.asarray(labels), np.asarray(probs)
+    if len(labels) == 0:
+        return {"auc": float("nan"), "logloss": float("nan")}
+    p = np.clip(probs.astype(np.float64), 1e-7, 1 - 1e-7)
+    auc = float(roc_auc_score(labels, p)) if 0 < labels.sum() < len(labels) else float("nan")
+    return {"auc": auc, "logloss": float(log_loss(labels, p, labels=[0, 1]))}
+
+
+def topk_correct(logits: torch.Tensor, y: torch.Tensor, k: int = 5) -> tuple[int, int]:
+    """(top-1 correct, top-k correct) counts for logits [B, C] and labels [B]."""
+    k = min(k, logits.shape[1])
+    top = logits.topk(k, dim=1).indices
+    hit = top == y.view(-1, 1)
+    return int(hit[:, 0].sum()), int(hit.any(dim=1).sum())

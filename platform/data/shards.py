@@ -2,13 +2,17 @@
 
 A `BatchStore` holds the batches of one pass over a data set, each a record of tensors with one leading
 size (pCTR's `Batch`: ids [B, F] int64, vals [B, F], dense [B, D], labels [B] float32), where the shared
-tier rule (`mariana.platform.core.tiers.choose_tier`, ``--cache-gb``) puts them: ``device`` / ``host`` (a
+tier rule (`choose_tier`, ``--cache-gb``) puts them: ``device`` / ``host`` (a
 list of batches) or ``disk`` (``FOLDER/shard-NNNNN.bin`` of about ``shard_bytes`` each, fields 64-byte
 aligned, mapped back copy-on-write so resident memory stays O(batches in flight)).
 
 Trust: a store is reused only when its index's fingerprint (the source files and the caller's encoding key)
 matches and every shard has its recorded size, else rebuilt, so a killed run or a changed file never serves
 stale rows. Writes, layout and lifetime: apps/pctr/README.md, "Data larger than memory".
+
+The tier rule, one for every app's working set (feature cache, decoded images, encoded rows): ``device``
+when it fits in a share of the training device's free memory (a GPU; on the CPU the device is host RAM, so
+the ``--cache-gb`` limit applies), then ``host`` RAM up to ``--cache-gb`` gigabytes, then ``disk``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,33 @@ from typing import Any
 import numpy as np
 import torch
 from mariana.platform.core.atomic import atomic_write_text
-from mariana.platform.core.tiers import choose_tier
+
+DEVICE_SHARE = 0.25  # of the GPU's free memory: the rest is for the model, activations and the allocator
+# of physical RAM: the --cache-gb of an app that leaves it unset (the rest: model, OS, others)
+RAM_SHARE = 0.25
+
+
+def host_budget_gb(cache_gb: float | None) -> float:
+    """``cache_gb``, or when it is None a quarter of this machine's physical RAM, in GB (1e9 bytes)."""
+    if cache_gb is not None:
+        return cache_gb
+    return RAM_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+
+
+def choose_tier(nbytes: int, device: torch.device, cache_gb: float, free_device: int | None = None) -> str:
+    """``"device"``, ``"host"`` or ``"disk"`` for a working set of ``nbytes`` bytes trained on ``device``.
+
+    ``cache_gb``: the most host RAM the set may take (0: never in RAM); ``free_device``: the GPU's free bytes
+    (default: asked from CUDA)."""
+    limit = int(cache_gb * 1e9)
+    if device.type == "cuda":
+        if free_device is None:
+            free_device = torch.cuda.mem_get_info(device)[0]
+        if nbytes <= DEVICE_SHARE * free_device:
+            return "device"
+        return "host" if nbytes <= limit else "disk"
+    return "device" if nbytes <= limit else "disk"  # a CPU's device memory is its RAM
+
 
 FORMAT = 1  # of index.json and the shard layout; a store of another format is rebuilt
 ALIGN = 64  # bytes: every field starts aligned (numpy / torch views need at least the item size)

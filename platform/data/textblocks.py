@@ -5,21 +5,53 @@ A line ends at ``\\n`` (a ``\\r`` before it belongs to the line and parsers stri
 whole lines between two line numbers; `lines_array` views a block as an Arrow string array without
 copying; `ordered_map` runs a block parser on a thread pool and yields results in file order (Arrow and
 numpy release the GIL, so two cores parse two blocks at once).
+
+Files are read as bytes, decompressed on the fly by suffix (`open_data`, `pieces`): ``.gz`` and ``.bz2`` (how
+click logs are distributed) stream through `gzip`/`bz2`, read once from the start (line-range readers count
+lines up to their start, never seek to a byte offset); ``.zst`` is refused by name (no zstandard).
 """
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import itertools
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 import numpy as np
 
-from .compressed import pieces
+from ..core.errors import DataError
+
+OPENERS = {".gz": gzip.open, ".bz2": bz2.open}
+
+
+def open_data(path: str | Path) -> BinaryIO:
+    """``path`` open for reading its (decompressed) bytes; DataError for a ``.zst`` file."""
+    p = Path(path)
+    if p.suffix.lower() in (".zst", ".zstd"):
+        raise DataError(f"{p}: zstd-compressed files are not read; decompress it (zstd -d) or gzip it")
+    return OPENERS.get(p.suffix.lower(), open)(p, "rb")
+
+
+def pieces(path: str | Path, size: int = 1 << 20, text: Iterable | None = None) -> Iterator:
+    """``path``'s (decompressed) bytes in pieces of ``size`` (or the items of ``text``, a text view of
+    `open_data`); a corrupt or truncated stream (OSError, EOFError while reading) is one DataError."""
+    f = open_data(path) if text is None else None  # a missing file: FileNotFoundError, as open's
+    try:
+        if f is None:
+            yield from text
+            return
+        with f:
+            while data := f.read(size):
+                yield data
+    except (OSError, EOFError) as e:
+        raise DataError(f"{path}: cannot be read ({e or type(e).__name__}); is the file complete?") from None
+
 
 T = TypeVar("T")
 R = TypeVar("R")

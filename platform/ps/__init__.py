@@ -5,13 +5,7 @@ restores checkpoints, and per-worker counters. The sparse step, its row stores a
 
 - protocol.py: what an application supplies (its model, batches, settings, optional key map);
 - pull.py: `RemoteRows` (the row store on the servers) and the workers' `train_step`;
-  worker_step.py: `PSWorkerStep`; loader.py: `PullAheadLoader`; checkpoint.py: `ServerCheckpointer`;
-- server.py (`ParamServer`, served through transport.py), worker.py (`PSClient`), shard.py,
-  dense.py; coordinator.py: announcements of one worker to all (a stream's files);
-- job.py: process start-up, serving, `assemble_model`; master.py, runtime.py: launching and transport set-up;
-  transport.py: calls over ZeroMQ."""
-
-from ..sparse.rules import RowOptConfig, apply_rows, coalesce
-from .shard import EmbeddingShard, TableSpec, split_by_shard
-
-__all__ = ["EmbeddingShard", "RowOptConfig", "TableSpec", "apply_rows", "coalesce", "split_by_shard"]
+  worker_step.py: `PSWorkerStep`, its `PullAheadLoader` and `ServerCheckpointer`;
+- server.py (`ParamServer`, served through transport.py), worker.py (`PSClient`), shard.py, dense.py;
+- job.py: process start-up, serving, `assemble_model`, `Coordinator` (announcements of one worker to all, e.g.
+  a stream's files); master.py, runtime.py: launching and transport set-up; transport.py: calls over ZeroMQ."""

@@ -1,6 +1,8 @@
 """Start-up of the processes of a parameter-server job (torchrun, one process per server or worker):
 the role and run directory (`start_process`), a server's shard and dense slice (`build_server`), serving
-until told to finish (`serve`), and the full model assembled from the servers (`assemble_model`).
+until told to finish (`serve`), the full model assembled from the servers (`assemble_model`), and the
+announcements of one worker to all that server 0 keeps for a stream (`Coordinator`, reached through the
+transport: ``runtime.remote(0, "coordinator")``, ``handle.rpc_sync(timeout=0).fetch(seq, worker)``).
 
 The application supplies its model (`protocol.SparseModel`) and a function that builds a full model around
 a given table; nothing here knows the application.
@@ -10,14 +12,14 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ..core.rundir import RunDir, setup_logging
-from ..sparse.memory import keep_freed_memory
-from ..sparse.rules import RowOptConfig
+from ..sparse.rules import RowOptConfig, keep_freed_memory
 from .dense import DenseStore, flatten, unflatten_into
 from .protocol import TABLE, KeyMap, SparseModel
 from .runtime import Role, ps_session, role_from_env
@@ -125,3 +127,37 @@ class TableClient:
 
     def pull(self, reqs: dict[str, torch.Tensor], step: int = -1, want_dense: bool = False):
         return {n: self.weight.index_select(0, r) for n, r in reqs.items()}, None
+
+
+class Coordinator:
+    """Announcements of worker 0 to the workers, kept by server 0: announcement ``seq`` is a list with one
+    entry per worker (its list of per-step `Batch` parts) or None (stop); ``done[seq]``: workers whose part
+    the servers applied."""
+
+    def __init__(self, num_workers: int, stop: threading.Event):
+        self.W, self.stop = num_workers, stop
+        self.cond = threading.Condition()
+        self.jobs: dict[int, list | None] = {}
+        self.done: dict[int, set[int]] = {}
+
+    def announce(self, seq: int, parts: list | None) -> None:
+        with self.cond:
+            self.jobs[seq] = parts
+            self.cond.notify_all()
+
+    def fetch(self, seq: int, worker: int):
+        with self.cond:
+            self.cond.wait_for(lambda: seq in self.jobs or self.stop.is_set())
+            parts = self.jobs.get(seq)
+            return None if parts is None else parts[worker]
+
+    def part_done(self, seq: int, worker: int) -> None:
+        with self.cond:
+            self.done.setdefault(seq, set()).add(worker)
+            self.cond.notify_all()
+
+    def wait_parts(self, seq: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: len(self.done.get(seq, ())) >= self.W or self.stop.is_set())
+            self.jobs.pop(seq, None)  # the rows of a finished file are not kept
+            self.done.pop(seq, None)

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sparse.memory import table_empty
-from ..sparse.rules import RowOptConfig, init_state
+from ..sparse.rules import RowOptConfig, init_state, table_empty
 from ..sparse.store import local_store
 
 

@@ -3,13 +3,15 @@ parameters), compute (`train_step`), push the rows' and the dense gradients; the
 
 With a key map on server 0 (`KeyMap`, e.g. pCTR's ``--ids dynamic``) each batch's keys are first mapped
 to rows there (`ParamServer.assign`); the rows it evicted are redrawn here (`fresh_rows`) and reset by
-their servers within the pull. `RemoteIdMap` gives validation a read-only view of that map.
+their servers within the pull. `RemoteIdMap` gives validation a read-only view of that map. The worker's
+`BatchLoader` is `PullAheadLoader`, the Trainer's checkpointer of the job `ServerCheckpointer`.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -200,3 +202,54 @@ class PSWorkerStep:
 
     def comm_stats(self) -> tuple[float, int]:
         return self.client.pull_s, 0
+
+
+class PullAheadLoader:
+    """`BatchLoader` of a parameter-server worker: hands out `Pulled` batches, sending the pull of batch
+    t+1 before batch t goes to the step, so those rows travel while step t computes."""
+
+    def __init__(self, loader, step: PSWorkerStep):
+        self.loader, self.step = loader, step
+        self.batches_per_epoch = loader.batches_per_epoch
+
+    def iterate(self, epoch: int, start: int = 0) -> Iterator[Pulled]:
+        it = iter(self.loader.iterate(epoch, start))
+        try:
+            nxt = next(it, None)
+            ahead = None if nxt is None else self.step.send_pull(nxt, self.step.t)
+            while ahead is not None:
+                cur = ahead
+                nxt = next(it, None)
+                ahead = None if nxt is None else self.step.send_pull(nxt, self.step.t + 1)
+                yield cur
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()  # the parsing thread
+
+
+class ServerCheckpointer:
+    """Checkpoints of a parameter-server job: worker 0 asks the servers to write their shards (the
+    servers' own atomic protocol, `ParamServer.checkpoint`); on start every worker asks the servers at
+    which step to continue (0 on a fresh job). The final checkpoint is written after all workers are done
+    (by the job's end), not here."""
+
+    resume_from_servers = True
+
+    def __init__(self, client, worker: int, total: int, steps_per_epoch: int):
+        self.client, self.worker, self.total, self.spe = client, worker, total, steps_per_epoch
+
+    def save(self, step: PSWorkerStep, progress: dict[str, Any]) -> None:
+        n = progress["step"]
+        if self.worker == 0 and n < self.total:
+            step.wait_mapped()
+            self.client.checkpoint(n)
+
+    def load(self, step: PSWorkerStep) -> dict[str, Any] | None:
+        n = self.client.resume_step()
+        if n <= 0:
+            return None
+        epoch, pos = divmod(n, self.spe)
+        state = {"step": n, "data": {"epoch": epoch, "batch": pos}}
+        step.restore(state, Path("."))
+        return state

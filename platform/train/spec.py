@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from mariana.platform.core.evaluator import evaluator_from
-from mariana.platform.core.export import export_model
+from mariana.platform.core.export import export_model, warm_start
 from mariana.platform.core.loop import Trainer
 from mariana.platform.core.rundir import start_run
 from mariana.platform.core.steps import ModuleStep, unwrap
-from mariana.platform.core.warmstart import warm_start
 from mariana.platform.dp.ddp import apply_data_parallel
 from mariana.platform.runtime.dist import init_distributed, teardown
 

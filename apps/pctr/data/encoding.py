@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from mariana.platform.core.errors import DataError
-from mariana.platform.data.compressed import open_data
 from mariana.platform.data.libfm import (
     LibfmRows,
     assign_fields,
@@ -31,9 +30,9 @@ from mariana.platform.data.libfm import (
     parse_lines,
     probe_fields,
 )
-from mariana.platform.data.textblocks import lines_array, ordered_map, read_blocks
+from mariana.platform.data.textblocks import lines_array, open_data, ordered_map, read_blocks
 
-from ..ids.keys import MIX1, MIX2, key_of
+from ..ids.idmap import MIX1, MIX2, key_of
 from .sources import count_file_lines, resolve_sources
 
 FORMATS = ("criteo", "libfm")
@@ -50,7 +49,7 @@ class Schema:
     rows_per_field: int
     num_dense: int
     ids: str = (
-        "hash"  # "dynamic": `Batch.ids` hold keys (`ids.keys.key_of`) that an `ids.idmap.IdMap` maps to rows
+        "hash"  # "dynamic": `Batch.ids` hold keys (`ids.idmap.key_of`) that an `ids.idmap.IdMap` maps to rows
     )
     # libFM whose ids name their field (`libfm.probe_fields`): the first id of each field, and whether
     # training lines have every field; lines are then read by id, not by token order (`libfm.assign_fields`)
@@ -190,7 +189,7 @@ class Encoder:
 
     def _finish(self, raw: np.ndarray, known: np.ndarray) -> torch.Tensor:
         """raw uint64 [n, F] values (already hashed or small ints), known bool [n, F] -> rows [n, F]; with
-        ``ids == "dynamic"`` keys [n, F] instead (`ids.keys.key_of`; -1 missing), mapped to rows by the step."""
+        ``ids == "dynamic"`` keys [n, F] instead (`ids.idmap.key_of`; -1 missing), mapped to rows by the step."""
         if self.schema.ids == "dynamic":
             return torch.from_numpy(key_of(raw, known))
         R = self.schema.rows_per_field

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import numpy as np
 from mariana.platform.core.errors import DataError
-from mariana.platform.core.tiers import host_budget_gb
-from mariana.platform.data.shards import BatchStore
+from mariana.platform.data.shards import BatchStore, host_budget_gb
 from mariana.platform.data.splits import split_bounds
 from mariana.platform.ps.shard import contiguous_part
 
@@ -75,7 +74,7 @@ class ClickSource:
         ``data``: its ``--data`` already resolved (or another value to read with the run's settings)."""
         sources = resolve_sources(input.data if data is None else data)
         schema = infer_schema(sources, input.format, rows.rows_per_field, input.num_fields)
-        schema.ids = rows.ids  # "dynamic": the encoder emits keys (`ids.keys.key_of`)
+        schema.ids = rows.ids  # "dynamic": the encoder emits keys (`ids.idmap.key_of`)
         return cls(sources, Encoder(schema), parse_split(getattr(input, "split", "1,0,0")))
 
     def __str__(self) -> str:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mariana.platform.core.errors import DataError
-from mariana.platform.data.compressed import pieces
+from mariana.platform.data.textblocks import pieces
 
 SKIP_SUFFIXES = (".tmp", ".part")
 

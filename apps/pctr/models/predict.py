@@ -21,7 +21,7 @@ from mariana.platform.core.export import load_exported
 from torch import nn
 
 from ..data.encoding import CRITEO_CATS, CRITEO_INTS, Batch, Encoder, Schema
-from ..ids.keys import FrozenIdMap
+from ..ids.idmap import FrozenIdMap
 from ..images.features import ImageFeatures
 from .nets import CTRModel
 

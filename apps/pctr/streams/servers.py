@@ -19,12 +19,11 @@ from typing import Any
 import torch
 from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import MarianaError
-from mariana.platform.ps.coordinator import Coordinator
-from mariana.platform.ps.job import TableClient, assemble_model, serve, start_process
-from mariana.platform.ps.loader import PullAheadLoader
+from mariana.platform.ps.job import Coordinator, TableClient, assemble_model, serve, start_process
 from mariana.platform.ps.runtime import ps_session, remote
 from mariana.platform.ps.shard import contiguous_part
 from mariana.platform.ps.worker import PSClient
+from mariana.platform.ps.worker_step import PullAheadLoader
 from mariana.platform.runtime.dist import DistContext
 
 from ..data.encoding import Batch

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.evaluator import auc_logloss
 from mariana.platform.core.loop import Trainer
-from mariana.platform.core.metrics import auc_logloss
 from mariana.platform.core.rundir import RunDir, setup_logging
 from mariana.platform.ps.pull import predict_batches
 from mariana.platform.runtime.dist import DistContext, resolve_device
-from mariana.platform.sparse.memory import keep_freed_memory
+from mariana.platform.sparse.rules import keep_freed_memory
 
 from ..data.reader import ClickSource
 from ..models.step import make_local_step
