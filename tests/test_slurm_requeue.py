@@ -55,11 +55,16 @@ def reference(tmp_path_factory):
 
 def wait_releasing(svc: Service, job_id: int, timeout: float = 240) -> str:
     """Wait for the job's end; Slurm holds a requeued batch job two minutes (measured: EligibleTime 121 s
-    after the requeue), a wait the test cuts short (``scontrol update StartTime=now``). Returns its state."""
-    sid, end = svc.job(job_id)["external_id"], time.monotonic() + timeout
+    after the requeue), a wait the test cuts to 3 s (``scontrol update StartTime=now``). Returns its state."""
+    sid = wait_for(lambda: svc.job(job_id)["external_id"], 60, "the job submitted to Slurm")
+    end, held = time.monotonic() + timeout, None
     while (state := svc.job(job_id)["state"]) in ("queued", "running") and time.monotonic() < end:
         shown = subprocess.run(["scontrol", "show", "job", "-o", sid], capture_output=True, text=True).stdout
-        if re.search(r"JobState=PENDING Reason=BeginTime", shown):
+        if not re.search(r"JobState=PENDING Reason=BeginTime", shown):
+            held = None
+        elif held is None:
+            held = time.monotonic()
+        elif time.monotonic() - held > 3:  # not at once: a start within the revoked credential's second fails
             subprocess.run(["scontrol", "update", f"JobId={sid}", "StartTime=now"], check=True, timeout=30)
         time.sleep(0.5)
     return state
