@@ -117,6 +117,8 @@ def check_fresh_run_dir(cfg: Any, command: str = "") -> None:
     out = check_out_dir(cfg.out)
     latest = out / "checkpoints" / "latest"
     finished = latest.exists() or (out / "metrics.json").exists()
+    if latest.exists() and int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0:
+        cfg.resume = True  # a requeued Slurm job continues from its checkpoint (platform/jobs/README.md)
     if finished and not cfg.resume and not force:
         raise MarianaError(
             f"{cfg.out} already holds a trained run; pass --resume to continue it, --force to train over "

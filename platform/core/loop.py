@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -34,6 +36,7 @@ from .tracking import attach as attach_tracker
 log = logging.getLogger("mariana")
 
 Exporter = Callable[[dict[str, float], int], None]
+PREEMPTED_EXIT = 75  # checkpointed at a preemption signal (EX_TEMPFAIL): the Slurm batch script requeues
 
 
 class BatchLoader(Protocol):
@@ -197,6 +200,10 @@ class Trainer:
         self.exported_step = -1
         self.faults = FaultInjector()
         self.logger: MetricsLogger | None = None
+        self.signalled, self._armed = (
+            None,
+            False,
+        )  # the preemption signal received, and whether armed (`_arm`)
         if ctx.watchdog is not None:
             ctx.watchdog.report_dir = run.log_dir
         attach_tracker(cfg, run, ctx)  # MLflow / TensorBoard on rank 0 when asked for (fed by `run`)
@@ -219,7 +226,9 @@ class Trainer:
         self.checkpointer.save(self.step_obj, self.progress())
 
     def maybe_resume(self) -> bool:
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        restarted = any(
+            int(os.environ.get(v, "0")) > 0 for v in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+        )
         if getattr(self.checkpointer, "resume_from_servers", False):
             state = self.checkpointer.load(self.step_obj)  # the servers know where to continue
             if state is None:
@@ -250,7 +259,7 @@ class Trainer:
                 self.step,
                 self.epoch,
                 self.pos,
-                " after a worker restart" if restarted else "",
+                " after a restart (torchrun's or a Slurm requeue)" if restarted else "",
             )
         return True
 
@@ -318,6 +327,7 @@ class Trainer:
         """Train until ``--max-steps``/``--epochs`` or early stopping (resuming first when asked);
         evaluate, checkpoint and export on schedule; write ``metrics.json``. Returns its record."""
         cfg, ctx = self.cfg, self.ctx
+        handlers = self._arm()
         resumed = self.maybe_resume()
         self.logger = MetricsLogger(self.run, ctx, self.total_steps, self.step, cfg.progress, self.desc)
         start_time, start_step = time.perf_counter(), self.step
@@ -325,7 +335,11 @@ class Trainer:
         with self.logger.redirect(), self.logger.bar:
             if self.evaluator is not None and not resumed and getattr(cfg, "init_from", ""):
                 eval_metrics = self.evaluate("warm start")  # the starting point, for comparison
-            stopped_early, eval_metrics = self._run(eval_metrics, scheduled=True)
+            try:
+                stopped_early, eval_metrics = self._run(eval_metrics, scheduled=True)
+            finally:
+                for sig, old in (handlers or {}).items():
+                    signal.signal(sig, old)
             wall = time.perf_counter() - start_time
             self.logger.flush(self.step_obj)  # a loss not yet logged (early stop between log points)
             self.samples += self.logger.run_samples
@@ -406,6 +420,8 @@ class Trainer:
             if audit is not None:
                 audit.__exit__(None, None, None)
                 audit.end(self.step, logged, evaluated, saved)
+            if scheduled and self._armed:
+                self._maybe_preempt(stream)
         stream.close()
         return stopped_early, eval_metrics
 
@@ -435,6 +451,39 @@ class Trainer:
             self.save()
             return True
         return False
+
+    # --- preemption ------------------------------------------------------------------------------------
+    def _arm(self) -> dict | None:
+        """With ``MARIANA_PREEMPTIBLE=1`` (set by the Slurm batch script) SIGTERM and SIGUSR1 only note the
+        signal: the loop checkpoints at the next step boundary and exits `PREEMPTED_EXIT`. Returns the old
+        handlers (None when not armed: not asked for, or not the main thread)."""
+        self._armed = os.environ.get("MARIANA_PREEMPTIBLE") == "1"
+        if not self._armed or threading.current_thread() is not threading.main_thread():
+            self._armed = False
+            return None
+
+        def note(signum, _frame):
+            self.signalled = signal.Signals(signum).name
+
+        return {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGUSR1)}
+
+    def _maybe_preempt(self, stream) -> None:
+        """After a step: if any rank got a preemption signal, every rank writes the checkpoint of this step
+        and exits. Several ranks agree by one all-reduce of a flag per step (only when armed)."""
+        flag = self.signalled is not None
+        if self.ctx.distributed:
+            t = torch.tensor([float(flag)], device=self.ctx.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = bool(t.item())
+        if not flag:
+            return
+        stream.close()
+        self.logger.flush(self.step_obj)
+        self.save()
+        if self.ctx.is_main:
+            log.warning("%s: checkpointed at step %d; exiting with status %d to be requeued",
+                        self.signalled or "a preemption signal", self.step, PREEMPTED_EXIT)  # fmt: skip
+        raise SystemExit(PREEMPTED_EXIT)
 
     def _export_final(self, eval_metrics: dict[str, float]) -> None:
         """Export at the end: always without a monitored metric, else only if nothing was exported yet."""

@@ -23,6 +23,7 @@ ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUE
 # Pending reasons that waiting cannot cure: the request exceeds what the partition/QOS/account allows.
 HOPELESS = {"PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints", "InvalidAccount",
             "InvalidQOS", "AccountNotAllowed", "QOSNotAllowed", "PartitionNotAvail"}  # fmt: skip
+SIGNAL_LEAD_S = 90  # USR1 this long before the time limit (--sbatch-arg=--signal=B:USR1@N overrides)
 NO_STATUS = -1000  # the scheduler's "ended without recording an exit status"
 
 
@@ -55,9 +56,17 @@ def batch_script(
         "set -u",
         f"EXIT={exit_file}",
         'rm -f "$EXIT"  # a retried job reuses the run directory: the old status is not ours',
+        "# USR1 (before the time limit) and TERM (scontrol requeue, scancel) reach the command as TERM: the",
+        "# Trainer checkpoints at its next step and exits 75; after USR1 the job requeues itself (Slurm does",
+        "# not requeue a job that ends by itself) and resumes from that checkpoint (SLURM_RESTART_COUNT > 0).",
+        "export MARIANA_PREEMPTIBLE=1 SIG=",
+        '[ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && echo "mariana: Slurm job $SLURM_JOB_ID requeued'
+        ' ($SLURM_RESTART_COUNT), resuming from its last checkpoint"',
+        "trap 'SIG=${SIG:-USR1}; kill -TERM $PID 2>/dev/null' USR1",
+        "trap 'SIG=${SIG:-TERM}; kill -TERM $PID 2>/dev/null' TERM",
     ]
     if tasks(resources) == 1:
-        lines.append(cmd)
+        lines.append(cmd + " &")
     else:
         lines += [
             'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
@@ -69,10 +78,17 @@ def batch_script(
             + shlex.quote(
                 f'exec {cmd} --nnodes "$SLURM_NTASKS" --rdzv-endpoint "$MARIANA_RDZV" '
                 '--rdzv-id "slurm-$SLURM_JOB_ID"'
-            ),
+            )
+            + " &",
         ]
     lines += [
-        "rc=$?",
+        "PID=$!",
+        'while wait "$PID"; rc=$?; kill -0 "$PID" 2>/dev/null; do :; done  # a trapped signal ends a wait',
+        'if [ -n "$SIG" ] && [ "$rc" != 0 ]; then',
+        '  echo "mariana: $SIG received; the command ended with status $rc (75: checkpointed)"',
+        '  [ "$SIG" = USR1 ] && scontrol requeue "$SLURM_JOB_ID"',
+        '  exit "$rc"  # no job.exit: Slurm requeues or ends the job, and its state tells the job service',
+        "fi",
         'echo "$rc" > "$EXIT.tmp.$$" && mv -f "$EXIT.tmp.$$" "$EXIT"',
         'exit "$rc"',
     ]
@@ -112,8 +128,8 @@ class SlurmExecutor(Executor):
 
     def sbatch_options(self, job_id: int, run_dir: Path, cwd: str, resources: dict) -> list[str]:
         """What the job asks sbatch for: its name, output, directory, resources and the service's options."""
-        cmd = [f"--job-name=mariana-{job_id}", f"--output={run_dir / 'job.log'}",
-               "--open-mode=append", f"--chdir={cwd or run_dir}", f"--nodes={resources.get('nodes', 1)}",
+        cmd = [f"--job-name=mariana-{job_id}", f"--output={run_dir / 'job.log'}", "--requeue",
+               f"--signal=B:USR1@{SIGNAL_LEAD_S}", "--open-mode=append", f"--chdir={cwd or run_dir}", f"--nodes={resources.get('nodes', 1)}",
                f"--ntasks-per-node={resources.get('tasks_per_node', 1)}"]  # fmt: skip
         if resources.get("gpus_per_node"):
             cmd.append(f"--gpus-per-node={resources['gpus_per_node']}")
