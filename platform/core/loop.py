@@ -421,7 +421,7 @@ class Trainer:
                 audit.__exit__(None, None, None)
                 audit.end(self.step, logged, evaluated, saved)
             if scheduled and self._armed:
-                self._maybe_preempt(stream)
+                self._maybe_preempt(stream, logged)
         stream.close()
         return stopped_early, eval_metrics
 
@@ -467,10 +467,13 @@ class Trainer:
 
         return {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGUSR1)}
 
-    def _maybe_preempt(self, stream) -> None:
+    def _maybe_preempt(self, stream, logged: bool) -> None:
         """After a step: if any rank got a preemption signal, every rank writes the checkpoint of this step
-        and exits. Several ranks agree by one all-reduce of a flag per step (only when armed)."""
+        and exits. Several ranks agree by one all-reduce of a flag at logged steps only (they read the device
+        anyway: no other step waits for it), so the signal's lead must cover ``--log-every`` steps."""
         flag = self.signalled is not None
+        if self.ctx.distributed and not logged:
+            return
         if self.ctx.distributed:
             t = torch.tensor([float(flag)], device=self.ctx.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
