@@ -5,7 +5,6 @@ end with the same model as the uninterrupted one-process run (exactly, as the on
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import time
@@ -53,19 +52,34 @@ def reference(tmp_path_factory):
     proc.wait()
 
 
+@pytest.fixture(scope="module")
+def time_limited(service):
+    """The ``--time 1`` job, submitted as the module starts so it trains beside the requeue test's job (the
+    two tests then take the time of one, not two)."""
+    return submit(service, "--time", "1", *mlp(*STEPS))
+
+
+def release_held(held: dict[str, float]) -> None:
+    """Start every requeued job Slurm holds (``BeginTime``) 3 s after it was first seen held: Slurm holds a
+    requeued batch job two minutes (measured: EligibleTime 121 s after the requeue). Not at once: a start
+    within the revoked credential's second fails. ``held``: Slurm id -> when first seen held."""
+    out = subprocess.run(["squeue", "-h", "-t", "PD", "-o", "%i|%r"], capture_output=True, text=True).stdout
+    now, waiting = time.monotonic(), {ln.split("|")[0] for ln in out.split() if ln.endswith("|BeginTime")}
+    for sid in list(held):
+        if sid not in waiting:
+            del held[sid]
+    for sid in waiting:
+        if now - held.setdefault(sid, now) > 3:
+            subprocess.run(["scontrol", "update", f"JobId={sid}", "StartTime=now"], timeout=30)
+
+
 def wait_releasing(svc: Service, job_id: int, timeout: float = 240) -> str:
-    """Wait for the job's end; Slurm holds a requeued batch job two minutes (measured: EligibleTime 121 s
-    after the requeue), a wait the test cuts to 3 s (``scontrol update StartTime=now``). Returns its state."""
-    sid = wait_for(lambda: svc.job(job_id)["external_id"], 60, "the job submitted to Slurm")
-    end, held = time.monotonic() + timeout, None
+    """Wait for the job's end, releasing the held requeued jobs of the cluster (`release_held`: the other
+    test's too, which trains meanwhile). Returns its state."""
+    wait_for(lambda: svc.job(job_id)["external_id"], 60, "the job submitted to Slurm")
+    end, held = time.monotonic() + timeout, {}
     while (state := svc.job(job_id)["state"]) in ("queued", "running") and time.monotonic() < end:
-        shown = subprocess.run(["scontrol", "show", "job", "-o", sid], capture_output=True, text=True).stdout
-        if not re.search(r"JobState=PENDING Reason=BeginTime", shown):
-            held = None
-        elif held is None:
-            held = time.monotonic()
-        elif time.monotonic() - held > 3:  # not at once: a start within the revoked credential's second fails
-            subprocess.run(["scontrol", "update", f"JobId={sid}", "StartTime=now"], check=True, timeout=30)
+        release_held(held)
         time.sleep(0.5)
     return state
 
@@ -89,7 +103,7 @@ def assert_resumed_equal(svc: Service, job_id: int, reference) -> str:
 
 
 @slurm_test(300)
-def test_scontrol_requeue_of_running_job_resumes_to_same_model(service, reference):
+def test_scontrol_requeue_of_running_job_resumes_to_same_model(service, reference, time_limited):
     job_id = submit(service, *mlp(*STEPS))
     sid = wait_for(lambda: service.job(job_id)["external_id"], 60, "the job submitted to Slurm")
     wait_for(lambda: (service.job(job_id).get("last_step") or 0) >= 300, 120, "the job trains", 0.2)
@@ -101,7 +115,8 @@ def test_scontrol_requeue_of_running_job_resumes_to_same_model(service, referenc
 
 
 @slurm_test(300)
-def test_job_reaching_its_time_limit_checkpoints_requeues_itself_and_finishes(service, reference):
-    job_id = submit(service, "--time", "1", *mlp(*STEPS))
-    log = assert_resumed_equal(service, job_id, reference)
+def test_job_reaching_its_time_limit_checkpoints_requeues_itself_and_finishes(
+    service, reference, time_limited
+):
+    log = assert_resumed_equal(service, time_limited, reference)
     assert "USR1 received" in log, log
