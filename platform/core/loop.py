@@ -200,10 +200,8 @@ class Trainer:
         self.exported_step = -1
         self.faults = FaultInjector()
         self.logger: MetricsLogger | None = None
-        self.signalled, self._armed = (
-            None,
-            False,
-        )  # the preemption signal received, and whether armed (`_arm`)
+        self.signalled: str | None = None  # the preemption signal received (`_arm`)
+        self._armed = False
         if ctx.watchdog is not None:
             ctx.watchdog.report_dir = run.log_dir
         attach_tracker(cfg, run, ctx)  # MLflow / TensorBoard on rank 0 when asked for (fed by `run`)
@@ -298,12 +296,13 @@ class Trainer:
             self.exported_step = self.step
         return metrics
 
-    def _agree(self, flag: bool) -> bool:
-        """Rank 0's decision on every rank (evaluations may differ in the last bits between ranks)."""
+    def _agree(self, flag: bool, any_rank: bool = False) -> bool:
+        """Rank 0's decision on every rank (evaluations may differ in the last bits between ranks), or with
+        ``any_rank`` whether any rank's ``flag`` is set."""
         if not self.ctx.distributed:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=self.ctx.device)
-        dist.broadcast(t, 0)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX) if any_rank else dist.broadcast(t, 0)
         return bool(t.item())
 
     # --- the loop --------------------------------------------------------------------------------------
@@ -471,14 +470,9 @@ class Trainer:
         """After a step: if any rank got a preemption signal, every rank writes the checkpoint of this step
         and exits. Several ranks agree by one all-reduce of a flag at logged steps only (they read the device
         anyway: no other step waits for it), so the signal's lead must cover ``--log-every`` steps."""
-        flag = self.signalled is not None
         if self.ctx.distributed and not logged:
             return
-        if self.ctx.distributed:
-            t = torch.tensor([float(flag)], device=self.ctx.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = bool(t.item())
-        if not flag:
+        if not self._agree(self.signalled is not None, any_rank=True):
             return
         stream.close()
         self.logger.flush(self.step_obj)
