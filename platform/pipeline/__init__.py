@@ -4,16 +4,3 @@ from .parallelize import SCHEDULES, PipelineParallel, parallelize_pipeline
 from .schedule import GPipeSchedule, TorchSchedule
 from .stages import balanced_boundaries, optimizer_state_bytes, param_bytes, split_blocks
 from .step import PipelineStep
-
-__all__ = [
-    "SCHEDULES",
-    "GPipeSchedule",
-    "PipelineParallel",
-    "PipelineStep",
-    "TorchSchedule",
-    "balanced_boundaries",
-    "optimizer_state_bytes",
-    "param_bytes",
-    "parallelize_pipeline",
-    "split_blocks",
-]
