@@ -11,6 +11,7 @@ Several hosts: the same command on every host (platform/README.md, "Multi-node";
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -24,6 +25,8 @@ from torch.distributed import TCPStore
 from ..core.errors import MarianaError
 from ..core.faults import set_role
 from .transport import Client, Handle, Server
+
+log = logging.getLogger("mariana")
 
 
 @dataclass
@@ -131,6 +134,7 @@ def ps_session(role: Role, timeout_s: float = 300.0, threads: int = 16, objects:
     if role.kind == "server":
         server = Server(objects or {}, secret, ps_host(), threads)
         store.set(f"{prefix}/server/{role.index}", server.address)
+        log.info("server %d serves at %s on host %s", role.index, server.address, socket.gethostname())
     _SESSION.update(store=store, prefix=prefix, secret=secret, servers=role.num_servers, timeout=timeout_s)
     try:
         yield server
