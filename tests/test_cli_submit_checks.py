@@ -36,3 +36,12 @@ def test_valid_job_goes_on_to_the_service(url, data_dir, capsys):
         ["submit", "--url", url, "pctr", "train", "--data", frappe, "--batch-size", "4"], capsys
     )
     assert rc == 2 and "no job service" in err, err
+
+
+@pytest.mark.parametrize("nodes,fragment", [("2", "no job service"), ("3", "--workers 3 is not divisible")])
+def test_a_multi_node_job_is_checked_as_its_agents_run_it(nodes, fragment, url, data_dir, capsys):
+    # --nodes N: each Slurm task runs the command with --nnodes N (2 pipeline stages on 2 hosts, 1 each)
+    cifar = data_dir / "cifar10" / "train.tar"
+    job = ["vision", "train", "--data", cifar, "--workers", "1", "--model-parallel", "2"]
+    rc, out, err = run_main(["submit", "--url", url, "--nodes", nodes, *job], capsys)
+    assert rc == 2 and fragment in err, err

@@ -93,3 +93,6 @@ def test_a_parameter_server_master_relays_its_workers_progress(monkeypatch, tmp_
     assert lines and set(lines) == {
         "mariana: pctr train: worker 0 step 20 loss 0.5000, worker 1 step 18 loss 0.4000"
     }
+    # a worker's last record is its validation (no loss): the step alone, no KeyError in the relay's thread
+    (tmp_path / "counters" / "worker-1.jsonl").write_text(json.dumps({"step": 30, "val_auc": 0.9}) + "\n")
+    assert workers_progress(tmp_path) == "pctr train: worker 0 step 20 loss 0.5000, worker 1 step 30"

@@ -48,7 +48,8 @@ def workers_progress(run: Path) -> str:
     done = []
     for p in sorted((run / "counters").glob("worker-*.jsonl"), key=lambda p: int(p.stem[7:])):
         rec = json.loads(([""] + p.read_text().split("\n"))[-2] or "{}")
-        done += [f"worker {p.stem[7:]} step {rec['step']} loss {rec['loss']:.4f}"] if rec else []
+        loss = f" loss {rec['loss']:.4f}" if "loss" in rec else ""  # none in the validation record
+        done += [f"worker {p.stem[7:]} step {rec['step']}{loss}"] if rec else []
     return "pctr train: " + ", ".join(done) if done else ""
 
 

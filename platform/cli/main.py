@@ -10,6 +10,7 @@ A `MarianaError` (bad flag value, bad config file, missing data) prints one line
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
@@ -74,16 +75,19 @@ def _fix_help_formatters(parser: argparse.ArgumentParser) -> None:
         _fix_help_formatters(sub)
 
 
-def check_command(argv: list[str], cwd: str | None = None) -> None:
+def check_command(argv: list[str], cwd: str | None = None, tasks: int = 1) -> None:
     """Validate a ``mariana`` command line without running it or writing anything (``mariana submit`` and
     ``POST /api/jobs`` before queueing): its flags as the command's own parser reads them (argparse's usage
     + error, exit 2); for a training command its resolved config, its ``--data`` paths (they exist) and its
     ``--out`` (`outputs.guard_output`'s rule); the other output folders' rule (`guard_parsed`). MarianaError:
-    the line the command would print. ``cwd``: the job's folder, which relative paths name (default: ours)."""
+    the line the command would print. ``cwd``: the job's folder, which relative paths name (default: ours).
+    ``tasks`` > 1: checked as each agent of a multi-task Slurm job runs it (--nnodes TASKS, a rendezvous)."""
     args = build_parser().parse_args(argv)
     if cwd is None:
         guard_parsed(args)
     spec = getattr(args, "_config", None)
+    if spec and tasks > 1 and "nnodes" in {f.name for f in dataclasses.fields(spec[0])}:
+        args.nnodes, args.rdzv_endpoint = tasks, "127.0.0.1:29500"  # loopback: not connected to
     cfg = resolve_config(spec[0], args, spec[1] or {}) if spec else None
     if not hasattr(cfg, "data"):
         return

@@ -32,7 +32,8 @@ def submit(args, argv) -> int:
     """``mariana submit``: check the job's command line as the command would, queue it, print its id."""
     if not args.job:
         raise MarianaError("nothing to submit: expected `mariana submit [options] APP COMMAND [ARGS...]`")
-    check_command(args.job)  # what the command would refuse is refused now, not after queueing
+    # what the command would refuse is refused now, not after queueing
+    check_command(args.job, tasks=(args.nodes or 1) * (args.tasks_per_node or 1))
     resources = {k: getattr(args, k) for k in ("nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task",
                                                "time", "partition")}  # fmt: skip
     job = _client(args).submit(args.job, args.priority, args.name, os.getcwd(), resources)

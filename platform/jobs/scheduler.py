@@ -28,7 +28,7 @@ from sqlalchemy import select
 from .db import Database, Job, add_event
 from .executor import Executor, Handle, LocalExecutor, StartError
 from .logstore import LogStore, job_files, log_error
-from .resources import normalize
+from .resources import normalize, tasks
 
 PRUNED = "pruned by mariana tune"  # the cancel reason of a trial the tuner's pruner stopped (no Retry)
 LOGSTORE_NICE = 10  # the LogStore thread yields the CPU to training processes
@@ -128,10 +128,10 @@ class Scheduler:
         grace_s: float = 10.0,
         interval_s: float = 0.5,
         build_parser: Callable[[], argparse.ArgumentParser] | None = None,
-        check: Callable[[list[str], str], None] | None = None,
+        check: Callable[[list[str], str, int], None] | None = None,
     ):
         """``build_parser()`` -> the ``mariana`` argparse tree submitted argvs are checked against;
-        ``check(argv, cwd)``: the command's own checks before it trains (`cli.main.check_command`)."""
+        ``check(argv, cwd, tasks)``: the command's own checks before it trains (`cli.main.check_command`)."""
         self.db = db
         self.home = Path(home)
         self.slots = slots
@@ -168,7 +168,7 @@ class Scheduler:
             raise MarianaError(f"cwd {cwd}: no such directory on the service's host")
         if self.check is not None:
             try:
-                self.check(list(argv), cwd)
+                self.check(list(argv), cwd, tasks(resources))
             except SystemExit as e:  # argparse printed its usage and error (to the service's log), or --help
                 if e.code:
                     raise MarianaError(

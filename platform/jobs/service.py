@@ -106,7 +106,7 @@ def create_app(home: str | Path, db_url: str | None = None, slots: int | None = 
     """The service for jobs under ``home`` (run directories in ``home/runs``), database ``db_url``
     (default SQLite ``home/jobs.db``), ``slots`` (default the core count), optional bearer ``token``;
     ``build_parser()`` -> the ``mariana`` argparse tree submitted argvs are checked against (the CLI's);
-    ``check(argv, cwd)``: the command's checks before it trains (`cli.main.check_command`)."""
+    ``check(argv, cwd, tasks)``: the command's checks before it trains (`cli.main.check_command`)."""
     home = Path(home).expanduser().resolve()
     (home / "runs").mkdir(parents=True, exist_ok=True)
     db = Database(db_url or default_url(home))

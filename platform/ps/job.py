@@ -94,6 +94,7 @@ def serve(
         **server.counters,
         **{f"transport_{k}": round(v, 4) for k, v in transport.stats.items()},
         **(server.keymap.counters() if server.keymap is not None else {}),
+        "address": transport.address,  # what it announced: the workers' way in
         "restored_from": restored,
         "attempt": role.attempt,
     }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import traceback
 import warnings
@@ -60,6 +61,9 @@ class WorkerIO:
         os.close(fd)
         log = sys.__stderr__  # file descriptor 2: the log file now
         warnings.showwarning = _warnings_to(log)
+        env = os.environ  # where this rank runs and meets the others: across hosts, never loopback
+        print(f"mariana: rank {rank} on {_host()}; rendezvous store {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}",
+              file=log, flush=True)  # fmt: skip
         return cls(Path(run_dir), rank, logs / f"rank-{rank}.log", log)
 
     def record_error(self, exc: BaseException, user: bool) -> None:
@@ -78,6 +82,15 @@ class WorkerIO:
             error_file(self.run_dir, self.rank).write_text(json.dumps(record) + "\n")
         except OSError:
             pass
+
+
+def _host() -> str:
+    """``HOSTNAME (ADDRESS)``: the address the hostname resolves to, which gloo binds unless GLOO_SOCKET_IFNAME."""
+    name = socket.gethostname()
+    try:
+        return f"{name} ({socket.gethostbyname(name)})"
+    except OSError:
+        return f"{name} (unresolved: gloo falls back to loopback)"
 
 
 def _warnings_to(stream):
