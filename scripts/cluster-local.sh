@@ -4,6 +4,7 @@
 #   scripts/cluster-local.sh start DIR --hosts N [--no-slurm] [--owner PID]
 #                                                              # prints `export SLURM_CONF=DIR/slurm.conf`
 #   scripts/cluster-local.sh exec DIR hI CMD ARGS...           # run CMD on host hI (cwd kept)
+#   scripts/cluster-local.sh link DIR hI down|up               # cut host hI off the bridge / reconnect it
 #   scripts/cluster-local.sh stop DIR                          # removes all that start made for DIR
 #
 # Needs root. A host hI (I = 1..N) is a network namespace with its own address on a private bridge
@@ -24,7 +25,10 @@ set -Eeuo pipefail
 export PATH="$PATH:/usr/sbin:/sbin"
 OWNERS=/run/mariana-cluster  # NS -> what start made for it (holder pid, bridge, DIR)
 
-usage() { echo "usage: $0 start DIR --hosts N [--no-slurm] | exec DIR hI CMD... | stop DIR" >&2; exit 2; }
+usage() {
+	echo "usage: $0 start DIR --hosts N [--no-slurm] | exec DIR hI CMD... | link DIR hI down|up | stop DIR" >&2
+	exit 2
+}
 [ $# -ge 2 ] || usage
 cmd=$1
 dir=$2
@@ -261,6 +265,12 @@ exec)
 	[ -n "$pid" ] || { echo "cluster-local.sh: no host $1 in $dir" >&2; exit 2; }
 	shift
 	exec nsenter -t "$pid" -n -u -m --wd="$PWD" "$@"
+	;;
+link)  # a pulled cable: hI's bridge port down, so its packets are dropped silently (no reset, no ICMP)
+	[ $# = 2 ] && [[ $2 =~ ^(down|up)$ ]] || usage
+	dir=$(cd "$dir" && pwd)
+	[ -n "$(holder_of "$1")" ] || { echo "cluster-local.sh: no host $1 in $dir" >&2; exit 2; }
+	ip link set "mrn$(tag "$dir")${1#h}" "$2"
 	;;
 stop) [ -d "$dir" ] && { dir=$(cd "$dir" && pwd); stop; echo "cluster-local: stopped ($dir)"; } || true ;;
 *) usage ;;

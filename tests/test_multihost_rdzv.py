@@ -48,10 +48,10 @@ def mlp_args(out, *extra):
             "--lr", "0.05", "--no-progress", "--max-steps", "8", *extra]  # fmt: skip
 
 
-def on_host(hosts: Path, host: str, out: Path, wait_s: int = 120) -> subprocess.Popen:
+def on_host(hosts: Path, host: str, out: Path, wait_s: int = 120, extra=()) -> subprocess.Popen:
     """``mariana mlp train ... --nnodes 2 --workers 1 --rdzv-endpoint h1:PORT`` started on ``host``."""
     argv = mlp_args(
-        out, "--batch-size", "32", "--workers", "1", "--nnodes", "2", "--rdzv-endpoint", f"h1:{PORT}"
+        out, "--batch-size", "32", "--workers", "1", "--nnodes", "2", "--rdzv-endpoint", f"h1:{PORT}", *extra
     )
     cmd = ["bash", str(SCRIPT), "exec", str(hosts), host, sys.executable, "-m", "mariana.platform.cli"]
     env = cli_env({"MARIANA_RDZV_WAIT": str(wait_s)})
@@ -133,3 +133,28 @@ def test_any_interface_address_is_this_host(hosts):
     assert is_this_host(bridge) and not is_this_host(bridge.rsplit(".", 1)[0] + ".11"), bridge
     args = torchrun_args(1, ["mlp"], nnodes=2, rdzv_endpoint=f"{bridge}:{PORT}")
     assert "is_host=True" in args[args.index("--rdzv-conf") + 1], args
+
+
+def test_a_host_cut_off_mid_run_fails_the_job_naming_it(hosts, tmp_path):
+    """h2's link goes down once both hosts train: h1 ends within 120 s (here: --timeout 10, so the peer timeout is 5 s)
+    with one line naming the lost host h2, no stack dump; h2 is reconnected afterwards."""
+    argv = ["--max-steps", "100000", "--timeout", "10"]
+    h1, h2 = (
+        on_host(hosts, "h1", tmp_path / "h1", extra=argv),
+        on_host(hosts, "h2", tmp_path / "h2", extra=argv),
+    )
+    try:
+        t0 = time.monotonic()
+        while not (tmp_path / "h1" / "metrics.jsonl").exists() and time.monotonic() - t0 < 120:
+            time.sleep(0.2)
+        subprocess.run(["bash", str(SCRIPT), "link", str(hosts), "h2", "down"], check=True)
+        t0 = time.monotonic()
+        rc, _, err = finish(h1, timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        subprocess.run(["bash", str(SCRIPT), "link", str(hosts), "h2", "up"], check=True)
+        h2.kill()
+        h2.communicate()
+    errors = [ln for ln in err.splitlines() if ln.startswith("mariana: error:")]
+    assert rc == 1 and len(errors) == 1 and "lost host h2 (rank(s) [1])" in errors[0], err
+    assert not any(s in err for s in STACK_DUMP) and took < 60, (took, err)

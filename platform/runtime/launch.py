@@ -147,15 +147,15 @@ def report_failure(
     rank -> how to name that process, default ``worker rank R``); returns the exit code: 2 when every
     failed process reported bad input, else 1."""
     codes = {int(r): f.exitcode for r, f in e.failures.items()}
-    lines, all_user = failure_lines(run_dir, codes, name)
+    # A watchdog's report (a stall, a lost host) replaces its rank's exit code; reports of other nodes' ranks
+    # (a shared run directory) are theirs to print.
+    why = {
+        rep["rank"]: rep.get("message", "watchdog") for rep in stall_reports(run_dir) if rep["rank"] in codes
+    }
+    lines, all_user = failure_lines(run_dir, {r: c for r, c in codes.items() if r not in why}, name)
+    lines += [f"{m} (see {run_dir}/logs/)" for m in why.values()]
     for line in lines:
         print(f"mariana: error: {line}", file=sys.stderr)
-    for rep in stall_reports(run_dir):
-        print(
-            f"mariana: error: watchdog on rank {rep['rank']}: no progress for {rep['timeout_s']:.0f}s; "
-            f"stalled rank(s): {rep['stalled_ranks']} (see {run_dir}/logs/)",
-            file=sys.stderr,
-        )
     if max_restarts > 0 and not all_user:
         print(f"mariana: error: the job still failed after {max_restarts} restart(s)", file=sys.stderr)
     return 2 if all_user else 1

@@ -1,11 +1,14 @@
-"""Hang detection for distributed jobs.
+"""Hang and lost-host detection for distributed jobs.
 
-Every rank runs a daemon thread that publishes a heartbeat ``(step, phase, time)`` to the job's TCPStore
-about once a second. The training loop reports progress with `Watchdog.beat` (cheap: attribute writes).
-A rank without progress of its own for ``timeout_s`` names the rank(s) furthest behind from the heartbeats
-(the others sit waiting in a collective), dumps its stacks, writes ``RUN/logs/stall-rank-R.json`` and exits
-with `EXIT_STALL` (what the user sees: platform/README.md, "Data parallel"); the other ranks dump theirs on
-torchrun's SIGTERM (faulthandler is registered for it).
+Every rank runs a daemon thread that publishes a heartbeat ``(step, phase, host, time)`` to the job's
+TCPStore about once a second. The training loop reports progress with `Watchdog.beat` (cheap: attribute
+writes). A rank without progress of its own for ``timeout_s`` names the rank(s) furthest behind from the
+heartbeats (the others sit waiting in a collective), dumps its stacks, writes ``RUN/logs/stall-rank-R.json``
+and exits with `EXIT_STALL` (what the user sees: platform/README.md, "Data parallel"); the other ranks dump
+theirs on torchrun's SIGTERM (faulthandler is registered for it). A rank that has waited a while also
+watches the others: a peer whose heartbeat has not changed for the peer timeout (``timeout_s / 2``, at most
+`PEER_LOST_S`), or a store that does not answer for that long, is a lost host (down or cut off: its
+collectives would wait for the process group's timeout), reported the same way.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import faulthandler
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -23,6 +27,9 @@ from pathlib import Path
 EXIT_STALL = 75
 # Order of phases inside one optimizer step: a rank in an earlier phase than the others is the one behind.
 PHASES = {"init": 0, "data": 1, "compute": 2, "comm": 3, "optim": 4}
+# A live rank's thread publishes every second, so a minute of silence is a lost host; with detection and
+# the launcher's exit the job ends within 120 s of losing one (platform/README.md, "Multi-node").
+PEER_LOST_S = 60.0
 
 
 def _connect_store(timeout_s: float):
@@ -42,12 +49,14 @@ def _connect_store(timeout_s: float):
 class Watchdog:
     def __init__(self, rank: int, world_size: int, timeout_s: float):
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.peer_timeout_s, self.host = min(timeout_s / 2, PEER_LOST_S), socket.gethostname()
+        self._seen: dict[int, tuple[bytes, float]] = {}  # peer -> (its heartbeat, when it changed here)
         self.step, self.phase = 0, "init"
         self.last_progress = time.monotonic()
         self.armed = False  # armed by the first beat, so slow start-up (imports, data loading) is not a hang
         self.report_dir: Path | None = None
         self.attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self._store = _connect_store(timeout_s)
+        self._store = _connect_store(self.peer_timeout_s)  # a store read fails within the peer timeout
         self._stop = threading.Event()
         # On SIGTERM (torchrun stopping the job after another rank failed) print our stacks, then die.
         faulthandler.register(signal.SIGTERM, file=sys.__stderr__, all_threads=True, chain=True)
@@ -69,6 +78,7 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        self._thread.join(5)  # its last beat says "done": the others do not take this end for a lost host
 
     # --- the thread ------------------------------------------------------------------------------------
     def _key(self, rank: int) -> str:
@@ -78,9 +88,8 @@ class Watchdog:
         if self._store is None:
             return
         age = time.monotonic() - self.last_progress
-        value = json.dumps(
-            {"step": self.step, "phase": self.phase, "idle_s": round(age, 1), "t": time.time()}
-        )
+        value = json.dumps({"step": self.step, "phase": self.phase, "host": self.host, "idle_s": round(age, 1),
+                            "t": time.time()})  # fmt: skip
         try:
             self._store.set(self._key(self.rank), value)
         except Exception:
@@ -102,11 +111,35 @@ class Watchdog:
         period = min(1.0, self.timeout_s / 10)
         while not self._stop.wait(period):
             self._publish()
-            if self.armed and time.monotonic() - self.last_progress > self.timeout_s:
+            idle = time.monotonic() - self.last_progress
+            if idle <= self.peer_timeout_s / 4:
+                self._seen.clear()  # progressing: the peers are there
+            elif lost := self._lost_peers():
+                self._fire(lost)
+            if self.armed and idle > self.timeout_s:
                 self._fire()
+        self.phase = "done"
+        self._publish()
 
-    def _fire(self) -> None:
-        beats = self._heartbeats()
+    def _lost_peers(self) -> str:
+        """'' or why the job is lost: a peer's heartbeat unchanged (its host down or cut off from the
+        network), or the store silent (this host cut off, or the store's host down), for the peer timeout."""
+        now, keys = time.monotonic(), {r: self._key(r) for r in range(self.world_size) if r != self.rank}
+        try:
+            beats = {r: self._store.get(k) if self._store.check([k]) else b"" for r, k in keys.items()}
+        except Exception:  # no store, or no answer within its timeout (the peer timeout)
+            return "" if self._store is None else f"the job's store silent for {self.peer_timeout_s:.0f} s"
+        for r, b in beats.items():
+            if b'"phase": "done"' not in b and self._seen.get(r, (None,))[0] != b:
+                self._seen[r] = (b, now)
+        lost = sorted(r for r, (b, t) in self._seen.items() if now - t > self.peer_timeout_s)
+        hosts = sorted({json.loads(self._seen[r][0] or "{}").get("host", "?") for r in lost})
+        return lost and f"lost host {', '.join(hosts)} (rank(s) {lost}): no heartbeat for {self.peer_timeout_s:.0f} s"  # fmt: skip
+
+    def _fire(self, lost: str = "") -> None:
+        """Report a stall (or ``lost``: why a peer or the store is lost), exit with `EXIT_STALL`; the
+        report's ``message`` is the launcher's console line."""
+        beats = {} if lost else self._heartbeats()
         beats[self.rank] = {"step": self.step, "phase": self.phase, "t": time.time()}
         now = time.time()
         order = {r: (b["step"], PHASES.get(b["phase"], 0)) for r, b in beats.items()}
@@ -132,19 +165,15 @@ class Watchdog:
             if culprits
             else "[mariana watchdog] all ranks stopped at the same point (a shared resource or a collective hangs)"
         )
+        lines = [f"[mariana watchdog] rank {self.rank}: {lost}"] if lost else lines
+        message = lost or f"watchdog on rank {self.rank}: no progress for {self.timeout_s:.0f}s; stalled rank(s): {culprits}"  # fmt: skip
         print("\n".join(lines), file=sys.__stderr__, flush=True)
         print(f"[mariana watchdog] Python stacks of rank {self.rank}:", file=sys.__stderr__, flush=True)
         faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
         if self.report_dir is not None:
+            report = {"rank": self.rank, "step": self.step, "phase": self.phase, "message": message,
+                      "stalled_ranks": culprits, "heartbeats": beats, "timeout_s": self.timeout_s}  # fmt: skip
             try:
-                report = {
-                    "rank": self.rank,
-                    "step": self.step,
-                    "phase": self.phase,
-                    "stalled_ranks": culprits,
-                    "heartbeats": beats,
-                    "timeout_s": self.timeout_s,
-                }
                 (self.report_dir / f"stall-rank-{self.rank}.json").write_text(json.dumps(report, indent=2))
             except OSError:
                 pass
