@@ -5,6 +5,7 @@ failed request."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -320,7 +321,8 @@ def test_serving_follows_three_exports_without_failed_requests(tmp_path, tmp_pat
 
 def test_libfm_fields_from_first_file_and_resume(tmp_path):
     """libFM without --num-fields: the width comes from the first file and is kept for --resume; a
-    malformed line is skipped and counted, not a crash."""
+    malformed line is skipped and counted, not a crash. A stream stopped after a file's checkpoint, before
+    (or while) writing its counters record, writes that record when it resumes: one record per file."""
     frappe = (DATA / "frappe" / "frappe.validation.libfm").read_text().splitlines(keepends=True)
     d, run = tmp_path / "d", tmp_path / "run"
     d.mkdir()
@@ -341,8 +343,18 @@ def test_libfm_fields_from_first_file_and_resume(tmp_path):
         "0.1",
     ]
     run_cli([*args, "--max-files", "1"], timeout=120, check=True)
+    counters = run / "counters" / "worker-0.jsonl"
+    first = json.loads(counters.read_text())
+    counters.write_text(
+        '{"time": 1, "file": "a.lib'
+    )  # the stop: a.libfm checkpointed, its record half written
     r = run_cli([*args, "--max-files", "2", "--resume"], timeout=120, check=True)
     assert "resumed from step_00000001: 1 files consumed" in r.stderr, r.stderr
+    recs = [json.loads(x) for x in counters.read_text().splitlines()]
+    assert [(x["file"], x.get("recovered", False)) for x in recs] == [("a.libfm", True), ("b.libfm", False)]
+    assert {k: recs[0][k] for k in ("files", "rows", "progressive_auc", "train_s")} == {
+        k: first[k] for k in ("files", "rows", "progressive_auc", "train_s")
+    }
     led = ledger(run)
     assert [(e["name"], e["rows"], e["skipped_lines"]) for e in led] == [
         ("a.libfm", 300, 0),

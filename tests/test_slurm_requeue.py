@@ -5,23 +5,43 @@ end with the same model as the uninterrupted one-process run (exactly, as the on
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, cli_env
+from helpers import ROOT, cli_env, run_cli
 from jobs_helpers import Service, wait_for
 from mariana.platform.core.export import load_exported
 from test_jobs_slurm import cluster, mlp, scontrol_state, slurm_test, submit  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 # Slurm checks time limits every 30 s: with --time 1 and this lead USR1 comes 10-40 s after the start, so
-# the run must train longer than that (~50 s here, 2 loaded cores; the reference runs meanwhile).
-N, LEAD_S = 120000, 50
-STEPS = ["--max-steps", str(N), "--log-every", "1000"]
+# the run must train longer than that. A fixed step count does not: the same machine trained 2,400 debug
+# steps/s one week and 400 the next. So N is set for ~TRAIN_S s of training at this machine's measured rate.
+# (75 s: the first USR1 still falls inside the run should it train ~2x faster than calibrated.)
+LEAD_S, TRAIN_S = 50, 75
+
+
+def steps_per_s() -> float:
+    """This machine's rate for the jobs' mlp run now (steps/s, evaluation included): the time between its
+    first and last logged steps of a short run (`RUN/metrics.jsonl`), so process start is left out."""
+    with tempfile.TemporaryDirectory() as out:
+        run_cli([*mlp("--max-steps", "4000", "--log-every", "1000"), "--out", out], timeout=300, check=True)
+        recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in recs if "loss" in r]
+    return (logged[-1]["step"] - logged[0]["step"]) / (logged[-1]["time"] - logged[0]["time"])
+
+
+@pytest.fixture(scope="module")
+def steps() -> list[str]:
+    """``--max-steps N --log-every 1000`` with N for ~TRAIN_S s of training (at least 10,000 steps)."""
+    n = max(10000, int(round(steps_per_s() * TRAIN_S, -3)))
+    return ["--max-steps", str(n), "--log-every", "1000"]
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +53,10 @@ def service(cluster, tmp_path_factory):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, steps):
     """The uninterrupted one-process run's exported weights (started at once, read when first needed)."""
     out = tmp_path_factory.mktemp("requeue-ref")
-    proc = subprocess.Popen([sys.executable, "-m", "mariana.platform.cli", *map(str, mlp(*STEPS)), "--out",
+    proc = subprocess.Popen([sys.executable, "-m", "mariana.platform.cli", *map(str, mlp(*steps)), "--out",
                              str(out)], cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     cache = {}
@@ -53,10 +73,10 @@ def reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def time_limited(service):
+def time_limited(service, steps):
     """The ``--time 1`` job, submitted as the module starts so it trains beside the requeue test's job (the
     two tests then take the time of one, not two)."""
-    return submit(service, "--time", "1", *mlp(*STEPS))
+    return submit(service, "--time", "1", *mlp(*steps))
 
 
 def release_held(held: dict[str, float]) -> None:
@@ -73,7 +93,7 @@ def release_held(held: dict[str, float]) -> None:
             subprocess.run(["scontrol", "update", f"JobId={sid}", "StartTime=now"], timeout=30)
 
 
-def wait_releasing(svc: Service, job_id: int, timeout: float = 240) -> str:
+def wait_releasing(svc: Service, job_id: int, timeout: float = 400) -> str:
     """Wait for the job's end, releasing the held requeued jobs of the cluster (`release_held`: the other
     test's too, which trains meanwhile). Returns its state."""
     wait_for(lambda: svc.job(job_id)["external_id"], 60, "the job submitted to Slurm")
@@ -84,7 +104,7 @@ def wait_releasing(svc: Service, job_id: int, timeout: float = 240) -> str:
     return state
 
 
-def assert_resumed_equal(svc: Service, job_id: int, reference) -> str:
+def assert_resumed_equal(svc: Service, job_id: int, reference, steps: list[str]) -> str:
     """The job succeeded after a checkpoint at a signal and a resume from it, with the reference's model;
     returns its log."""
     state = wait_releasing(svc, job_id)
@@ -94,7 +114,7 @@ def assert_resumed_equal(svc: Service, job_id: int, reference) -> str:
     resumed = [ln for ln in log.splitlines() if "resumed from step" in ln]
     assert resumed and "resumed from step 0 " not in resumed[0], log  # from the signal's checkpoint
     job = svc.job(job_id)
-    assert job["last_step"] == N
+    assert job["last_step"] == int(steps[1])
     got, weights = load_exported(Path(job["run_dir"]))[0], reference()
     assert got.keys() == weights.keys()
     for k in got:
@@ -102,21 +122,21 @@ def assert_resumed_equal(svc: Service, job_id: int, reference) -> str:
     return log
 
 
-@slurm_test(300)
-def test_scontrol_requeue_of_running_job_resumes_to_same_model(service, reference, time_limited):
-    job_id = submit(service, *mlp(*STEPS))
+@slurm_test(540)
+def test_scontrol_requeue_of_running_job_resumes_to_same_model(service, reference, time_limited, steps):
+    job_id = submit(service, *mlp(*steps))
     sid = wait_for(lambda: service.job(job_id)["external_id"], 60, "the job submitted to Slurm")
     wait_for(lambda: (service.job(job_id).get("last_step") or 0) >= 300, 120, "the job trains", 0.2)
     subprocess.run(["scontrol", "requeue", sid], check=True, timeout=30)
     wait_for(lambda: scontrol_state(sid) != "RUNNING", 30, "Slurm requeues the job", 0.1)
     assert service.job(job_id)["state"] in ("queued", "running")  # requeued, never failed
-    log = assert_resumed_equal(service, job_id, reference)
+    log = assert_resumed_equal(service, job_id, reference, steps)
     assert "TERM received" in log, log
 
 
-@slurm_test(300)
+@slurm_test(540)
 def test_job_reaching_its_time_limit_checkpoints_requeues_itself_and_finishes(
-    service, reference, time_limited
+    service, reference, time_limited, steps
 ):
-    log = assert_resumed_equal(service, time_limited, reference)
+    log = assert_resumed_equal(service, time_limited, reference, steps)
     assert "USR1 received" in log, log

@@ -113,6 +113,33 @@ class StreamRecords:
             self.totals["rows"],
             self.version or "not exported yet",
         )
+        self._recover_counter()
+
+    def _file_record(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """The counters record of the file of ledger ``entry``, the last consumed (totals as they are now)."""
+        return {
+            "file": entry["name"],
+            "files": self.totals["files"],
+            "rows": self.totals["rows"],
+            "file_rows": entry["rows"],
+            "skipped_lines": self.totals["skipped_lines"],
+            "progressive_auc": entry["auc"],
+            "progressive_logloss": entry["logloss"],
+            **{k: entry[k] for k in ("read_s", "score_s", "fit_s", "train_s", "train_lag_s")},
+        }
+
+    def _recover_counter(self) -> None:
+        """A stream stopped between a file's checkpoint and its counters record resumes with that file
+        consumed and no record of it: the record is written now from the ledger (marked ``recovered``), so
+        RUN/counters/worker-0.jsonl holds one record per consumed file. A half-written last line is dropped."""
+        path = self.run.path / "counters" / "worker-0.jsonl"
+        lines = path.read_text().split("\n")[:-1] if path.exists() else []  # [:-1]: after the last newline
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("".join(x + "\n" for x in lines))
+        if self.ledger and sum('"file"' in x for x in lines) == len(self.ledger) - 1:
+            self._counters(
+                {**self._file_record(self.ledger[-1]), "step": self.totals["steps"], "recovered": True}
+            )
 
     def _counters(self, rec: dict[str, Any]) -> None:
         write_counter(self.run, 0, {"time": round(time.time(), 3), **rec})

@@ -230,14 +230,7 @@ class Streamer(StreamRecords):
         # how far this file's landing is behind the newest complete file's (0 when nothing waits)
         behind = max([0.0, *(w.landed - f.landed for w in waiting)])
         rec = {
-            "file": f.name,
-            "files": self.totals["files"],
-            "rows": self.totals["rows"],
-            "file_rows": entry["rows"],
-            "skipped_lines": self.totals["skipped_lines"],
-            "progressive_auc": entry["auc"],
-            "progressive_logloss": entry["logloss"],
-            **{k: entry[k] for k in ("read_s", "score_s", "fit_s", "train_s", "train_lag_s")},
+            **self._file_record(entry),
             "export_s": round(export_s, 3),
             "checkpoint_s": round(checkpoint_s, 3),
             "backlog_files": backlog,
