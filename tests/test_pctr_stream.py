@@ -345,9 +345,8 @@ def test_libfm_fields_from_first_file_and_resume(tmp_path):
     run_cli([*args, "--max-files", "1"], timeout=120, check=True)
     counters = run / "counters" / "worker-0.jsonl"
     first = json.loads(counters.read_text())
-    counters.write_text(
-        '{"time": 1, "file": "a.lib'
-    )  # the stop: a.libfm checkpointed, its record half written
+    # the stop: a.libfm checkpointed, its counters record half written
+    counters.write_text('{"time": 1, "file": "a.lib')
     r = run_cli([*args, "--max-files", "2", "--resume"], timeout=120, check=True)
     assert "resumed from step_00000001: 1 files consumed" in r.stderr, r.stderr
     recs = [json.loads(x) for x in counters.read_text().splitlines()]

@@ -21,27 +21,31 @@ from test_jobs_slurm import cluster, mlp, scontrol_state, slurm_test, submit  # 
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 # Slurm checks time limits every 30 s: with --time 1 and this lead USR1 comes 10-40 s after the start, so
-# the run must train longer than that. A fixed step count does not: the same machine trained 2,400 debug
-# steps/s one week and 400 the next. So N is set for ~TRAIN_S s of training at this machine's measured rate.
-# (75 s: the first USR1 still falls inside the run should it train ~2x faster than calibrated.)
+# the run must train longer than that. A fixed step count does not: 120,000 steps took ~50 s when this test
+# was written and ~300 s on the same kind of machine on 2026-12-05. So N is set for ~TRAIN_S s of training at
+# this machine's measured rate (75 s: the first USR1 still falls inside the run should it train ~2x faster).
 LEAD_S, TRAIN_S = 50, 75
+
+
+def mlp_n(n: int) -> list:
+    """The jobs' mlp run for ``n`` steps, logged every 1,000."""
+    return mlp("--max-steps", str(n), "--log-every", "1000")
 
 
 def steps_per_s() -> float:
     """This machine's rate for the jobs' mlp run now (steps/s, evaluation included): the time between its
     first and last logged steps of a short run (`RUN/metrics.jsonl`), so process start is left out."""
     with tempfile.TemporaryDirectory() as out:
-        run_cli([*mlp("--max-steps", "4000", "--log-every", "1000"), "--out", out], timeout=300, check=True)
+        run_cli([*mlp_n(4000), "--out", out], timeout=300, check=True)
         recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in recs if "loss" in r]
     return (logged[-1]["step"] - logged[0]["step"]) / (logged[-1]["time"] - logged[0]["time"])
 
 
 @pytest.fixture(scope="module")
-def steps() -> list[str]:
-    """``--max-steps N --log-every 1000`` with N for ~TRAIN_S s of training (at least 10,000 steps)."""
-    n = max(10000, int(round(steps_per_s() * TRAIN_S, -3)))
-    return ["--max-steps", str(n), "--log-every", "1000"]
+def steps() -> int:
+    """N: the runs' step count, for ~TRAIN_S s of training (at least 10,000 steps)."""
+    return max(10000, int(round(steps_per_s() * TRAIN_S, -3)))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +60,7 @@ def service(cluster, tmp_path_factory):  # noqa: F811
 def reference(tmp_path_factory, steps):
     """The uninterrupted one-process run's exported weights (started at once, read when first needed)."""
     out = tmp_path_factory.mktemp("requeue-ref")
-    proc = subprocess.Popen([sys.executable, "-m", "mariana.platform.cli", *map(str, mlp(*steps)), "--out",
+    proc = subprocess.Popen([sys.executable, "-m", "mariana.platform.cli", *map(str, mlp_n(steps)), "--out",
                              str(out)], cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     cache = {}
@@ -76,7 +80,7 @@ def reference(tmp_path_factory, steps):
 def time_limited(service, steps):
     """The ``--time 1`` job, submitted as the module starts so it trains beside the requeue test's job (the
     two tests then take the time of one, not two)."""
-    return submit(service, "--time", "1", *mlp(*steps))
+    return submit(service, "--time", "1", *mlp_n(steps))
 
 
 def release_held(held: dict[str, float]) -> None:
@@ -104,7 +108,7 @@ def wait_releasing(svc: Service, job_id: int, timeout: float = 400) -> str:
     return state
 
 
-def assert_resumed_equal(svc: Service, job_id: int, reference, steps: list[str]) -> str:
+def assert_resumed_equal(svc: Service, job_id: int, reference, steps: int) -> str:
     """The job succeeded after a checkpoint at a signal and a resume from it, with the reference's model;
     returns its log."""
     state = wait_releasing(svc, job_id)
@@ -114,7 +118,7 @@ def assert_resumed_equal(svc: Service, job_id: int, reference, steps: list[str])
     resumed = [ln for ln in log.splitlines() if "resumed from step" in ln]
     assert resumed and "resumed from step 0 " not in resumed[0], log  # from the signal's checkpoint
     job = svc.job(job_id)
-    assert job["last_step"] == int(steps[1])
+    assert job["last_step"] == steps
     got, weights = load_exported(Path(job["run_dir"]))[0], reference()
     assert got.keys() == weights.keys()
     for k in got:
@@ -124,7 +128,7 @@ def assert_resumed_equal(svc: Service, job_id: int, reference, steps: list[str])
 
 @slurm_test(540)
 def test_scontrol_requeue_of_running_job_resumes_to_same_model(service, reference, time_limited, steps):
-    job_id = submit(service, *mlp(*steps))
+    job_id = submit(service, *mlp_n(steps))
     sid = wait_for(lambda: service.job(job_id)["external_id"], 60, "the job submitted to Slurm")
     wait_for(lambda: (service.job(job_id).get("last_step") or 0) >= 300, 120, "the job trains", 0.2)
     subprocess.run(["scontrol", "requeue", sid], check=True, timeout=30)

@@ -7,6 +7,7 @@ settings are the application's (`protocol.py`).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -149,9 +150,14 @@ def predict_batches(
     return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.float32)
 
 
+def counter_path(run: RunDir, worker: int) -> Path:
+    """``RUN/counters/worker-W.jsonl``: worker W's counters records, one JSON object a line."""
+    return run.path / "counters" / f"worker-{worker}.jsonl"
+
+
 def write_counter(run: RunDir, worker: int, rec: dict) -> None:
-    """Append one record to ``RUN/counters/worker-W.jsonl`` (the job service and the web UI read them)."""
-    d = run.path / "counters"
-    d.mkdir(exist_ok=True)
-    with open(d / f"worker-{worker}.jsonl", "a") as f:
+    """Append one record to `counter_path` (the job service and the web UI read them)."""
+    path = counter_path(run, worker)
+    path.parent.mkdir(exist_ok=True)
+    with open(path, "a") as f:
         f.write(json.dumps(rec) + "\n")

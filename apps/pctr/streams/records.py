@@ -13,7 +13,7 @@ from typing import Any
 
 from mariana.platform.core.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from mariana.platform.core.errors import MarianaError
-from mariana.platform.ps.pull import write_counter
+from mariana.platform.ps.pull import counter_path, write_counter
 
 from ..train import export
 
@@ -131,14 +131,21 @@ class StreamRecords:
     def _recover_counter(self) -> None:
         """A stream stopped between a file's checkpoint and its counters record resumes with that file
         consumed and no record of it: the record is written now from the ledger (marked ``recovered``), so
-        RUN/counters/worker-0.jsonl holds one record per consumed file. A half-written last line is dropped."""
-        path = self.run.path / "counters" / "worker-0.jsonl"
-        lines = path.read_text().split("\n")[:-1] if path.exists() else []  # [:-1]: after the last newline
-        path.parent.mkdir(exist_ok=True)
-        path.write_text("".join(x + "\n" for x in lines))
-        if self.ledger and sum('"file"' in x for x in lines) == len(self.ledger) - 1:
+        the counters hold one record per consumed file. A half-written last line (a stop mid-write) is dropped."""
+        path = counter_path(self.run, 0)
+        text = path.read_text() if path.exists() else ""
+        done = text[: text.rfind("\n") + 1]
+        if done != text:
+            path.write_text(done)
+        recorded = sum("file" in json.loads(x) for x in done.splitlines())
+        if self.ledger and recorded == len(self.ledger) - 1:
             self._counters(
-                {**self._file_record(self.ledger[-1]), "step": self.totals["steps"], "recovered": True}
+                {
+                    **self._file_record(self.ledger[-1]),
+                    "step": self.totals["steps"],
+                    "recovered": True,
+                    **({"version": self.version} if self.version and not self.dirty else {}),
+                }
             )
 
     def _counters(self, rec: dict[str, Any]) -> None:
