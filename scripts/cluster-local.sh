@@ -141,7 +141,7 @@ make_hosts() {  # $1 hosts on bridge mrnbTAG, subnet 10.231.$2.0/24, owner pid $
 		# The holder: new UTS and mount namespaces inside the network one; /etc/hosts bound to DIR/hosts.
 		nsenter --net="/run/netns/$ns" unshare --uts --mount --propagation private \
 			sh -c "mount --bind '$dir/hosts' /etc/hosts && hostname h$i && exec sleep infinity" \
-			</dev/null >"$dir/holder-h$i.log" 2>&1 &
+			</dev/null >"$dir/holder-h$i.log" 2>&1 9>&- &
 		echo "holder=$!" >>"$OWNERS/$ns"
 		printf 'dir=%s\nowner=%s\n' "$dir" "$owner" >>"$OWNERS/$ns"
 	done
@@ -241,11 +241,16 @@ start() {
 	done
 	[[ $n =~ ^[1-9][0-9]?$ ]] || { echo "cluster-local.sh: --hosts expects a number 1-99, got '$n'" >&2; exit 2; }
 	[ "$(id -u)" = 0 ] || { echo "cluster-local.sh: needs root (namespaces, slurmd)" >&2; exit 1; }
+	mkdir -p "$OWNERS"
+	exec 9>"$OWNERS/.lock"
+	flock 9  # one start at a time: another start's half-made hosts (no holder yet) are not stale
 	remove_stale
 	stop  # an earlier cluster under DIR
 	trap 'echo "cluster-local.sh: start failed; undoing it" >&2; stop' ERR
 	net=$((16#$(tag "$dir" | cut -c1-2)))
 	make_hosts "$n" "$net" "$owner"
+	flock -u 9
+	exec 9>&-
 	if [ "$slurm" = 1 ]; then start_slurm "$n" "$net"; fi
 	trap - ERR
 	echo "cluster-local: $n host(s) h1..h$n on 10.231.$net.0/24 (this machine: 10.231.$net.1); state in $dir"
@@ -271,6 +276,10 @@ link)  # a pulled cable: hI's bridge port down, so its packets are dropped silen
 	dir=$(cd "$dir" && pwd)
 	[ -n "$(holder_of "$1")" ] || { echo "cluster-local.sh: no host $1 in $dir" >&2; exit 2; }
 	ip link set "mrn$(tag "$dir")${1#h}" "$2"
+	# back up: forget the neighbours that failed meanwhile, else connects get "No route to host" for a while
+	if [ "$2" = up ]; then
+		for ns in $(ip netns list | grep -o "^mrn$(tag "$dir")-h[0-9]*"); do ip -n "$ns" neigh flush all; done
+	fi
 	;;
 stop) [ -d "$dir" ] && { dir=$(cd "$dir" && pwd); stop; echo "cluster-local: stopped ($dir)"; } || true ;;
 *) usage ;;

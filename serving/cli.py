@@ -35,25 +35,20 @@ def register(sub) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)"
     )
-    p.add_argument(
-        "--port", type=int, default=8000, help="TCP port (0 = any free port; the bound port is printed)"
+    wait_help = (
+        "micro-batching: longest a request waits for requests already received to share its model call (ms)"
     )
-    p.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (each loads the models)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = cores / workers)")
-    p.add_argument(
-        "--max-batch", type=int, default=2048, help="most instances per model call (micro-batching)"
-    )
-    p.add_argument(
-        "--max-wait-ms",
-        type=float,
-        default=1.0,
-        help="micro-batching: longest a request waits for requests already received to share its model call (ms)",
-    )
-    p.add_argument("--max-instances", type=int, default=10_000, help="most instances in one request")
-    p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="largest prediction request body")
-    p.add_argument(
-        "--max-upload-bytes", type=int, default=16 << 20, help="largest file upload (audio, image)"
-    )
+    for flag, kind, default, text in (
+        ("--port", int, 8000, "TCP port (0 = any free port; the bound port is printed)"),
+        ("--workers", int, 1, "uvicorn worker processes (each loads the models)"),
+        ("--threads", int, 0, "torch threads per worker (0 = cores / workers)"),
+        ("--max-batch", int, 2048, "most instances per model call (micro-batching)"),
+        ("--max-wait-ms", float, 1.0, wait_help),
+        ("--max-instances", int, 10_000, "most instances in one request"),
+        ("--max-body-bytes", int, 16 << 20, "largest prediction request body"),
+        ("--max-upload-bytes", int, 16 << 20, "largest file upload (audio, image)"),
+    ):
+        p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument(
         "--watch", action="store_true", help="reload a model when its run dir's model files change"
     )

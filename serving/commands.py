@@ -1,7 +1,5 @@
-"""Handler of ``mariana serve`` (uvicorn, the FastAPI app and the model loaders imported here, at the top),
-loaded by the CLI's dispatch (`mariana.platform.cli.dispatch`) only when the command runs. `serve` takes
-the parsed flags of `mariana.serving.cli` and the argv, binds the port, loads the models, serves until
-stopped and returns the exit code; bad flags raise `MarianaError` (one line, exit 2)."""
+"""Handler of ``mariana serve`` (parser: `cli.py`; uvicorn, the FastAPI app and the model loaders imported at
+the top), loaded by `mariana.platform.cli.dispatch` only when the command runs."""
 
 from __future__ import annotations
 
@@ -51,17 +49,14 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+_COUNTS = ("workers", "max_batch", "max_instances", "max_body_bytes", "max_upload_bytes")  # flags >= 1
+
+
 def _check_limits(args: argparse.Namespace) -> None:
     """The numeric flags: counts >= 1, --max-wait-ms and --threads >= 0, --watch-interval > 0, a port."""
-    for flag, value in (
-        ("--workers", args.workers),
-        ("--max-batch", args.max_batch),
-        ("--max-instances", args.max_instances),
-        ("--max-body-bytes", args.max_body_bytes),
-        ("--max-upload-bytes", args.max_upload_bytes),
-    ):
-        if value < 1:
-            raise MarianaError(f"{flag} must be >= 1 (got {value})")
+    for name in _COUNTS:
+        if getattr(args, name) < 1:
+            raise MarianaError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
     if args.watch_interval is not None and not (args.watch or args.workers > 1):
         raise MarianaError(
             "--watch-interval applies to --watch (or --workers > 1) only: without it no run dir is polled"
@@ -93,17 +88,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             raise MarianaError(f"--reload-root {root}: no such directory")
     return ServeConfig(
         models=models,
-        max_batch=args.max_batch,
-        max_wait_ms=args.max_wait_ms,
-        max_instances=args.max_instances,
-        max_body_bytes=args.max_body_bytes,
-        max_upload_bytes=args.max_upload_bytes,
-        threads=args.threads,
-        workers=args.workers,
+        **{k: getattr(args, k) for k in (*_COUNTS, "max_wait_ms", "threads", "runtime")},
         watch=args.watch or args.workers > 1,  # with several processes, file watching keeps them in step
         watch_interval_s=watch_interval(args),
         reload_roots=[os.path.abspath(r) for r in args.reload_root or []],
-        runtime=args.runtime,
         token=token,
     )
 

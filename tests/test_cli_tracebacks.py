@@ -83,3 +83,39 @@ def test_bad_rendezvous_endpoint_is_one_line(cmd, kind, tmp_path, capsys, monkey
     rc, out, err = run_main([*argv, "--rdzv-endpoint", endpoint], capsys)
     assert time.monotonic() - t0 <= 10
     assert rc == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+C10D_WARNING = """
+import datetime, gc, sys
+from mariana.platform.cli.main import run
+sys.argv = ["mariana", "--version"]  # loads torch, as every command that trains does
+try:
+    run()
+except SystemExit:
+    pass
+import torch.distributed as dist
+t = datetime.timedelta(seconds=5)
+master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=t, wait_for_workers=False)
+client = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=t)
+client.set("k", "v")
+del master  # the store's host ended first, as a multi-node job's first node may
+gc.collect()
+try:  # torchrun's closing of the rendezvous: c10d logs a warning with a C++ stack dump, then raises
+    client.compare_set("k", "v", "w")
+except Exception as e:
+    print("raised", type(e).__name__)
+"""
+
+
+@pytest.mark.parametrize("preset", [None, "WARNING"])
+def test_c10d_cpp_warnings_stay_off_the_console(preset):
+    """A store call to a host whose job already ended (the end of a multi-node job) makes c10d log a
+    warning with a C++ stack dump; the CLI keeps them off the console unless TORCH_CPP_LOG_LEVEL asks."""
+    env = cli_env({"TORCH_CPP_LOG_LEVEL": preset} if preset else None)
+    env.pop("TORCH_CPP_LOG_LEVEL", None) if preset is None else None
+    p = subprocess.run([sys.executable, "-c", C10D_WARNING], capture_output=True,
+                       text=True, env=env, timeout=60)  # fmt: skip
+    assert "raised DistNetworkError" in p.stdout or "raised TimeoutError" in p.stdout, (
+        p.stdout + p.stderr[-2000:]
+    )
+    assert ("Exception raised from" in p.stderr) == (preset == "WARNING"), p.stderr[-2000:]

@@ -7,7 +7,9 @@ run goes through the CLI's entry point in this process, as in the one-host DP te
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -48,22 +50,38 @@ def mlp_args(out, *extra):
             "--lr", "0.05", "--no-progress", "--max-steps", "8", *extra]  # fmt: skip
 
 
-def on_host(hosts: Path, host: str, out: Path, wait_s: int = 120, extra=()) -> subprocess.Popen:
-    """``mariana mlp train ... --nnodes 2 --workers 1 --rdzv-endpoint h1:PORT`` started on ``host``."""
-    argv = mlp_args(
-        out, "--batch-size", "32", "--workers", "1", "--nnodes", "2", "--rdzv-endpoint", f"h1:{PORT}", *extra
-    )
+def on_host(
+    hosts: Path, host: str, out: Path, wait_s: int = 120, extra=(), argv=None, env=None
+) -> subprocess.Popen:
+    """``mariana mlp train ... --nnodes 2 --workers 1 --rdzv-endpoint h1:PORT`` (or ``argv`` with
+    ``--nnodes 2 --rdzv-endpoint h1:PORT``) started on ``host``."""
+    if argv is None:
+        argv = mlp_args(out, "--batch-size", "32", "--workers", "1", *extra)
+    argv = [*argv, "--nnodes", "2", "--rdzv-endpoint", f"h1:{PORT}"]
     cmd = ["bash", str(SCRIPT), "exec", str(hosts), host, sys.executable, "-m", "mariana.platform.cli"]
-    env = cli_env({"MARIANA_RDZV_WAIT": str(wait_s)})
-    return subprocess.Popen([*cmd, *map(str, argv)], env=env, cwd=ROOT, text=True,
+    env = cli_env({"MARIANA_RDZV_WAIT": str(wait_s), **(env or {})})
+    return subprocess.Popen([*cmd, *map(str, argv)], env=env, cwd=ROOT, text=True, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+
+
+def kill(p: subprocess.Popen) -> None:
+    """SIGKILL ``p`` and what it started: its session (the launcher, torchrun's agent) and the workers,
+    which torchrun starts in sessions of their own (found by the launcher's command line)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGKILL)
+    argv = p.args[p.args.index("mariana.platform.cli") + 1 :]
+    tail = b"\0".join(str(a).encode() for a in argv) + b"\0"
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            if cmdline.read_bytes().endswith(tail):
+                os.kill(int(cmdline.parent.name), signal.SIGKILL)
 
 
 def finish(p: subprocess.Popen, timeout: float = 180) -> tuple[int, str, str]:
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        p.kill()
+        kill(p)
         out, err = p.communicate()
         pytest.fail(f"no end within {timeout} s:\n{out[-2000:]}\n{err[-4000:]}")
     return p.returncode, out, err
@@ -135,26 +153,71 @@ def test_any_interface_address_is_this_host(hosts):
     assert "is_host=True" in args[args.index("--rdzv-conf") + 1], args
 
 
-def test_a_host_cut_off_mid_run_fails_the_job_naming_it(hosts, tmp_path):
-    """h2's link goes down once both hosts train: h1 ends within 120 s (here: --timeout 10, so the peer timeout is 5 s)
-    with one line naming the lost host h2, no stack dump; h2 is reconnected afterwards."""
-    argv = ["--max-steps", "100000", "--timeout", "10"]
-    h1, h2 = (
-        on_host(hosts, "h1", tmp_path / "h1", extra=argv),
-        on_host(hosts, "h2", tmp_path / "h2", extra=argv),
-    )
+def cut_off(hosts: Path, cut: str, procs: dict, ready, timeout: float = 60) -> dict:
+    """Once ``ready()``, take host ``cut``'s link down; wait for every host's process in ``procs`` (host ->
+    Popen) to end; reconnect. Returns host -> (exit code, console error lines, stderr, seconds after the cut)."""
+    out = {}
     try:
         t0 = time.monotonic()
-        while not (tmp_path / "h1" / "metrics.jsonl").exists() and time.monotonic() - t0 < 120:
+        while not ready() and time.monotonic() - t0 < 120:
             time.sleep(0.2)
-        subprocess.run(["bash", str(SCRIPT), "link", str(hosts), "h2", "down"], check=True)
+        subprocess.run(["bash", str(SCRIPT), "link", str(hosts), cut, "down"], check=True)
         t0 = time.monotonic()
-        rc, _, err = finish(h1, timeout=120)
-        took = time.monotonic() - t0
+        for host, p in procs.items():
+            rc, _, err = finish(p, timeout)
+            errors = [ln for ln in err.splitlines() if ln.startswith("mariana: error:")]
+            out[host] = (rc, errors, err, time.monotonic() - t0)
     finally:
-        subprocess.run(["bash", str(SCRIPT), "link", str(hosts), "h2", "up"], check=True)
-        h2.kill()
-        h2.communicate()
-    errors = [ln for ln in err.splitlines() if ln.startswith("mariana: error:")]
-    assert rc == 1 and len(errors) == 1 and "lost host h2 (rank(s) [1])" in errors[0], err
-    assert not any(s in err for s in STACK_DUMP) and took < 60, (took, err)
+        subprocess.run(["bash", str(SCRIPT), "link", str(hosts), cut, "up"], check=True)
+        for p in procs.values():
+            kill(p)
+            p.communicate()
+    return out
+
+
+def test_a_host_cut_off_mid_run_fails_the_job_naming_it(hosts, tmp_path):
+    """h2's link goes down once both hosts train: h1 ends within 120 s (here: --timeout 10, so the peer timeout is
+    5 s) with one line naming the lost host h2; h2, cut off, ends too, naming h1 (its store); no stack dump."""
+    argv = ["--max-steps", "100000", "--timeout", "10"]
+    procs = {h: on_host(hosts, h, tmp_path / h, extra=argv) for h in ("h1", "h2")}
+    ends = cut_off(hosts, "h2", procs, (tmp_path / "h1" / "metrics.jsonl").exists)
+    (rc1, errors1, err1, took1), (rc2, errors2, err2, took2) = ends["h1"], ends["h2"]
+    assert rc1 == 1 and len(errors1) == 1 and "lost host h2 (rank(s) [1])" in errors1[0], err1
+    assert rc2 == 1 and len(errors2) == 1 and "lost host h1 (the job's store)" in errors2[0], err2
+    for err, took in ((err1, took1), (err2, took2)):
+        assert not any(s in err for s in STACK_DUMP) and took < 60, (took, err)
+
+
+def test_a_ps_worker_host_cut_off_ends_both_hosts_naming_each_other(hosts, tmp_path):
+    """Parameter servers, the server on one host, the worker on the other (ranks follow the rendezvous);
+    the worker's host is cut off mid-run: with a 5 s peer timeout the server's host ends at once with
+    one line naming the worker's host, and the cut-off host with one naming the server's; both within
+    60 s, exit 1, no stack dump, no restart (a restart would wait for the lost host)."""
+    ps = ["pctr", "train", "--data", FRAPPE, "--format", "libfm", "--preset", "debug", "--servers", "1",
+          "--workers", "1", "--staleness", "0", "--max-steps", "1000000", "--no-progress"]  # fmt: skip
+    env = {"MARIANA_PS_PEER_TIMEOUT_S": "5"}
+    procs = {
+        h: on_host(hosts, h, tmp_path / h, argv=[*ps, "--out", tmp_path / h], env=env) for h in ("h1", "h2")
+    }
+
+    def serving() -> str | None:
+        logs = [p for h in procs for p in (tmp_path / h / "logs").glob("rank-*.log")]
+        return next((p.parent.parent.name for p in logs if "serves at" in p.read_text()), None)
+
+    def ready() -> bool:  # the worker has trained and logged its first steps
+        counters = [p for h in procs for p in (tmp_path / h / "counters").glob("worker-*.jsonl")]
+        return serving() is not None and any(p.stat().st_size > 0 for p in counters)
+
+    t0 = time.monotonic()
+    while not ready() and time.monotonic() - t0 < 120:
+        time.sleep(0.2)
+    server = serving()
+    worker = "h2" if server == "h1" else "h1"
+    ends = cut_off(hosts, worker, procs, ready)
+    (rc_s, errors_s, err_s, took_s), (rc_w, errors_w, err_w, took_w) = ends[server], ends[worker]
+    assert rc_s == 1 and errors_s == [
+        f"mariana: error: lost host {worker} (worker 0): no heartbeat for 5 s (see {tmp_path / server}/logs/)"
+    ], err_s
+    assert rc_w == 1 and len(errors_w) == 1 and f"lost host {server} (server 0 at " in errors_w[0], err_w
+    for err, took in ((err_s, took_s), (err_w, took_w)):
+        assert not any(s in err for s in STACK_DUMP) and took < 60, (took, err)

@@ -1,7 +1,5 @@
-"""Handlers of ``mariana asr train|eval|transcribe`` (torch and the app's model code imported here, at the
-top), loaded by the CLI's dispatch (`mariana.platform.cli.dispatch`) only when one of them runs. Each takes
-the parsed flags of `mariana.apps.asr.cli` and the argv, prints its result lines and returns the exit
-code; bad input raises `MarianaError` (one line, exit 2)."""
+"""Handlers of ``mariana asr train|eval|transcribe`` (parsers: `cli.py`; torch and the model code imported at
+the top), loaded by `mariana.platform.cli.dispatch` only when one of them runs."""
 
 from __future__ import annotations
 
@@ -11,7 +9,7 @@ import sys
 from mariana.platform.cli.common import check_data_path, run_training
 from mariana.platform.core.errors import MarianaError
 
-from .configs import PRESETS, AsrConfig
+from .configs import PRESETS, AsrConfig, check_decode
 from .evaluate import evaluate_run
 from .loso import run_loso
 from .predict import Transcriber
@@ -29,17 +27,13 @@ def headline(m: dict) -> str:
 
 
 def train(args: argparse.Namespace, argv: list[str]) -> int:
-    """``asr train``: the config from flags/TOML/preset, then `train.train` (under torchrun with
-    --workers > 1)."""
+    """``asr train`` (`run_training`)."""
     return run_training(args, argv, AsrConfig, PRESETS, train_run, headline)
 
 
 def check_decode_flags(args: argparse.Namespace) -> None:
     """--beam, --lm-weight and --jobs of eval/transcribe checked before any data is read."""
-    if args.beam is not None and args.beam < 0:
-        raise MarianaError(f"--beam must be >= 0 (0 = greedy), got {args.beam}")
-    if args.lm_weight is not None and args.lm_weight < 0:
-        raise MarianaError(f"--lm-weight must be >= 0 (0 = no language model), got {args.lm_weight}")
+    check_decode(args.beam, args.lm_weight)
     if getattr(args, "jobs", 1) < 1:
         raise MarianaError(f"--jobs must be >= 1, got {args.jobs}")
 
@@ -60,16 +54,8 @@ def eval_loso(args: argparse.Namespace) -> int:
         )
     # the fold flags given (None: run_loso's own default, stated there once)
     loso = {k: getattr(args, k) for k in _LOSO_ONLY if getattr(args, k) is not None}
-    r = run_loso(
-        args.data,
-        beam=args.beam,
-        jobs=args.jobs,
-        tempo=args.tempo,
-        cmvn=args.cmvn,
-        vtln=args.vtln,
-        fresh=args.fresh,
-        **loso,
-    )
+    scoring = {k: getattr(args, k) for k in ("beam", "jobs", "tempo", "cmvn", "vtln", "fresh")}
+    r = run_loso(args.data, **scoring, **loso)
     w = r["worst"]
     print(
         f"LOSO mean WER {r['mean_wer']:.2f}% worst {w['wer']:.2f}% ({w['speaker']}) over "

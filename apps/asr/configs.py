@@ -204,6 +204,14 @@ class AsrAugment(Section):
             raise MarianaError("--freq-mask, --time-mask and --num-masks must be >= 0")
 
 
+def check_decode(beam: int | None, lm_weight: float | None) -> None:
+    """MarianaError for a negative --beam or --lm-weight (None: not given)."""
+    if beam is not None and beam < 0:
+        raise MarianaError(f"--beam must be >= 0 (0 = greedy), got {beam}")
+    if lm_weight is not None and lm_weight < 0:
+        raise MarianaError(f"--lm-weight must be >= 0 (0 = no language model), got {lm_weight}")
+
+
 @dataclass
 class AsrDecode(Section):
     """How the dev set is decoded during training (and the run's defaults for eval, transcribe, serve)."""
@@ -225,10 +233,7 @@ class AsrDecode(Section):
     )
 
     def validate(self) -> None:
-        if self.beam < 0:
-            raise MarianaError(f"--beam must be >= 0 (0 = greedy), got {self.beam}")
-        if self.lm_weight < 0:
-            raise MarianaError(f"--lm-weight must be >= 0 (0 = no language model), got {self.lm_weight}")
+        check_decode(self.beam, self.lm_weight)
         if (self.lm_weight or self.word_bonus) and self.beam == 0:  # e.g. from a preset
             raise MarianaError("--lm-weight and --word-bonus act in the prefix beam search: set --beam >= 1")
 

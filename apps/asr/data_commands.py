@@ -1,7 +1,5 @@
 """Handlers of ``mariana asr prepare`` and ``mariana asr synth`` (the data tools: numpy and soundfile, no
-torch), loaded by the CLI's dispatch (`mariana.platform.cli.dispatch`) only when one of them runs. Each
-takes the parsed flags of `mariana.apps.asr.cli` and the argv, prints its summary line and returns the
-exit code."""
+torch), loaded by `mariana.platform.cli.dispatch` only when one of them runs."""
 
 from __future__ import annotations
 

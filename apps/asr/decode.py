@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from mariana.platform.core.errors import MarianaError
 
+from .configs import check_decode
 from .features import UtteranceSet, collate
 
 
@@ -249,10 +250,7 @@ def decode_options(
     beam = cfg.get("beam", 0) if beam is None else beam
     lm_weight = cfg.get("lm_weight", 0.0) if lm_weight is None else lm_weight
     word_bonus = cfg.get("word_bonus", 0.0) if word_bonus is None else word_bonus
-    if beam < 0:
-        raise MarianaError(f"--beam must be >= 0 (0 = greedy), got {beam}")
-    if lm_weight < 0:
-        raise MarianaError(f"--lm-weight must be >= 0 (0 = no language model), got {lm_weight}")
+    check_decode(beam, lm_weight)
     lm, note = None, ""
     if "lm" in meta:
         try:

@@ -12,6 +12,7 @@ from mariana.platform.core.export import load_exported
 from mariana.platform.core.rundir import write_eval_result
 
 from .cmvn import FilePrior
+from .configs import check_decode
 from .decode import decode_options, decode_set, error_rates, utterance_logps
 from .features import FeatureCache, FeatureSettings, UtteranceSet, cached_features, copy_tag, feature_settings
 from .model import build_model
@@ -110,8 +111,7 @@ CMVN_MODES = ("speaker", "file")
 def _check_options(beam: int | None, jobs: int, cmvn: str, tempo: float | str, vtln: float | str):
     """`MarianaError` for a bad --beam/--jobs/--cmvn/--tempo/--vtln -> (tempo: a float in [0.5, 2] or
     "auto", vtln: a warp or "auto")."""
-    if beam is not None and beam < 0:
-        raise MarianaError(f"--beam must be >= 0 (0 = greedy), got {beam}")
+    check_decode(beam, None)
     if jobs < 1:
         raise MarianaError(f"--jobs must be >= 1, got {jobs}")
     if cmvn not in CMVN_MODES:

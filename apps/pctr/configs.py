@@ -95,8 +95,8 @@ class PctrData(DataSection):
     def validate(self) -> None:
         non_negative(self, ("num_fields", "val_rows", "prefetch"))
         parse_split(self.split)
-        if self.cache_gb is not None and not (math.isfinite(self.cache_gb) and self.cache_gb >= 0):
-            raise MarianaError(f"--cache-gb must be a finite number >= 0, got {self.cache_gb}")
+        if self.cache_gb is not None:
+            finite_non_negative(self, ("cache_gb",))
 
 
 @dataclass

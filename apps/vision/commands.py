@@ -1,7 +1,5 @@
-"""Handlers of ``mariana vision train|eval|classify`` (torch and the app's model code imported here, at
-the top), loaded by the CLI's dispatch (`mariana.platform.cli.dispatch`) only when one of them runs. Each
-takes the parsed flags of `mariana.apps.vision.cli` and the argv, prints its result lines and returns the
-exit code; bad input raises `MarianaError` (one line, exit 2)."""
+"""Handlers of ``mariana vision train|eval|classify`` (parsers: `cli.py`; torch and the model code imported
+at the top), loaded by `mariana.platform.cli.dispatch` only when one of them runs."""
 
 from __future__ import annotations
 
@@ -28,8 +26,7 @@ def headline(m: dict) -> str:
 
 
 def train(args: argparse.Namespace, argv: list[str]) -> int:
-    """``vision train``: the config from flags/TOML/preset, then `train.train` (under torchrun with
-    --workers > 1); --eval-data must exist when given."""
+    """``vision train`` (`run_training`); --eval-data must exist when given."""
     return run_training(args, argv, VisionConfig, PRESETS, train_run, headline, optional_paths=("eval_data",))
 
 

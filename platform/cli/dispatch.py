@@ -1,6 +1,8 @@
 """Lazy command handlers: a parser module names its handler as ``"package.module:function"`` and the
 handler module (which imports torch, numpy and the app's training code at its top) is imported only when
-that command runs, so ``mariana --help`` and ``mariana APP --help`` import neither torch nor numpy.
+that command runs, so ``mariana --help`` and ``mariana APP --help`` import neither torch nor numpy. A handler
+takes the parsed flags and the argv, prints its result lines and returns the exit code; bad input raises
+`MarianaError` (one line, exit 2).
 
 This is the one place where the CLI imports product modules lazily (issue 31: imports at the top of every
 other module)."""

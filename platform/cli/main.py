@@ -167,6 +167,9 @@ def _main(argv: list[str], worker) -> int:
 
 
 def run() -> None:
+    # c10d's C++ warnings (e.g. a store call to a host whose job just ended: a stack dump on a normal end of a
+    # multi-node job) stay off the console; TORCH_CPP_LOG_LEVEL=WARNING shows them. Read as torch loads.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     sys.exit(main())
 
 

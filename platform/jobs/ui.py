@@ -28,36 +28,21 @@ class _RevalidatedStaticFiles(StaticFiles):
         return response
 
 
-def _page(name: str) -> FileResponse:
-    return FileResponse(STATIC_DIR / name, media_type="text/html", headers=NO_CACHE)
+def _page(name: str):
+    """An endpoint answering with the page ``static/NAME`` (its JavaScript reads the URL's parameters)."""
+    return lambda: FileResponse(STATIC_DIR / name, media_type="text/html", headers=NO_CACHE)
 
 
 pages = APIRouter(include_in_schema=False)
-
-
-@pages.get("/")
-def jobs_page() -> FileResponse:
-    return _page("jobs.html")
+for _url, _name in [("/", "jobs.html"), ("/compare", "compare.html"), ("/studies", "studies.html")]:
+    pages.get(_url)(_page(_name))
+pages.get("/studies/{name}")(_page("studies.html"))
 
 
 @pages.get("/jobs/{job_id}")
 def job_page(job_id: int) -> FileResponse:
-    return _page("job.html")
-
-
-@pages.get("/compare")
-def compare_page() -> FileResponse:
-    return _page("compare.html")
-
-
-@pages.get("/studies")
-def studies_page() -> FileResponse:
-    return _page("studies.html")
-
-
-@pages.get("/studies/{name}")
-def study_page(name: str) -> FileResponse:
-    return _page("studies.html")
+    """The job page (a job id that is not a number: 422)."""
+    return _page("job.html")()
 
 
 def mount_ui(app: FastAPI) -> None:

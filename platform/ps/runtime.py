@@ -24,7 +24,8 @@ from torch.distributed import TCPStore
 
 from ..core.errors import MarianaError
 from ..core.faults import set_role
-from .transport import Client, Handle, Server
+from ..runtime.watchdog import exit_lost
+from .transport import Client, Handle, Server, peer_timeout_s
 
 log = logging.getLogger("mariana")
 
@@ -130,12 +131,13 @@ def ps_session(role: Role, timeout_s: float = 300.0, threads: int = 16, objects:
     if role.rank == 0:
         store.set(f"{prefix}/secret", secrets.token_hex(32))
     secret = store.get(f"{prefix}/secret")
-    server = None
+    server, host = None, socket.gethostname()
     if role.kind == "server":
-        server = Server(objects or {}, secret, ps_host(), threads)
-        store.set(f"{prefix}/server/{role.index}", server.address)
-        log.info("server %d serves at %s on host %s", role.index, server.address, socket.gethostname())
-    _SESSION.update(store=store, prefix=prefix, secret=secret, servers=role.num_servers, timeout=timeout_s)
+        server = Server(objects or {}, secret, ps_host(), threads, on_lost=lambda h, who: _lost(role, h, who))
+        store.set(f"{prefix}/server/{role.index}", f"{server.address} {host}")
+        log.info("server %d serves at %s on host %s", role.index, server.address, host)
+    _SESSION.update(store=store, prefix=prefix, secret=secret, servers=role.num_servers, timeout=timeout_s,
+                    role=role, who=(host, f"{role.kind} {role.index}"))  # fmt: skip
     try:
         yield server
     finally:
@@ -151,6 +153,16 @@ def remote(server: int, name: str = "ps") -> Handle:
     """The object server ``server`` serves as ``name`` (in a `ps_session`): ``.rpc_async().method(...)``."""
     if "client" not in _SESSION:
         s = _SESSION
-        addrs = [s["store"].get(f"{s['prefix']}/server/{i}").decode() for i in range(s["servers"])]
-        s["client"] = Client(addrs, s["secret"], s["timeout"])
+        addrs, hosts = zip(
+            *(s["store"].get(f"{s['prefix']}/server/{i}").decode().split() for i in range(s["servers"]))
+        )
+        s["client"] = Client(list(addrs), s["secret"], s["timeout"], s["who"], list(hosts),
+                             on_lost=lambda h, who, role=s["role"]: _lost(role, h, who))  # fmt: skip
     return Handle(_SESSION["client"], server, name)
+
+
+def _lost(role: Role, host: str, who: str) -> None:
+    """A peer on another host silent for the peer timeout: its host is lost, this node's job ends naming it
+    (`watchdog.exit_lost`). A peer on this host is torchrun's to watch (its calls fail: `TransportError`)."""
+    if host not in ("?", socket.gethostname()):
+        exit_lost(role.rank, f"lost host {host} ({who}): no heartbeat for {peer_timeout_s():.0f} s")

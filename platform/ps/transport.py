@@ -9,9 +9,9 @@ gives the ``handle.rpc_async().method(*args)`` / ``handle.rpc_sync(timeout).meth
 Wire: a message is ``[kind, request id, pickle header, *buffers]``. Tensors are pickled as numpy arrays with
 protocol 5, so their memory goes out of band as zero-copy frames (no Python-level copy: the receiver's
 tensors are views of the received frames, moved once to a 64-byte boundary when libzmq put one elsewhere,
-`_aligned`). A connection first says hello with `PROTOCOL` and the job's secret (`runtime.ps_session`);
-the size cap and heartbeats: platform/README.md, "Parameter-server transport". A client pings each server
-every peer timeout / 5, so a dead server is detected instead of waited on.
+`_aligned`). A connection says hello with `PROTOCOL`, the job's secret (`runtime.ps_session`), its host and
+name, and goodbye on close; the size cap, heartbeats and lost peers: platform/README.md, "Parameter-server
+transport".
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import zmq
 
 log = logging.getLogger("mariana")
 
-PROTOCOL = 1  # bump on any change of the message layout: peers of two versions refuse each other
+PROTOCOL = 2  # bump on any change of the message layout: peers of two versions refuse each other
 MAX_MSG_BYTES = int(float(os.environ.get("MARIANA_PS_MAX_MSG_MB", "2048")) * 2**20)
 _NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
                  torch.int8, torch.uint8, torch.bool}  # fmt: skip
@@ -88,17 +88,21 @@ def _socket(kind: int) -> zmq.Socket:
 
 class Server:
     """Serves ``objects`` (name -> object) to peers that know ``secret`` on ``tcp://host:*`` (``address``:
-    ``host:port``); ``threads`` calls run at once. `close` stops it."""
+    ``host:port``); ``threads`` calls run at once; ``on_lost(host, name)`` is called for a peer silent for
+    the peer timeout. `close` stops it."""
 
-    def __init__(self, objects: dict, secret: bytes, host: str = "127.0.0.1", threads: int = 16):
-        self.objects, self.secret = objects, secret
+    def __init__(
+        self, objects: dict, secret: bytes, host: str = "127.0.0.1", threads: int = 16, on_lost=None
+    ):
+        self.objects, self.secret, self.on_lost = objects, secret, on_lost
         self.sock = _socket(zmq.ROUTER)
         self.address = f"{host}:{self.sock.bind_to_random_port(f'tcp://{host}')}"
         self.inbox = f"inproc://ps-server-{id(self)}"
         self.replies = _socket(zmq.PULL)
         self.replies.bind(self.inbox)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="ps-call")
-        self.local, self.peers, self.closed = threading.local(), set(), threading.Event()
+        self.local, self.closed = threading.local(), threading.Event()
+        self.peers: dict[bytes, list] = {}  # peer -> [when last heard, its host, its name]
         # what a step's time and bytes go to (the job's counters): bytes in/out, decode + encode seconds,
         # seconds in each served method
         self.stats: dict[str, float] = {"bytes_in": 0, "bytes_out": 0, "codec_s": 0.0}
@@ -110,8 +114,15 @@ class Server:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.replies, zmq.POLLIN)
+        checked = time.monotonic()
         while True:
-            events = dict(poller.poll(50))
+            events, now = dict(poller.poll(50)), time.monotonic()
+            if self.on_lost and now - checked > 1:
+                checked, limit = now, peer_timeout_s()
+                for ident, (heard, host, name) in list(self.peers.items()):
+                    if now - heard > limit:
+                        del self.peers[ident]
+                        self.on_lost(host, name)
             if self.replies in events:
                 frames = self.replies.recv_multipart(copy=False)
                 self.stats["bytes_out"] += sum(len(f) for f in frames)
@@ -126,17 +137,21 @@ class Server:
 
     def _on_message(self, frames: list) -> None:
         ident, kind, rid = frames[0].bytes, frames[1].bytes, frames[2].bytes
+        if ident in self.peers:
+            self.peers[ident][0] = time.monotonic()
         if kind == b"P":  # heartbeat: answered here, never queued behind calls
             self.sock.send_multipart([ident, b"P", rid])
+        elif kind == b"B":  # goodbye: a peer that closed is not lost
+            self.peers.pop(ident, None)
         elif kind == b"H":
-            version, secret = pickle.loads(frames[3].bytes)
+            version, secret, *who = pickle.loads(frames[3].bytes)
             why = None
             if version != PROTOCOL:
                 why = f"protocol version {version}, this server speaks version {PROTOCOL}"
             elif not hmac.compare_digest(bytes(secret), self.secret):
                 why = "wrong job secret"
             else:
-                self.peers.add(ident)
+                self.peers[ident] = [time.monotonic(), *(who or ("?", "a peer"))]
             if why:
                 log.warning("transport %s: refused a connection (%s)", self.address, why)
             self.sock.send_multipart(
@@ -202,10 +217,13 @@ class Reply(concurrent.futures.Future):
 
 class Client:
     """Calls to the servers at ``addresses`` (``host:port`` each), proving the job's ``secret``; raises
-    `TransportError` if a server refuses or does not answer the hello in ``timeout_s``."""
+    `TransportError` if a server refuses or does not answer the hello in ``timeout_s``. ``who``: (this host,
+    this peer's name); ``on_lost(host, name)``: called first for a lost server (``hosts``: theirs)."""
 
-    def __init__(self, addresses: list[str], secret: bytes, timeout_s: float = 300.0):
-        self.addresses, self.timeout = addresses, timeout_s
+    def __init__(self, addresses: list[str], secret: bytes, timeout_s: float = 300.0, who=("?", "a client"),
+                 hosts=None, on_lost=None):  # fmt: skip
+        self.addresses, self.timeout, self.on_lost = addresses, timeout_s, on_lost
+        self.hosts = hosts or ["?"] * len(addresses)
         self.socks = []
         for a in addresses:
             s = _socket(zmq.DEALER)
@@ -220,7 +238,7 @@ class Client:
         self.dead: list[str | None] = [None] * len(addresses)
         self.thread = threading.Thread(target=self._loop, name="ps-client", daemon=True)
         self.thread.start()
-        hello = [pickle.dumps((PROTOCOL, secret))]
+        hello = [pickle.dumps((PROTOCOL, secret, *who))]
         for r in [self.send(s, b"H", hello) for s in range(len(addresses))]:
             r.timeout = timeout_s
             r.wait()
@@ -267,8 +285,10 @@ class Client:
                 elif now - pinged[i] > limit / 5:
                     s.send_multipart([b"P", b""])
                     pinged[i] = now
-        for s in [self.out, *self.socks]:
-            s.close()
+        for s in self.socks:
+            s.send_multipart([b"B", b""])  # goodbye (sent within the linger): not taken for a lost peer
+            s.close(linger=500)
+        self.out.close()
 
     def _on_reply(self, frames: list) -> None:
         if frames[0].bytes != b"R":
@@ -284,6 +304,8 @@ class Client:
             reply.set_exception(TransportError(value))
 
     def _lost(self, server: int, why: str) -> None:
+        if self.on_lost:
+            self.on_lost(self.hosts[server], f"server {server} at {self.addresses[server]}")
         log.error("transport: %s", why)
         with self.lock:
             self.dead[server] = why

@@ -12,9 +12,14 @@ launcher started, `in_worker` is true and the command trains instead of launchin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import socket
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -109,10 +114,30 @@ def _quiet_launcher_logs(run_dir: Path) -> None:
         lg.addHandler(handler)
 
 
+def _stop_on_lost_host(run_dir: Path, lost: dict, done: threading.Event) -> None:
+    """Until ``done``: once a rank of this host reports a lost host (`watchdog.exit_lost`), put its message in
+    ``lost`` and SIGTERM this process: torchrun's agent stops its workers, no restart (README, "A lost host /
+    link down"); if the agent is stuck in a store call to the lost host, kill the workers and exit 1 here."""
+    t0, host = time.time(), socket.gethostname()
+    while not done.wait(0.25):
+        for r in stall_reports(run_dir):
+            if r.get("lost") and r.get("host") == host and r.get("t", 0) > t0:
+                lost["message"] = r["message"]
+                os.kill(os.getpid(), signal.SIGTERM)
+                if done.wait(5):
+                    return
+                for stat in Path("/proc").glob("[0-9]*/stat"):  # this agent's workers
+                    with contextlib.suppress(OSError, IndexError):
+                        if stat.read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid()):
+                            os.kill(int(stat.parent.name), signal.SIGKILL)
+                print(f"mariana: error: {r['message']} (see {run_dir}/logs/)", file=sys.stderr, flush=True)
+                os._exit(1)
+
+
 def run_torchrun(args: list[str], run_dir: str | Path, nproc_per_node: int, console_rank: int = 0):
-    """Run torchrun's agent in this process with ``args`` (its command line); returns None on success
-    or the ``ChildFailedError`` of a failed job. Ctrl-C (or SIGTERM) stops the workers and raises
-    KeyboardInterrupt.
+    """Run torchrun's agent in this process with ``args`` (its command line); returns None on success,
+    the ``ChildFailedError`` of a failed job, or the message of a lost host. Ctrl-C (or SIGTERM) stops
+    the workers and raises KeyboardInterrupt.
 
     Workers get ``OMP_NUM_THREADS`` (unless set) and the run directory, so their output goes to
     ``RUN/logs/rank-R.log`` (see `workerio`); ``console_rank`` keeps its progress bar on the terminal."""
@@ -131,12 +156,18 @@ def run_torchrun(args: list[str], run_dir: str | Path, nproc_per_node: int, cons
     # the workers' stderr is a pipe to this agent: they draw a progress bar only when this one is a terminal
     os.environ[CONSOLE_TTY_ENV] = "1" if sys.stderr.isatty() else "0"
     _quiet_launcher_logs(run_dir)
+    lost, done = {}, threading.Event()
+    threading.Thread(target=_stop_on_lost_host, args=(run_dir, lost, done), daemon=True).start()
     try:
         run(parse_args(args))
     except SignalException:
+        if lost:
+            return lost["message"]
         raise KeyboardInterrupt from None
     except ChildFailedError as e:
         return e
+    finally:
+        done.set()
     return None
 
 
@@ -202,6 +233,9 @@ def launch(
         why = f"not all {nnodes} nodes joined within {wait_s():g} s" if timed_out else (str(e) or repr(e))
         print(f"mariana: error: the rendezvous at {rdzv_endpoint} failed: {why} (see {run_dir}/logs/launcher.log)",
               file=sys.stderr)  # fmt: skip
+        return 1
+    if isinstance(failure, str):  # a lost host: no restart
+        print(f"mariana: error: {failure} (see {run_dir}/logs/)", file=sys.stderr)
         return 1
     return 0 if failure is None else report_failure(failure, run_dir, max_restarts, name)
 

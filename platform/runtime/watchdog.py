@@ -8,11 +8,12 @@ and exits with `EXIT_STALL` (what the user sees: platform/README.md, "Data paral
 theirs on torchrun's SIGTERM (faulthandler is registered for it). A rank that has waited a while also
 watches the others: a peer whose heartbeat has not changed for the peer timeout (``timeout_s / 2``, at most
 `PEER_LOST_S`), or a store that does not answer for that long, is a lost host (down or cut off: its
-collectives would wait for the process group's timeout), reported the same way.
+collectives would wait for the process group's timeout): `exit_lost`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -24,12 +25,28 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from .workerio import RUN_DIR_ENV
+
 EXIT_STALL = 75
 # Order of phases inside one optimizer step: a rank in an earlier phase than the others is the one behind.
 PHASES = {"init": 0, "data": 1, "compute": 2, "comm": 3, "optim": 4}
 # A live rank's thread publishes every second, so a minute of silence is a lost host; with detection and
 # the launcher's exit the job ends within 120 s of losing one (platform/README.md, "Multi-node").
 PEER_LOST_S = 60.0
+LOST_GRACE_S = 10.0  # how long a rank that lost a host waits for its launcher to stop it
+
+
+def exit_lost(rank: int, message: str) -> None:
+    """End this rank for a lost host (``message`` names it) through ``RUN/logs/stall-rank-R.json``: this node's
+    launcher prints it and stops the node's job, no restart; exit `EXIT_STALL` if no launcher stopped this
+    process within `LOST_GRACE_S`. Meanwhile the rank's other threads stay blocked where they are."""
+    print(f"[mariana] rank {rank}: {message}", file=sys.__stderr__, flush=True)
+    report = {"rank": rank, "message": message, "lost": True, "host": socket.gethostname(), "t": time.time()}
+    if run := os.environ.get(RUN_DIR_ENV):
+        with contextlib.suppress(OSError):
+            (Path(run) / "logs" / f"stall-rank-{rank}.json").write_text(json.dumps(report))
+    time.sleep(LOST_GRACE_S)
+    os._exit(EXIT_STALL)
 
 
 def _connect_store(timeout_s: float):
@@ -57,11 +74,12 @@ class Watchdog:
         self.report_dir: Path | None = None
         self.attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self._store = _connect_store(self.peer_timeout_s)  # a store read fails within the peer timeout
-        self._stop = threading.Event()
+        self._stop, self._store_ok = threading.Event(), time.monotonic()  # when a store call last returned
         # On SIGTERM (torchrun stopping the job after another rank failed) print our stacks, then die.
         faulthandler.register(signal.SIGTERM, file=sys.__stderr__, all_threads=True, chain=True)
         self._thread = threading.Thread(target=self._run, name="mariana-watchdog", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._guard, name="mariana-watchdog-guard", daemon=True).start()
 
     # --- called from the training loop -------------------------------------------------------------
     def beat(self, step: int, phase: str = "data") -> None:
@@ -92,8 +110,9 @@ class Watchdog:
                             "t": time.time()})  # fmt: skip
         try:
             self._store.set(self._key(self.rank), value)
-        except Exception:
-            self._store = None
+            self._store_ok = time.monotonic()
+        except Exception:  # kept: a store silent for the peer timeout is a lost host (`_lost_peers`)
+            pass
 
     def _heartbeats(self) -> dict[int, dict]:
         beats: dict[int, dict] = {}
@@ -115,11 +134,21 @@ class Watchdog:
             if idle <= self.peer_timeout_s / 4:
                 self._seen.clear()  # progressing: the peers are there
             elif lost := self._lost_peers():
-                self._fire(lost)
+                exit_lost(self.rank, lost)
             if self.armed and idle > self.timeout_s:
                 self._fire()
         self.phase = "done"
         self._publish()
+
+    def _guard(self) -> None:
+        """A TCPStore call to a host cut off can outlive its timeout, blocking `_run`: no store call
+        returned for twice the peer timeout is a lost host too."""
+        while self._store is not None and not self._stop.wait(1.0):
+            if time.monotonic() - self._store_ok > 2 * self.peer_timeout_s:
+                exit_lost(self.rank, self._store_lost())
+
+    def _store_lost(self) -> str:
+        return f"lost host {os.environ.get('MASTER_ADDR')} (the job's store): no answer for {self.peer_timeout_s:.0f} s"
 
     def _lost_peers(self) -> str:
         """'' or why the job is lost: a peer's heartbeat unchanged (its host down or cut off from the
@@ -127,8 +156,9 @@ class Watchdog:
         now, keys = time.monotonic(), {r: self._key(r) for r in range(self.world_size) if r != self.rank}
         try:
             beats = {r: self._store.get(k) if self._store.check([k]) else b"" for r, k in keys.items()}
+            self._store_ok = now
         except Exception:  # no store, or no answer within its timeout (the peer timeout)
-            return "" if self._store is None else f"the job's store silent for {self.peer_timeout_s:.0f} s"
+            return "" if self._store is None else self._store_lost()
         for r, b in beats.items():
             if b'"phase": "done"' not in b and self._seen.get(r, (None,))[0] != b:
                 self._seen[r] = (b, now)
@@ -136,10 +166,9 @@ class Watchdog:
         hosts = sorted({json.loads(self._seen[r][0] or "{}").get("host", "?") for r in lost})
         return lost and f"lost host {', '.join(hosts)} (rank(s) {lost}): no heartbeat for {self.peer_timeout_s:.0f} s"  # fmt: skip
 
-    def _fire(self, lost: str = "") -> None:
-        """Report a stall (or ``lost``: why a peer or the store is lost), exit with `EXIT_STALL`; the
-        report's ``message`` is the launcher's console line."""
-        beats = {} if lost else self._heartbeats()
+    def _fire(self) -> None:
+        """Report a stall, exit with `EXIT_STALL`; the report's ``message`` is the launcher's console line."""
+        beats = self._heartbeats()
         beats[self.rank] = {"step": self.step, "phase": self.phase, "t": time.time()}
         now = time.time()
         order = {r: (b["step"], PHASES.get(b["phase"], 0)) for r, b in beats.items()}
@@ -165,8 +194,7 @@ class Watchdog:
             if culprits
             else "[mariana watchdog] all ranks stopped at the same point (a shared resource or a collective hangs)"
         )
-        lines = [f"[mariana watchdog] rank {self.rank}: {lost}"] if lost else lines
-        message = lost or f"watchdog on rank {self.rank}: no progress for {self.timeout_s:.0f}s; stalled rank(s): {culprits}"  # fmt: skip
+        message = f"watchdog on rank {self.rank}: no progress for {self.timeout_s:.0f}s; stalled rank(s): {culprits}"  # fmt: skip
         print("\n".join(lines), file=sys.__stderr__, flush=True)
         print(f"[mariana watchdog] Python stacks of rank {self.rank}:", file=sys.__stderr__, flush=True)
         faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)

@@ -10,14 +10,10 @@ float32 CPU tables) implements sgd and adagrad with the same operations per elem
 - ``adagrad``:  a += g^2;  w -= lr * g / (sqrt(a) + eps)            (Duchi et al. 2011, per coordinate)
 - ``ftrl``:     FTRL-Proximal (McMahan et al. 2013) with z, n state; l1 > 0 gives exact zeros.
 
-Large CPU tables (weights and rule state, `table_empty`, `table_full_like`) on transparent huge pages
-(Linux), for fast random row access.
-
-An embedding table of tens of millions of rows is read and written at ~20k random rows per step. With
-4 KiB pages nearly every row access misses the TLB; 2 MiB pages make the same ``index_select`` /
-``index_copy_`` faster (`bench/pctr_throughput.py` measures the end result). The kernel backs a
-region with huge pages only if asked before its pages are first touched, so tables are allocated here and
-filled afterwards. Elsewhere (other OSes, THP disabled, CUDA) these are plain ``torch.empty`` calls.
+Large CPU tables (weights and rule state, `table_empty`, `table_full_like`) live on transparent huge pages
+(Linux): with 4 KiB pages nearly every random row access misses the TLB (`bench/pctr_throughput.py`). The
+kernel backs a region with huge pages only if asked before its pages are first touched, so tables are
+allocated here and filled afterwards; elsewhere (other OSes, THP disabled, CUDA) plain ``torch.empty``.
 """
 
 from __future__ import annotations

@@ -43,7 +43,6 @@ from .train import (
     DataSection,
     LaunchSection,
     LoopSection,
-    OptimBase,
     OptimSection,
     RunSection,
     TrainConfig,
