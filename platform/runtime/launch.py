@@ -19,7 +19,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -118,10 +117,10 @@ def _stop_on_lost_host(run_dir: Path, lost: dict, done: threading.Event) -> None
     """Until ``done``: once a rank of this host reports a lost host (`watchdog.exit_lost`), put its message in
     ``lost`` and SIGTERM this process: torchrun's agent stops its workers, no restart (README, "A lost host /
     link down"); if the agent is stuck in a store call to the lost host, kill the workers and exit 1 here."""
-    t0, host = time.time(), socket.gethostname()
+    me = (socket.gethostname(), os.getpid())
     while not done.wait(0.25):
         for r in stall_reports(run_dir):
-            if r.get("lost") and r.get("host") == host and r.get("t", 0) > t0:
+            if r.get("lost") and (r.get("host"), r.get("agent")) == me:
                 lost["message"] = r["message"]
                 os.kill(os.getpid(), signal.SIGTERM)
                 if done.wait(5):

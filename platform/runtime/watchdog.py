@@ -41,7 +41,8 @@ def exit_lost(rank: int, message: str) -> None:
     launcher prints it and stops the node's job, no restart; exit `EXIT_STALL` if no launcher stopped this
     process within `LOST_GRACE_S`. Meanwhile the rank's other threads stay blocked where they are."""
     print(f"[mariana] rank {rank}: {message}", file=sys.__stderr__, flush=True)
-    report = {"rank": rank, "message": message, "lost": True, "host": socket.gethostname(), "t": time.time()}
+    # "agent": the launcher that acts on it (an orphan of an earlier attempt has none)
+    report = dict(rank=rank, message=message, lost=True, host=socket.gethostname(), agent=os.getppid())
     if run := os.environ.get(RUN_DIR_ENV):
         with contextlib.suppress(OSError):
             (Path(run) / "logs" / f"stall-rank-{rank}.json").write_text(json.dumps(report))
