@@ -11,9 +11,10 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from helpers import DATA, run_cli
+from helpers import DATA
 from mariana.platform.core.export import REQUIRED_KEYS, load_exported, weights_digest
 from mariana.platform.core.registry import all_apps, get_app, serving_apps
+from trained_runs import cli_here
 
 FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
 CIFAR = DATA / "cifar10" / "train.tar"
@@ -31,10 +32,9 @@ def _asr_data(d: Path) -> Path:
                 name = f"{digit}_{spk}_{take}.wav"
                 (fsdd / name).symlink_to(FSDD / name)
     data = d / "asr-data"
-    run_cli(
+    cli_here(
         ["asr", "prepare", "--data", fsdd, "--out", data, "--test-speakers", "jackson"]
         + ["--utterances", "16", "--max-digits", "2"],
-        timeout=120,
         check=True,
     )
     return data
@@ -87,7 +87,7 @@ def _trained(app: str, tmp_path_factory) -> Path:
     if app not in _RUNS:
         d = tmp_path_factory.mktemp(f"registry-{app}")
         run = d / "run"
-        run_cli([*_train_args(app, d), "--out", run], timeout=300, check=True)
+        cli_here([*_train_args(app, d), "--out", run], check=True)
         _RUNS[app] = run
     return _RUNS[app]
 

@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 import numpy as np
-from helpers import DATA, assert_cli_error, last_line, run_cli
+from helpers import DATA, assert_cli_error, last_line
 from mariana.apps.asr import synth
 from mariana.apps.asr.data import DIGIT_WORDS, prepare, read_kaldi_dir, read_wav, synth_counts
+from trained_runs import cli_here
 
 FSDD = DATA / "fsdd" / "recordings"
 
@@ -120,11 +121,13 @@ def test_synth_counts_share_the_total_evenly():
 
 
 def test_cli_synth_and_bad_flags(tmp_path):
-    p = run_cli(["asr", "synth", "--out", tmp_path / "o", "--speakers", "1", "--takes", "1"], check=True)
+    p = cli_here(["asr", "synth", "--out", tmp_path / "o", "--speakers", "1", "--takes", "1"], check=True)
     assert last_line(p.stdout).startswith("synthesised ") and "10 files" in p.stdout
-    assert_cli_error(run_cli(["asr", "synth", "--out", tmp_path / "o", "--speakers", "0"]),
+    assert_cli_error(cli_here(["asr", "synth", "--out", tmp_path / "o", "--speakers", "0"]),
                      "--speakers and --takes must be >= 1")  # fmt: skip
     assert_cli_error(
-        run_cli(["asr", "prepare", "--data", FSDD, "--out", tmp_path / "x", "--synth", tmp_path / "missing"]),
+        cli_here(
+            ["asr", "prepare", "--data", FSDD, "--out", tmp_path / "x", "--synth", tmp_path / "missing"]
+        ),
         "no such folder",
     )

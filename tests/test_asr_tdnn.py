@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import last_line, run_cli
 from mariana.apps.asr.model import AcousticDNN, AcousticTDNN, build_model, tdnn_dilations
+from trained_runs import cli_here
 
 
 def _tdnn(**kw) -> AcousticTDNN:
@@ -111,10 +112,9 @@ def test_tdnn_through_the_cli_with_two_workers(data_dir, tmp_path):
                 name = f"{digit}_{spk}_{take}.wav"
                 (fsdd / name).symlink_to(data_dir / "fsdd/recordings" / name)
     data, run = tmp_path / "data", tmp_path / "run"
-    run_cli(
+    cli_here(
         ["asr", "prepare", "--data", fsdd, "--out", data, "--test-speakers", "jackson"]
         + ["--utterances", "16", "--max-digits", "3"],
-        timeout=120,
         check=True,
     )
     run_cli(
@@ -127,12 +127,10 @@ def test_tdnn_through_the_cli_with_two_workers(data_dir, tmp_path):
     assert meta["arch"] == "tdnn-ctc" and meta["config"]["arch"] == "tdnn"
     # The training transcripts' bigram travels with the model.
     assert meta["lm"] == BigramLM.from_text(data / "train" / "text", meta["vocab"]).to_dict()
-    e = run_cli(
-        ["asr", "eval", "--model", run, "--data", data / "test", "--beam", "4"], timeout=300, check=True
-    )
+    e = cli_here(["asr", "eval", "--model", run, "--data", data / "test", "--beam", "4"], check=True)
     assert last_line(e.stdout).startswith("WER ")
     result = json.loads((run / "eval" / "test.json").read_text())
     assert result["utterances"] == 16 and result["lm_weight"] == 0.0 and result["word_bonus"] == 0.0
     wav = sorted((data / "test" / "wav").glob("*.wav"))[0]
-    t = run_cli(["asr", "transcribe", "--model", run, "--beam", "4", wav], timeout=120, check=True)
+    t = cli_here(["asr", "transcribe", "--model", run, "--beam", "4", wav], check=True)
     assert last_line(t.stdout) == "transcribed 1 of 1 file(s)"

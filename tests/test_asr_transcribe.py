@@ -10,10 +10,10 @@ import wave
 
 import numpy as np
 import pytest
-from helpers import last_line, run_cli
+from helpers import last_line
 from mariana.apps.asr.cmvn import FilePrior, apply_cmvn, stats
 from mariana.platform.core.rundir import eval_result_path
-from trained_runs import train
+from trained_runs import cli_here, train
 
 
 def test_file_prior_statistics_and_adaptation():
@@ -107,7 +107,7 @@ def test_transcribe_equals_eval_cmvn_file_and_the_server(tiny_run, tmp_path):
     meta = json.loads((run / "model.json").read_text())
     assert len(meta["cmvn_prior"]["mean"]) == 40  # the training speakers' statistics travel with the model
 
-    e = run_cli(["asr", "eval", "--model", run, "--data", data / "test", "--cmvn", "file"], timeout=300)
+    e = cli_here(["asr", "eval", "--model", run, "--data", data / "test", "--cmvn", "file"])
     assert e.returncode == 0, e.stderr
     result = json.loads(eval_result_path(run, data / "test").read_text())
     assert result["cmvn"] == "file" and result["utterances"] == 60
@@ -116,13 +116,13 @@ def test_transcribe_equals_eval_cmvn_file_and_the_server(tiny_run, tmp_path):
     assert result["wer"] < 90.0, last_line(e.stdout)
 
     wavs = dict(line.split() for line in (data / "test" / "wav.scp").read_text().splitlines())
-    t = run_cli(["asr", "transcribe", "--model", run, *wavs.values()], timeout=300, check=True)
+    t = cli_here(["asr", "transcribe", "--model", run, *wavs.values()], check=True)
     assert last_line(t.stdout) == "transcribed 60 of 60 file(s)"
     said = dict(line.split("\t") for line in t.stdout.splitlines()[:-1])
     assert {u: said[p] for u, p in wavs.items()} == hyps  # every file: the same words
 
     # The per-speaker mode (as in training) scores the same files with more context; both are recorded.
-    s = run_cli(["asr", "eval", "--model", run, "--data", data / "test"], timeout=300, check=True)
+    s = cli_here(["asr", "eval", "--model", run, "--data", data / "test"], check=True)
     spk = json.loads(eval_result_path(run, data / "test").read_text())
     assert spk["cmvn"] == "speaker" and spk["utterances"] == 60
     print(f"eval --cmvn file: WER {result['wer']:.2f}%; --cmvn speaker: {last_line(s.stdout)}")

@@ -11,12 +11,13 @@ import scipy.fft
 import soundfile as sf
 import torch
 import torchaudio
-from helpers import last_line, run_cli
+from helpers import last_line
 from mariana.apps.asr.data import read_kaldi_dir, read_wav
 from mariana.apps.asr.decode import beam_decode, edit_distance, error_rates, greedy_decode
 from mariana.apps.asr.features import FeatureCache, FeatureSettings, cached_features, fbank, perturbations
 from mariana.apps.asr.model import AcousticDNN, build_model, pad_edges, splice
 from mariana.platform.core.errors import MarianaError
+from trained_runs import cli_here
 
 
 def _fsdd_subset(src: Path, dst: Path, speakers=("george", "lucas"), takes=range(3)) -> Path:
@@ -128,7 +129,7 @@ def test_error_rates():
 
 def test_kaldi_dir_round_trip(data_dir, tmp_path):
     src = _fsdd_subset(data_dir / "fsdd/recordings", tmp_path / "fsdd")
-    r = run_cli(
+    r = cli_here(
         [
             "asr",
             "prepare",
@@ -145,7 +146,6 @@ def test_kaldi_dir_round_trip(data_dir, tmp_path):
             "--seed",
             "3",
         ],
-        timeout=120,
         check=True,
     )
     assert last_line(r.stdout) == "prepared {}: train 6 dev 0 test 6 utterances, skipped 0".format(
@@ -158,7 +158,7 @@ def test_kaldi_dir_round_trip(data_dir, tmp_path):
     x, sr = read_wav(a[0].path)
     assert sr == 8000 and np.count_nonzero(x[:400]) > 0
     # The test dir (a Kaldi data dir) read back as input gives the same utterances and audio.
-    run_cli(
+    cli_here(
         [
             "asr",
             "prepare",
@@ -169,7 +169,6 @@ def test_kaldi_dir_round_trip(data_dir, tmp_path):
             "--test-speakers",
             "lucas",
         ],
-        timeout=120,
         check=True,
     )
     for name in ("text", "utt2spk", "spk2utt"):
@@ -195,7 +194,7 @@ def test_corrupt_wav_is_skipped_and_counted(data_dir, tmp_path):
     src = _fsdd_subset(data_dir / "fsdd/recordings", tmp_path / "fsdd", takes=range(2))
     bad = src / "5_george_9.wav"
     bad.write_bytes(b"RIFF\x00\x00\x00\x00WAVEfmt garbage")
-    r = run_cli(
+    r = cli_here(
         [
             "asr",
             "prepare",
@@ -208,7 +207,6 @@ def test_corrupt_wav_is_skipped_and_counted(data_dir, tmp_path):
             "--utterances",
             "4",
         ],
-        timeout=120,
         check=True,
     )
     assert f"mariana: warning: skipped 1 unreadable recording in {src} (first: {bad}: " in r.stderr
@@ -228,12 +226,12 @@ def test_corrupt_wav_is_skipped_and_counted(data_dir, tmp_path):
 
 
 def test_missing_directory_clear_error(tmp_path):
-    r = run_cli(["asr", "prepare", "--data", tmp_path / "nope", "--out", tmp_path / "o"], timeout=60)
+    r = cli_here(["asr", "prepare", "--data", tmp_path / "nope", "--out", tmp_path / "o"])
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("mariana: error:") and "nope" in lines[0]
-    r = run_cli(["asr", "eval", "--model", tmp_path / "norun", "--data", tmp_path], timeout=60)
+    r = cli_here(["asr", "eval", "--model", tmp_path / "norun", "--data", tmp_path])
     assert r.returncode == 2 and "Traceback" not in r.stderr and "norun" in r.stderr
 
 

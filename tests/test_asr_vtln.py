@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import last_line, run_cli
+from helpers import last_line
 from mariana.apps.asr.cmvn import apply_cmvn
 from mariana.apps.asr.data import read_kaldi_dir
 from mariana.apps.asr.decode import decode_options, error_rates
 from mariana.apps.asr.evaluate import VTLN_GRID, evaluate_run, load_model
 from mariana.apps.asr.features import FeatureCache, fbank, feature_settings, load_audio
 from mariana.platform.core.errors import MarianaError
-from trained_runs import train
+from trained_runs import cli_here, train
 
 HELD_OUT = ("george", "jackson")
 
@@ -75,7 +75,7 @@ def _confidence(ref) -> dict[str, float]:
 
 def test_vtln_1_is_plain_eval(tiny):
     run, test = tiny
-    e = run_cli(["asr", "eval", "--model", run, "--data", test], timeout=120, check=True)
+    e = cli_here(["asr", "eval", "--model", run, "--data", test], check=True)
     plain = json.loads((run / "eval" / "test.json").read_text())
     assert plain["vtln"] == 1.0 and plain["speaker_vtln"] == dict.fromkeys(HELD_OUT, 1.0)
     assert "vtln 1.0 (george=1 jackson=1)" in e.stdout
@@ -187,7 +187,7 @@ def test_loso_passes_vtln_through(tiny, data_dir, tmp_path, monkeypatch):
 )
 def test_bad_vtln_values_are_refused(tiny, flags, message):
     run, test = tiny
-    e = run_cli(["asr", "eval", "--model", run, "--data", test, *flags], timeout=120)
+    e = cli_here(["asr", "eval", "--model", run, "--data", test, *flags])
     assert e.returncode == 2 and message in e.stderr, e.stderr
     assert "Traceback" not in e.stderr and "mariana: error:" in last_line(e.stderr)
 
@@ -196,10 +196,9 @@ def test_train_adds_pitch_copies_of_every_utterance(tiny, tmp_path):
     """`train --pitch-perturb` trains on the original and one copy per factor of every utterance, each copy
     frame for frame as long as its original and its own CMVN speaker."""
     data = Path(tiny[1]).parent
-    run_cli(
+    cli_here(
         ["asr", "train", "--data", data, "--out", tmp_path / "run", "--preset", "debug", "--epochs", "1"]
         + ["--speed-perturb", "1.0", "--pitch-perturb", "0.9,1.1", "--no-progress"],
-        timeout=300,
         check=True,
     )
     caches = [json.loads(p.read_text())["utts"] for p in (data / "train/feats").glob("*/index.json")]

@@ -10,7 +10,7 @@ import pytest
 from helpers import last_line, run_cli
 from mariana.apps.pctr.models.predict import load_predictor
 from mariana.platform.core.rundir import eval_result_path
-from trained_runs import fresh_copy
+from trained_runs import cli_here, fresh_copy
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def test_train_eval_predict_roundtrip(data_dir, frappe_deepfm, tmp_path):
     lines[10], lines[500] = "1 not-a-feature", "7 1:1"
     data = tmp_path / "test.libfm"
     data.write_text("\n".join(lines) + "\n")
-    e = run_cli(["pctr", "eval", "--model", run, "--data", data, "--format", "libfm"], check=True)
+    e = cli_here(["pctr", "eval", "--model", run, "--data", data, "--format", "libfm"], check=True)
     m = re.fullmatch(
         r"AUC (0\.\d{4}) logloss (\d\.\d{4}) on (\S+) \(all split, 1998 rows\)", last_line(e.stdout)
     )
@@ -43,7 +43,7 @@ def test_train_eval_predict_roundtrip(data_dir, frappe_deepfm, tmp_path):
     assert sorted(errors) == [50, 51] and probs[51] is None and "fields of training" in errors[50]
     batch, _ = pred.parse(feats)
     np.testing.assert_allclose(pred.predict(batch), probs[:50], atol=1e-6)
-    bad = run_cli(["pctr", "eval", "--model", run, "--data", data, "--format", "criteo"])
+    bad = cli_here(["pctr", "eval", "--model", run, "--data", data, "--format", "criteo"])
     assert bad.returncode == 2 and "trained on libfm" in bad.stderr
 
 
@@ -51,11 +51,11 @@ def test_bad_input_fails_fast_with_a_clear_error(data_dir, tmp_path):
     data = tmp_path / "bad.libfm"
     data.write_text("garbage\nmore garbage\n")
     args = ["pctr", "train", "--data", data, "--format", "libfm", "--out", tmp_path / "r"]
-    p = run_cli([*args, "--servers", "1", "--workers", "1"], timeout=60)
+    p = cli_here([*args, "--servers", "1", "--workers", "1"])
     assert p.returncode == 2 and "no valid libFM line" in p.stderr
     assert "torchrun" not in p.stderr  # rejected by the master before any process was started
     args[3] = data_dir / "frappe" / "frappe.validation.libfm"
-    p = run_cli([*args, "--split", "0.5,0.6,0.1"], timeout=60)
+    p = cli_here([*args, "--split", "0.5,0.6,0.1"])
     assert p.returncode == 2 and "--split" in p.stderr
 
 
@@ -65,7 +65,7 @@ def test_training_warns_about_skipped_lines_and_eval_files_per_split(data_dir, t
     data = tmp_path / "bad.libfm"
     data.write_text("\n".join(lines) + "\n")
     run = tmp_path / "run"
-    p = run_cli(
+    p = cli_here(
         ["pctr", "train", "--data", data, "--out", run, "--preset", "debug", "--max-steps", "3",
          "--batch-size", "64", "--no-progress"],
         check=True,
@@ -74,7 +74,7 @@ def test_training_warns_about_skipped_lines_and_eval_files_per_split(data_dir, t
     assert f"mariana: warning: skipped 3 malformed lines in {data} (first: line 17: " in p.stderr
     assert json.loads((run / "metrics.json").read_text())["skipped_lines"] == 3
     for split in ("val", "test"):
-        e = run_cli(["pctr", "eval", "--model", run, "--data", data, "--split", split], check=True)
+        e = cli_here(["pctr", "eval", "--model", run, "--data", data, "--split", split], check=True)
         rows = 99 if split == "val" else 100
         assert last_line(e.stdout).endswith(f"on {data} ({split} split, {rows} rows)"), e.stdout
         assert json.loads(eval_result_path(run, data, split).read_text())["rows"] == rows

@@ -1,15 +1,16 @@
-"""The drifting click-log generator (`mariana pctr drift-logs`, apps/pctr/data/drift.py): deterministic from its
-seed, the days, rows and Criteo columns asked for, read by the pCTR reader without a skipped line, and the
-drift it promises (new ad ids every day, a frozen world with --drift 0 --new-ads 0)."""
+"""The drifting click-log generator (`mariana pctr drift-logs`, apps/pctr/data/drift.py): deterministic from
+its seed, the days, rows and Criteo columns asked for, read by the pCTR reader without a skipped line, and
+the drift it promises (new ad ids every day, a frozen world with --drift 0 --new-ads 0). The command runs in
+this process (`trained_runs.cli_here`): the files, output and exit code of a subprocess, without one."""
 
 from __future__ import annotations
 
 import json
 
 import numpy as np
-from helpers import run_cli
 from mariana.apps.pctr.data.drift import DriftSettings, DriftWorld, generate, hex8
 from mariana.apps.pctr.data.encoding import Encoder, ReadStats, infer_schema, load_split
+from trained_runs import cli_here
 
 
 def _files(folder):
@@ -18,9 +19,9 @@ def _files(folder):
 
 def test_cli_writes_days_deterministically(tmp_path):
     cmd = ["pctr", "drift-logs", "--days", "3", "--rows-per-day", "2000", "--ads", "500"]
-    a = run_cli([*cmd, "--out", tmp_path / "a", "--seed", "7"], check=True)
-    run_cli([*cmd, "--out", tmp_path / "b", "--seed", "7"], check=True)
-    run_cli([*cmd, "--out", tmp_path / "c", "--seed", "8"], check=True)
+    a = cli_here([*cmd, "--out", tmp_path / "a", "--seed", "7"], check=True)
+    cli_here([*cmd, "--out", tmp_path / "b", "--seed", "7"], check=True)
+    cli_here([*cmd, "--out", tmp_path / "c", "--seed", "8"], check=True)
     assert _files(tmp_path / "a") == [
         ".mariana-output",
         "_generator.json",
@@ -46,7 +47,7 @@ def test_cli_writes_days_deterministically(tmp_path):
         assert 0.03 < float(batch.labels.mean()) < 0.4
     meta = json.loads((tmp_path / "a" / "_generator.json").read_text())
     assert meta["settings"]["seed"] == 7 and [d["day"] for d in meta["days"]] == [1, 2, 3]
-    bad = run_cli([*cmd, "--out", tmp_path / "d", "--new-ads", "1.5"])
+    bad = cli_here([*cmd, "--out", tmp_path / "d", "--new-ads", "1.5"])
     assert bad.returncode == 2 and "--new-ads" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -81,17 +82,17 @@ def test_force_rerun_replaces_the_days_it_owns_and_nothing_else(tmp_path):
     and a file the user put there stays."""
     out = tmp_path / "days"
     cmd = ["pctr", "drift-logs", "--rows-per-day", "300", "--ads", "50", "--out", out]
-    run_cli([*cmd, "--days", "3", "--seed", "1"], check=True)
+    cli_here([*cmd, "--days", "3", "--seed", "1"], check=True)
     (out / "notes.txt").write_text("mine")
     (out / ".day-04.tsv.abc123.tmp").write_text("half a day from a killed run")
-    refused = run_cli([*cmd, "--days", "2", "--seed", "2"])
+    refused = cli_here([*cmd, "--days", "2", "--seed", "2"])
     assert refused.returncode == 2 and "--force" in refused.stderr
     assert "day-03.tsv" in _files(out)  # the refusal changed nothing
-    run_cli([*cmd, "--days", "2", "--seed", "2", "--force"], check=True)
+    cli_here([*cmd, "--days", "2", "--seed", "2", "--force"], check=True)
     assert _files(out) == [".mariana-output", "_generator.json", "day-01.tsv", "day-02.tsv", "notes.txt"]
     meta = json.loads((out / "_generator.json").read_text())
     assert meta["settings"]["seed"] == 2 and [d["day"] for d in meta["days"]] == [1, 2]
-    run_cli([*cmd, "--days", "2", "--seed", "2", "--out", tmp_path / "fresh"], check=True)
+    cli_here([*cmd, "--days", "2", "--seed", "2", "--out", tmp_path / "fresh"], check=True)
     for day in ("day-01.tsv", "day-02.tsv"):  # the same bytes as a run into an empty folder
         assert (out / day).read_bytes() == (tmp_path / "fresh" / day).read_bytes()
     assert (out / "notes.txt").read_text() == "mine"

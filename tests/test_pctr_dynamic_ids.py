@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_cli
 from mariana.apps.pctr.data.encoding import CRITEO_INTS, iter_chunks
 from mariana.apps.pctr.ids.idmap import IdMap, key_of
 from mariana.apps.pctr.models.predict import load_predictor
 from mariana.platform.core.export import load_exported
 from test_serving_helpers import pctr_probs, serve
-from trained_runs import run_ok
+from trained_runs import cli_here, run_ok
 
 R = 32  # rows per field: 31 ids per field, far fewer than the ids of C1/C2 below
 
@@ -176,7 +175,7 @@ def test_export_load_serve_equal_offline(run, data, tmp_path, tmp_path_factory):
     np.testing.assert_allclose(np.array(probs), offline, rtol=0, atol=1e-6)
     # `mariana pctr eval` (the Predictor over a file) equals the training's own last validation
     final = json.loads((run / "metrics.json").read_text())
-    p = run_cli(["pctr", "eval", "--model", run, "--data", data / "train.tsv", "--split", "val"], check=True)
+    p = cli_here(["pctr", "eval", "--model", run, "--data", data / "train.tsv", "--split", "val"], check=True)
     assert f"AUC {final['val_auc']:.4f}" in p.stdout
     srv = serve(["--pctr", run], tmp_path_factory)
     try:
@@ -196,10 +195,10 @@ def test_warm_start_carries_the_map(run, data, tmp_path):
     out = tmp_path / "day2"
     (tmp_path / "d2.tsv").write_text("\n".join(criteo_lines(1000, 3, first_ad=300)) + "\n")
     common = ["--format", "criteo", "--rows-per-field", R, "--model", "fm", "--dim", "4", "--no-progress"]
-    p = run_cli(["pctr", "train", "--data", tmp_path / "d2.tsv", "--out", out, "--init-from", run,
+    p = cli_here(["pctr", "train", "--data", tmp_path / "d2.tsv", "--out", out, "--init-from", run,
                  "--max-steps", "1", *common])  # fmt: skip
     assert p.returncode == 2 and "--ids" in p.stderr  # a hashed run cannot start from a dynamic map
-    run_cli(["pctr", "train", "--data", tmp_path / "d2.tsv", "--out", out, "--init-from", run, "--ids",
+    cli_here(["pctr", "train", "--data", tmp_path / "d2.tsv", "--out", out, "--init-from", run, "--ids",
              "dynamic", "--batch-size", "128", "--max-steps", "3", *common], check=True)  # fmt: skip
     before = load_exported(run)[0]["idmap.row_key"].numpy()
     after = load_exported(out)[0]["idmap.row_key"].numpy()
@@ -221,6 +220,6 @@ def test_warm_start_carries_the_map(run, data, tmp_path):
     ],
 )
 def test_bad_flags_are_refused(flags, message, data, tmp_path):
-    p = run_cli(["pctr", "train", "--data", data / "train.tsv", "--format", "criteo", "--out", tmp_path / "r",
+    p = cli_here(["pctr", "train", "--data", data / "train.tsv", "--format", "criteo", "--out", tmp_path / "r",
                  *flags])  # fmt: skip
     assert p.returncode == 2 and message in p.stderr, p.stderr

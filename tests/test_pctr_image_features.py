@@ -11,14 +11,13 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import run_cli
 from mariana.apps.pctr.data.encoding import ReadStats, iter_chunks
 from mariana.apps.pctr.models.predict import load_predictor
 from mariana.platform.core.export import load_exported
 from mariana.platform.core.rundir import eval_result_path
 from test_serving_helpers import pctr_probs, serve, strip_label
 from torchvision.io import encode_png
-from trained_runs import train
+from trained_runs import cli_here, train
 
 N_ADS, ROWS, DIMS = 12, 2000, 4
 BAD = {"ad12": "corrupt", "ad13": "missing"}  # ad12.png is not a PNG; ad13 has no file
@@ -90,7 +89,7 @@ def test_train_skips_and_counts_bad_images(world):
 
 def test_eval_and_serving_match_offline(world, tmp_path_factory):
     run, data, lines = world["run"], world["data"], world["lines"]
-    proc = run_cli(["pctr", "eval", "--model", run, "--data", data], check=True)
+    proc = cli_here(["pctr", "eval", "--model", run, "--data", data], check=True)
     assert proc.stdout.strip().splitlines()[-1].startswith("AUC ")
     result = json.loads(eval_result_path(run, data).read_text())
     assert result["skipped"] == _bad_rows(lines, 0, ROWS)
@@ -125,7 +124,7 @@ def test_lr_uses_image_features_and_cache_is_reused(world):
     before = sorted(p.name for p in cache.rglob("seg-*.safetensors"))
     assert before
     run = world["root"] / "lr"
-    run_cli(["pctr", "train", *world["common"], "--model", "lr", "--out", run], check=True)
+    cli_here(["pctr", "train", *world["common"], "--model", "lr", "--out", run], check=True)
     m = json.loads((run / "metrics.json").read_text())
     assert m["image_features"]["computed"] == 0 and m["image_features"]["hits"] >= N_ADS
     assert sorted(p.name for p in cache.rglob("seg-*.safetensors")) == before  # nothing recomputed
@@ -148,7 +147,7 @@ def test_flag_errors_name_the_flag(world):
     with pytest.raises(MarianaError, match="C1..C26"):
         field_position("criteo", "C30")
     assert field_position("criteo", "C3") == 15 and field_position("libfm", "3") == 2
-    proc = run_cli(
+    proc = cli_here(
         ["pctr", "train", *world["common"], "--images", world["root"] / "nope", "--out", world["root"] / "x"]
     )
     assert proc.returncode == 2 and "--images" in proc.stderr and "no such folder" in proc.stderr

@@ -11,7 +11,6 @@ import shutil
 
 import pytest
 import torch
-from helpers import run_cli
 from mariana.apps.pctr.configs import with_defaults
 from mariana.apps.pctr.data.drift import DriftSettings, generate
 from mariana.apps.pctr.data.encoding import Encoder, ReadStats, count_lines, infer_schema, iter_chunks
@@ -20,7 +19,7 @@ from mariana.apps.pctr.train import train_local
 from mariana.platform.cli.main import check_command
 from mariana.platform.core.errors import DataError, MarianaError
 from safetensors.torch import load_file
-from trained_runs import run_ok
+from trained_runs import cli_here, run_ok
 
 pytestmark = pytest.mark.slow
 ROWS = 1024
@@ -43,7 +42,7 @@ def days(tmp_path_factory):
 
 
 def _train(data, out, *extra):
-    return run_cli(["pctr", "train", "--data", data, "--out", out, *COMMON, *extra], check=True)
+    return cli_here(["pctr", "train", "--data", data, "--out", out, *COMMON, *extra], check=True)
 
 
 def _train_here(data, out, **kw):
@@ -107,11 +106,11 @@ def test_folder_and_list_sources(days, tmp_path):
     rows = sum(len(b) for b in iter_chunks(str(bad), enc, ROWS - 10, ROWS + 20, stats=stats))
     assert rows == 29 and stats.skipped == 1
     assert stats.errors == {ROWS + 7: f"{bad / 'day-02.tsv'} line 7: expected 40 tab-separated fields, got 3"}
-    out = run_cli(["pctr", "eval", "--model", tmp_path / "none", "--data", bad])
+    out = cli_here(["pctr", "eval", "--model", tmp_path / "none", "--data", bad])
     assert out.returncode == 2
     run = tmp_path / "r"
     assert _train_here(bad, run)["skipped_lines"] == 1
-    ev = run_cli(
+    ev = cli_here(
         ["pctr", "eval", "--model", run, "--data", f"{bad / 'day-01.tsv'},{bad / 'day-02.tsv'}"], check=True
     )
     assert f"{bad / 'day-02.tsv'} line 7: expected 40" in ev.stderr and f"{2 * ROWS - 1} rows" in ev.stdout
@@ -121,7 +120,7 @@ def test_folder_and_list_sources(days, tmp_path):
     (tmp_path / "empty" / "_SUCCESS").write_text("")
     with pytest.raises(DataError, match="no data files"):
         resolve_sources(str(tmp_path / "empty"))
-    miss = run_cli(
+    miss = cli_here(
         [
             "pctr",
             "train",

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import last_line, run_cli
 from mariana.platform.core.export import load_exported
-from trained_runs import run_ok
+from trained_runs import cli_here, run_ok
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def test_stop_and_resume_equals_uninterrupted(frappe, straight, tmp_path):
     run_ok(args(frappe, out, "--max-steps", "8", "--ckpt-every", "8"))  # in this process: only its checkpoint
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000008"
     first = load_exported(out)[0]["table.weight"]
-    p = run_cli(args(frappe, out, "--max-steps", "16", "--resume"), check=True)
+    p = cli_here(args(frappe, out, "--max-steps", "16", "--resume"), check=True)
     assert last_line(p.stdout).startswith("validation AUC")
     assert_same_model(straight, out)
     # the comparison is between trained states, not two copies of the k-step model
@@ -71,11 +71,11 @@ def test_killed_run_resumes_exactly_from_an_epoch_end_checkpoint(frappe, straigh
     )
     assert p.returncode != 0 and not (out / "metrics.json").exists()
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000010"
-    again = run_cli(args(frappe, out, "--max-steps", "16", "--ckpt-every", "10"))
+    again = cli_here(args(frappe, out, "--max-steps", "16", "--ckpt-every", "10"))
     assert again.returncode == 2 and "--resume" in again.stderr  # never trained over without --resume
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert 12 in steps  # the killed attempt logged steps past its checkpoint, which the resume redoes
-    run_cli(
+    cli_here(
         args(frappe, out, "--max-steps", "16", "--ckpt-every", "10", "--resume", "--log-every", "1"),
         check=True,
     )
@@ -91,7 +91,7 @@ def test_killed_run_resumes_exactly_from_an_epoch_end_checkpoint(frappe, straigh
 
 def test_schedule_warmup_and_eval_every_are_honoured(frappe, tmp_path):
     out = tmp_path / "sched"
-    run_cli(
+    cli_here(
         args(frappe, out, "--max-steps", "6", "--log-every", "1", "--eval-every", "3", "--schedule", "linear",
              "--warmup-steps", "2", "--sparse-lr", "0.1"),
         check=True,
@@ -114,7 +114,7 @@ def test_dynamic_ids_resume_exactly(frappe, tmp_path):
     run_ok(args(frappe, straight, "--max-steps", "16", *dyn))  # the reference and the first half in this
     out = tmp_path / "dyn-broken"  # process (`trained_runs.run_ok`); the resume is a real subprocess
     run_ok(args(frappe, out, "--max-steps", "8", "--ckpt-every", "8", *dyn))
-    run_cli(args(frappe, out, "--max-steps", "16", "--resume", *dyn), check=True)
+    cli_here(args(frappe, out, "--max-steps", "16", "--resume", *dyn), check=True)
     assert_same_model(straight, out)
     assert "idmap.row_key" in load_exported(out)[0]
     a, b = (json.loads((r / "metrics.json").read_text())["ids"] for r in (straight, out))

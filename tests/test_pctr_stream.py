@@ -1,7 +1,8 @@
-"""`mariana pctr stream` as real processes: files dropped while it runs are consumed once each, a half-written
-file is never read, kill -9 mid-file and --resume equals an uninterrupted stream (same weights, same ledger),
-and a real `mariana serve --pctr RUN --watch` under a 3-client request stream follows 3 exports without a
-failed request."""
+"""`mariana pctr stream`: files dropped while it runs are consumed once each, a half-written file is never
+read, kill -9 mid-file and --resume equals an uninterrupted stream (same weights, same ledger), and a real
+`mariana serve --pctr RUN --watch` under a 3-client request stream follows 3 exports without a failed request.
+The streams that are watched, signalled or killed are real processes; the refusals and the runs they are
+compared with run in this process (`trained_runs.cli_here`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import DATA, ROOT, cli_env, run_cli
+from helpers import DATA, ROOT, cli_env
 from mariana.apps.pctr.models.predict import load_predictor
 from mariana.apps.pctr.streams.config import parse_export_every
 from mariana.apps.pctr.streams.folder import LogFile, scan
@@ -26,6 +27,7 @@ from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import load_exported
 from sklearn.metrics import roc_auc_score
 from test_serving_helpers import Server, strip_label
+from trained_runs import cli_here
 
 CRITEO = DATA / "criteo" / "criteo_sample.tsv"
 LINES = CRITEO.read_text().splitlines(keepends=True)
@@ -117,17 +119,16 @@ def test_scan_rules_and_export_every(tmp_path):
 def test_cli_refuses_what_a_stream_cannot_do(tmp_path):
     d = tmp_path / "d"
     d.mkdir()
-    r = run_cli(
+    r = cli_here(
         ["pctr", "stream", "--data", d, "--out", tmp_path / "r", "--servers", "1", "--format", "libfm"],
-        timeout=60,
     )
     assert r.returncode == 2 and "--servers >= 1` with --format libfm needs --num-fields" in r.stderr, (
         r.stderr
     )
     f = drop(d, "a.tsv", chunk(0))
-    r = run_cli(["pctr", "stream", "--data", f, "--out", tmp_path / "r"], timeout=60)
+    r = cli_here(["pctr", "stream", "--data", f, "--out", tmp_path / "r"])
     assert r.returncode == 2 and "expected a folder to follow" in r.stderr, r.stderr
-    r = run_cli(["pctr", "stream", "--data", d, "--out", tmp_path / "r", "--export-every", "2m"], timeout=60)
+    r = cli_here(["pctr", "stream", "--data", d, "--out", tmp_path / "r", "--export-every", "2m"])
     assert r.returncode == 2 and "--export-every" in r.stderr, r.stderr
 
 
@@ -234,9 +235,9 @@ def test_kill9_mid_file_then_resume_equals_uninterrupted(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
     assert "resumed from step_00000002: 2 files consumed" in log2.read_text(), log2.read_text()
-    r = run_cli(["pctr", "stream", *args, "--out", killed, "--resume"], timeout=120, check=True)
+    r = cli_here(["pctr", "stream", *args, "--out", killed, "--resume"], check=True)
     assert "resumed from step_0000000" in r.stderr, r.stderr
-    run_cli(["pctr", "stream", *args, "--out", whole], timeout=120, check=True)
+    cli_here(["pctr", "stream", *args, "--out", whole], check=True)
     a, b = ledger(killed), ledger(whole)
     names = [e["name"] for e in a]
     assert names == [f"f{i}.tsv" for i in range(6)] and len(set(names)) == 6
@@ -342,12 +343,12 @@ def test_libfm_fields_from_first_file_and_resume(tmp_path):
         "--poll",
         "0.1",
     ]
-    run_cli([*args, "--max-files", "1"], timeout=120, check=True)
+    cli_here([*args, "--max-files", "1"], check=True)
     counters = run / "counters" / "worker-0.jsonl"
     first = json.loads(counters.read_text())
     # the stop: a.libfm checkpointed, its counters record half written
     counters.write_text('{"time": 1, "file": "a.lib')
-    r = run_cli([*args, "--max-files", "2", "--resume"], timeout=120, check=True)
+    r = cli_here([*args, "--max-files", "2", "--resume"], check=True)
     assert "resumed from step_00000001: 1 files consumed" in r.stderr, r.stderr
     recs = [json.loads(x) for x in counters.read_text().splitlines()]
     assert [(x["file"], x.get("recovered", False)) for x in recs] == [("a.libfm", True), ("b.libfm", False)]

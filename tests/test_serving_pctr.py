@@ -7,13 +7,12 @@ import json
 
 import numpy as np
 import pytest
-from helpers import run_cli
 from mariana.apps.pctr.data.encoding import ReadStats, iter_chunks
 from mariana.apps.pctr.models.predict import load_predictor
 from mariana.platform.core.evaluator import auc_logloss
 from mariana.platform.core.rundir import eval_result_path
 from test_serving_helpers import CRITEO, FRAPPE, head_lines, parse_prometheus, pctr_probs, serve, strip_label
-from trained_runs import fresh_copy
+from trained_runs import cli_here, fresh_copy
 
 N_LIBFM = 3000  # Frappe rows compared (the whole Criteo sample, 999 rows, is compared)
 
@@ -35,7 +34,7 @@ def server(runs, tmp_path_factory):
 def _offline(run, data) -> tuple[np.ndarray, np.ndarray, dict]:
     """(labels, probabilities) of the eval code path for every valid row of ``data``, and the
     `mariana pctr eval` result (the real command, whose AUC/logloss come from those probabilities)."""
-    proc = run_cli(["pctr", "eval", "--model", run, "--data", data], timeout=300, check=True)
+    proc = cli_here(["pctr", "eval", "--model", run, "--data", data], check=True)
     assert proc.stdout.strip().splitlines()[-1].startswith("AUC "), proc.stdout
     result = json.loads(eval_result_path(run, data).read_text())
     pred = load_predictor(run)

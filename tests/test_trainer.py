@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import DATA, run_cli
+from helpers import DATA
 from mariana.platform.core.config import TrainConfig
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.evaluator import EPOCH, Evaluator, higher_is_better
@@ -16,7 +16,7 @@ from mariana.platform.core.loop import Trainer
 from mariana.platform.core.rundir import RunDir
 from mariana.platform.core.steps import ModuleStep
 from mariana.platform.runtime.dist import DistContext
-from trained_runs import FRAPPE_DEEPFM, train
+from trained_runs import FRAPPE_DEEPFM, cli_here, train
 
 FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
 
@@ -147,7 +147,7 @@ def test_warm_start_begins_at_the_source_models_evaluation(tmp_path):
     base = ["mlp", "train", "--data", FRAPPE, "--preset", "debug", "--max-steps", "30"]
     train(base, tmp_path / "src")  # the source in this process (`trained_runs.train`): only its model is used
     src = json.loads((tmp_path / "src" / "metrics.json").read_text())
-    run_cli(
+    cli_here(
         [*base, "--out", tmp_path / "warm", "--init-from", tmp_path / "src", "--eval-every", "10"], check=True
     )
     recs = [json.loads(line) for line in (tmp_path / "warm" / "metrics.jsonl").open()]
@@ -155,7 +155,7 @@ def test_warm_start_begins_at_the_source_models_evaluation(tmp_path):
     assert first["step"] == 0
     assert first["eval_auc"] == pytest.approx(src["eval_auc"], abs=1e-9)
     assert first["eval_logloss"] == pytest.approx(src["eval_logloss"], abs=1e-9)
-    bad = run_cli([*base, "--out", tmp_path / "bad", "--init-from", tmp_path / "src", "--hidden", "8"])
+    bad = cli_here([*base, "--out", tmp_path / "bad", "--init-from", tmp_path / "src", "--hidden", "8"])
     assert bad.returncode == 2 and "--init-from" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -169,7 +169,7 @@ def test_pctr_warm_start_and_best_model_export(frappe_deepfm, tmp_path):
     assert meta["metrics"]["step"] == src["best_step"]  # the exported model is the best evaluated one
     best = next(h for h in src["epochs"] if h["step"] == src["best_step"])
     assert best["eval_auc"] == max(h["eval_auc"] for h in src["epochs"])
-    run_cli([*base, "--out", tmp_path / "warm", "--init-from", source, "--init-row-state"], check=True)
+    cli_here([*base, "--out", tmp_path / "warm", "--init-from", source, "--init-row-state"], check=True)
     recs = [json.loads(line) for line in (tmp_path / "warm" / "metrics.jsonl").open()]
     first = next(r for r in recs if "eval_auc" in r)
     assert first["step"] == 0 and first["eval_auc"] == pytest.approx(best["eval_auc"], abs=1e-9)

@@ -1,5 +1,7 @@
 """Vision input pipeline: tar shard == extracted folder, corrupt images skipped and counted, batch
-augmentation, the classifier API and the eval/classify commands."""
+augmentation, the classifier API and the train/eval/classify commands (run in this process by
+`trained_runs.cli_here`: the files, output and exit codes of a subprocess, without an interpreter and a
+torch import each)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import tarfile
 
 import pytest
 import torch
-from helpers import DATA, last_line, run_cli
+from helpers import DATA, last_line
 from mariana.apps.vision.data import (
     DirSource,
     StreamingImages,
@@ -20,6 +22,7 @@ from mariana.apps.vision.data import (
     open_source,
 )
 from mariana.platform.core.errors import MarianaError
+from trained_runs import cli_here
 
 TEST_TAR = DATA / "cifar10" / "test-dev.tar"
 CORRUPT = b"\xff\xd8\xff\xe0" + b"\x00garbage, not a jpeg" * 20
@@ -101,7 +104,7 @@ def test_augment_batch_crops_and_flips_whole_batch():
 def test_train_eval_classify_commands(small_shard, tmp_path):
     shard, folder = small_shard
     run = tmp_path / "run"
-    proc = run_cli(
+    proc = cli_here(
         [
             "vision",
             "train",
@@ -119,14 +122,13 @@ def test_train_eval_classify_commands(small_shard, tmp_path):
             "3",
             "--no-progress",
         ],
-        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert last_line(proc.stdout).startswith("top-1 ")
     assert json.loads((run / "metrics.json").read_text())["skipped_images"] == 1
     assert "broken.jpg" in (run / "skipped.json").read_text()
 
-    proc = run_cli(["vision", "eval", "--model", run, "--data", shard])
+    proc = cli_here(["vision", "eval", "--model", run, "--data", shard])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert last_line(proc.stdout).startswith("top-1 ") and "top-5 " in last_line(proc.stdout)
     from mariana.platform.core.rundir import eval_result_path
@@ -135,13 +137,13 @@ def test_train_eval_classify_commands(small_shard, tmp_path):
     ev = json.loads(eval_result_path(run, shard).read_text())
     assert ev["images"] == 60 and ev["skipped"] == 1 and 0 <= ev["top1"] <= ev["top5"] <= 100
     assert ev["tta"] is False
-    proc = run_cli(["vision", "eval", "--model", run, "--data", shard, "--tta"])
+    proc = cli_here(["vision", "eval", "--model", run, "--data", shard, "--tta"])
     assert proc.returncode == 0 and last_line(proc.stdout).endswith("(flip TTA)"), proc.stderr[-4000:]
     tta_ev = json.loads(eval_result_path(run, shard).read_text())
     assert tta_ev["tta"] is True and tta_ev["images"] == 60 and 0 <= tta_ev["top1"] <= tta_ev["top5"] <= 100
 
     img = next(p for p in folder.rglob("*.jpg") if p.name != "broken.jpg")
-    proc = run_cli(["vision", "classify", "--model", run, img, folder / "test" / "cat" / "broken.jpg"])
+    proc = cli_here(["vision", "classify", "--model", run, img, folder / "test" / "cat" / "broken.jpg"])
     # the good file is classified, the broken one reported; a partial failure exits non-zero
     assert proc.returncode == 2, proc.stderr[-4000:]
     (first,) = proc.stdout.strip().splitlines()
@@ -219,7 +221,7 @@ def test_streamed_training_skips_and_counts_corrupt_image_once(small_shard, tmp_
     args = ["vision", "train", "--data", shard, "--out", run, "--preset", "debug", "--cache", "off"]
     # one batch of all 61 files per epoch, 2 epochs: the corrupt file is met twice
     args += ["--num-workers", "1", "--batch-size", "61", "--max-steps", "2", "--no-progress"]
-    proc = run_cli(args, timeout=120)
+    proc = cli_here(args)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert last_line(proc.stdout).startswith("train loss")
     assert "(streamed)" in proc.stderr
@@ -242,7 +244,7 @@ def test_model_too_deep_for_image_size_is_a_clear_error(small_shard, tmp_path):
         "--max-steps",
         "1",
     ]
-    proc = run_cli(args, timeout=120)
+    proc = cli_here(args)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--model alexnet cannot take 32 px images" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from helpers import DATA, last_line, run_cli
 from mariana.apps.vision.fast_recipe import fastnet, init_whitening, patches, whitening_weights
 from mariana.apps.vision.predict import Classifier
+from trained_runs import cli_here
 
 TEST_TAR = DATA / "cifar10" / "test-dev.tar"
 
@@ -91,7 +92,8 @@ def small_tar(tmp_path_factory):
 def train_fast(shard, out, *extra):
     args = ["vision", "train", "--preset", "fast", "--data", shard, "--out", out, "--device", "cpu"]
     args += ["--batch-size", "16", "--max-steps", "3", "--lr", "0.02", "--no-progress", *extra]
-    proc = run_cli(args, timeout=240)
+    # several workers: torchrun's agent and its processes (not in this process); one: in this process
+    proc = run_cli(args, timeout=240) if "--workers" in extra else cli_here(args)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "metrics.json").read_text())
 
@@ -109,7 +111,7 @@ def test_fast_preset_trains_and_crops_tta_agrees_across_cli_and_rest(small_tar, 
     clf = load_classifier(run)
 
     # vision eval --tta-mode crops = the API's crops probabilities on the decoded images
-    proc = run_cli(["vision", "eval", "--model", run, "--data", small_tar, "--tta-mode", "crops"])
+    proc = cli_here(["vision", "eval", "--model", run, "--data", small_tar, "--tta-mode", "crops"])
     assert proc.returncode == 0 and last_line(proc.stdout).endswith("(crops TTA)"), proc.stderr[-4000:]
     ev = json.loads(eval_result_path(run, small_tar).read_text())
     data = decode_all(open_source(small_tar, clf.classes), clf.image_size)
@@ -122,7 +124,7 @@ def test_fast_preset_trains_and_crops_tta_agrees_across_cli_and_rest(small_tar, 
     (tmp_path / "a.jpg").write_bytes(img)
     want = clf.classify_bytes(img, k=3, tta="crops")
     assert want != clf.classify_bytes(img, k=3, tta="flip")
-    proc = run_cli(
+    proc = cli_here(
         ["vision", "classify", "--model", run, tmp_path / "a.jpg", "-k", "3", "--tta-mode", "crops"]
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

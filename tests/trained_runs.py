@@ -11,14 +11,16 @@ another --out from it, loads it) takes ``run.path``; one that writes into it (``
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
-from cliwalk import run_main
+from cliwalk import cli, run_main
 from helpers import DATA
 
 FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
@@ -52,6 +54,19 @@ def cli_in_process(argv: list) -> tuple[int, str, str]:
     env, threads, flush-denormal, RNG) is put back afterwards."""
     with mock.patch.object(torch.cuda, "is_available", return_value=False):
         return run_main(argv)
+
+
+def cli_here(
+    argv: list, check: bool = False, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`cliwalk.cli` without a CUDA device, ``env`` added to the environment while it runs:
+    ``helpers.run_cli``'s drop-in for a one-process command whose exit code, output and files a test reads
+    (its signals, pipes or terminal stay real processes' tests)."""
+    with (
+        mock.patch.object(torch.cuda, "is_available", return_value=False),
+        mock.patch.dict(os.environ, env or {}),
+    ):
+        return cli(argv, check=check)
 
 
 def run_ok(argv: list) -> tuple[str, str]:

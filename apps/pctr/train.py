@@ -34,7 +34,7 @@ from mariana.platform.sparse.local import LocalStep
 from mariana.platform.sparse.rules import keep_freed_memory
 from mariana.platform.train.spec import TrainSpec, build_trainer
 
-from .configs import PctrConfig
+from .configs import Ids, PctrConfig, PctrRun, Warm
 from .data.encoding import Batch, ReadStats
 from .data.reader import ClickSource, WorkerData
 from .images.features import setup_image_features
@@ -80,24 +80,16 @@ class Setup:
         )
         self.val_stats = ReadStats()
 
-    @property
-    def lines(self) -> int:
-        return self.source.lines
-
-    @property
-    def bounds(self) -> dict[str, tuple[int, int]]:
-        return self.source.bounds
-
     def check_batch_size(self) -> None:
         """Every worker gets at least one full batch per epoch from the training split, or MarianaError."""
         self.source.sources.check_not_empty()
-        a, b = self.bounds["train"]
+        a, b = self.source.bounds["train"]
         need = self.cfg.batch_size * max(1, self.cfg.workers if self.cfg.servers else 1)
         if b - a < need:
             per = f" x {self.cfg.workers} workers" if self.cfg.servers and self.cfg.workers > 1 else ""
             raise MarianaError(
                 f"--batch-size {self.cfg.batch_size}{per} is larger than the training split of {self.cfg.data}: "
-                f"{b - a} of its {self.lines} lines (--split {self.cfg.split}); use a smaller --batch-size"
+                f"{b - a} of its {self.source.lines} lines (--split {self.cfg.split}); use a smaller --batch-size"
             )
 
     def val_batches(self, device) -> tuple[list[Batch], np.ndarray]:
@@ -154,31 +146,31 @@ def export(run: RunDir, setup: Setup, model: CTRModel, table: torch.Tensor, seen
     )
 
 
-def warm_start(step, setup: Setup, cfg: PctrConfig) -> None:
-    """``--init-from``: table rows, ``seen`` flags and dense weights of an earlier pctr model; with
-    ``--init-row-state`` also the table's row-optimiser state (Adagrad accumulators, FTRL z/n) from the
-    source run's latest one-process checkpoint."""
-    state, meta = load_init(cfg.init_from, "pctr")
+def warm_start(step, run: PctrRun, rows: Ids, warm: Warm) -> None:
+    """``run.init_from``: table rows, ``seen`` flags and dense weights of an earlier pctr model into ``step``;
+    with ``--init-row-state`` also the table's row-optimiser state (Adagrad accumulators, FTRL z/n) from the
+    source run's latest one-process checkpoint, with ``--init-train-state`` its whole training state."""
+    state, meta = load_init(run.init_from, "pctr")
     table, seen = state.pop("table.weight", None), state.pop("seen", None)
     row_key = state.pop("idmap.row_key", None)
     if (row_key is not None) != (getattr(step, "idmap", None) is not None):
         raise MarianaError(
-            f"--init-from {cfg.init_from}: it was trained with --ids {'dynamic' if row_key is not None else 'hash'}"
-            f", this run has --ids {cfg.ids}; rows mean different ids: use the same --ids"
+            f"--init-from {run.init_from}: it was trained with --ids {'dynamic' if row_key is not None else 'hash'}"
+            f", this run has --ids {rows.ids}; rows mean different ids: use the same --ids"
         )
     live = step.model.table.weight.data
     if table is None or seen is None:
-        raise MarianaError(f"--init-from {cfg.init_from}: the model lacks its embedding table")
+        raise MarianaError(f"--init-from {run.init_from}: the model lacks its embedding table")
     if tuple(table.shape) != tuple(live.shape):
         raise MarianaError(
-            f"--init-from {cfg.init_from}: its table is {tuple(table.shape)} (rows, 1 + dim), this "
+            f"--init-from {run.init_from}: its table is {tuple(table.shape)} (rows, 1 + dim), this "
             f"configuration's is {tuple(live.shape)}; use the same --rows-per-field, --dim and fields"
         )
     try:
         step.model.load_dense_state_dict(state)
     except (RuntimeError, KeyError) as e:
         raise MarianaError(
-            f"--init-from {cfg.init_from}: dense layers do not fit this model ({str(e).splitlines()[0]})"
+            f"--init-from {run.init_from}: dense layers do not fit this model ({str(e).splitlines()[0]})"
         ) from None
     live.copy_(table)
     step.store.seen.copy_(seen.bool())
@@ -186,23 +178,23 @@ def warm_start(step, setup: Setup, cfg: PctrConfig) -> None:
         try:
             step.idmap.load_rows(row_key.numpy())
         except ValueError as e:
-            raise MarianaError(f"--init-from {cfg.init_from}: {e}") from None
-    if getattr(cfg, "init_train_state", False):
-        at = continue_training_state(step, cfg)
+            raise MarianaError(f"--init-from {run.init_from}: {e}") from None
+    if warm.init_train_state:
+        at = continue_training_state(step, run.init_from)
         log.info(
             "warm start from %s: its whole training state at step %d (weights, row and dense optimiser state; "
             "--init-train-state)",
-            cfg.init_from,
+            run.init_from,
             at,
         )
         return
-    if cfg.init_row_state:
-        ck, src = _latest_checkpoint(cfg.init_from, "--init-row-state")
+    if warm.init_row_state:
+        ck, src = _latest_checkpoint(run.init_from, "--init-row-state")
         try:
             step.load_row_state(ck["rows"])
         except (KeyError, ValueError, RuntimeError) as e:
             raise MarianaError(f"--init-row-state: {src}: {str(e).splitlines()[0]}") from None
-    log.info("warm start from %s (%s)", cfg.init_from, meta.get("version", "?"))
+    log.info("warm start from %s (%s)", run.init_from, meta.get("version", "?"))
 
 
 def _latest_checkpoint(init_from: str, flag: str) -> tuple[dict, Path]:
@@ -223,12 +215,12 @@ def _latest_checkpoint(init_from: str, flag: str) -> tuple[dict, Path]:
     return ck, src
 
 
-def continue_training_state(step, cfg: PctrConfig) -> int:
-    """``--init-from RUN --init-train-state``: load RUN's latest one-process checkpoint (model, table, row
-    and dense optimiser state) into ``step`` (a `LocalStep`); hyper-parameters stay this run's. Returns the
-    checkpoint's step. The weights come from the checkpoint, not RUN's export (an earlier, better-validated
+def continue_training_state(step, init_from: str) -> int:
+    """``--init-from RUN --init-train-state`` (RUN: ``init_from``): load RUN's latest one-process checkpoint
+    (model, table, row and dense optimiser state) into ``step`` (a `LocalStep`); hyper-parameters stay this
+    run's. Returns the checkpoint's step. The weights come from the checkpoint, not RUN's export (an earlier, better-validated
     step): optimiser state only fits the weights it was accumulated with."""
-    ck, src = _latest_checkpoint(cfg.init_from, "--init-train-state")
+    ck, src = _latest_checkpoint(init_from, "--init-train-state")
     opt = step.dense_opt
     mine = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     try:
@@ -286,16 +278,16 @@ def train_local(cfg: PctrConfig, setup: Setup | None = None) -> dict:
     keep_freed_memory()
     step = make_local_step(cfg, st, device)
     if cfg.init_from and not (cfg.resume and run.has_checkpoint()):
-        warm_start(step, st, cfg)
+        warm_start(step, cfg.run, cfg.rows, cfg.warm)
     data = st.worker_data(cache_device=device, cache_dir=run.path / "row-cache" / "worker-0")
     val, val_labels = st.val_batches(device)
     total = st.total_steps(data.steps_per_epoch)
     log.info(
         "pctr %s: %d lines (train %s val %s), at most %d steps of %d on %s",
         cfg.model,
-        st.lines,
-        st.bounds["train"],
-        st.bounds["val"],
+        st.source.lines,
+        st.source.bounds["train"],
+        st.source.bounds["val"],
         total,
         cfg.batch_size,
         device,

@@ -7,6 +7,8 @@ device (`data.make_prepare`; the fast recipe's in `fast_recipe.DeviceEpochLoader
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,11 +17,12 @@ from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.prefetch import Prefetcher
 from mariana.platform.dp.sampler import IndexBatchLoader, ShardedBatchSampler
 
-from .data import StreamingImages, collate_stream, decode_all, gpu_decode_batch, subset_indices
+from .data import StreamingImages, collate_stream, decode_all, gpu_decode_batch, open_source, subset_indices
 from .fast_recipe import DeviceEpochLoader
+from .stages import PipelineLoader
 
 if TYPE_CHECKING:
-    from .configs import VisionData, VisionNet
+    from .configs import VisionData, VisionEval, VisionNet, VisionPipeline
     from .data import DecodedImages, ImageSource
 
 log = logging.getLogger("mariana")
@@ -73,6 +76,56 @@ def use_cache(inp: VisionData, net: VisionNet, model_parallel: int, n_images: in
     return cached
 
 
+@dataclass
+class Images:
+    """A run's images: the training set ``src`` (read from ``where``, --data), whether it is decoded once
+    into memory (``cached``; else streamed), ``decoding`` (size px, --decode, --num-workers, device), its
+    --limit and the held-out set (--eval-data, --eval-limit). Decoded on first use (`train`, `heldout`):
+    after the model is built and checked, so a model that cannot take the image size fails before minutes
+    of decoding. ``skipped``: the corrupt training images, (path, reason) once each."""
+
+    src: ImageSource
+    where: str
+    cached: bool
+    decoding: tuple
+    limit: int
+    heldout_at: tuple[str, int]
+    progress: bool = False
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    @cached_property
+    def train(self) -> DecodedImages | None:
+        if not self.cached:
+            return None
+        data = load_decoded(self.src, self.where, *self.decoding, self.limit, progress=self.progress)
+        self.skipped.extend(data.bad)
+        return data
+
+    @cached_property
+    def heldout(self) -> DecodedImages | None:
+        path, limit = self.heldout_at
+        return (
+            load_decoded(open_source(path, self.src.classes), path, *self.decoding, limit) if path else None
+        )
+
+    @property
+    def n_train(self) -> int:
+        return len(self.train) if self.cached else len(subset_indices(len(self.src), self.limit))
+
+
+def images(input: VisionData, heldout: VisionEval, net: VisionNet, pipeline: VisionPipeline, dp, run, ctx):
+    """The run's `Images` (nothing decoded yet); TF32 and cuDNN autotuning on a GPU."""
+    if ctx.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    src = open_source(input.data)
+    cached = use_cache(input, net, pipeline.model_parallel, len(src))
+    decoding = (net.image_size, input.decode, dp.num_workers, ctx.device)
+    held = (heldout.eval_data, heldout.eval_limit)
+    return Images(src, input.data, cached, decoding, input.limit, held, ctx.is_main and run.progress)
+
+
 # ------------------------------------------------------------------------------------------------ loaders
 class CachedLoader:
     """`BatchLoader` over a `DecodedImages` (already on the training device): (uint8 [B,3,S,S], int64 [B])."""
@@ -109,25 +162,19 @@ class StreamLoader:
         return iter(Prefetcher(it, depth=3, device=self.device, transform=self.transform))
 
 
-def training_loader(
-    inp: VisionData,
-    net: VisionNet,
-    data: DecodedImages | None,
-    src: ImageSource,
-    batch_size,
-    seed,
-    num_workers,
-    ctx,
-):
-    """The `BatchLoader` of a data-parallel run on rank ``ctx.rank`` of ``ctx.world_size``: the fast
-    recipe's `DeviceEpochLoader` (--augment alt-flip-translate), a `CachedLoader` over the decoded set
-    ``data``, or (``data`` None) a `StreamLoader` over ``src``'s --limit subset."""
+def training_loader(data: Images, model, input: VisionData, net: VisionNet, pipeline, optim, run, dp, ctx):
+    """This rank's `BatchLoader`: the stages' `PipelineLoader` (K > 1; ``model`` is this rank's stage), the
+    fast recipe's `DeviceEpochLoader` (--augment alt-flip-translate), a `CachedLoader` over the decoded set,
+    or a `StreamLoader` over the --limit subset of the training images."""
+    size, seed, rank, world = optim.batch_size, run.seed, ctx.rank, ctx.world_size
+    if pipeline.model_parallel > 1:
+        return PipelineLoader(data.train, model, size, seed)
     if net.augment == "alt-flip-translate":
-        return DeviceEpochLoader(data, batch_size, ctx.rank, ctx.world_size, seed)
-    if data is not None:
-        return CachedLoader(data, ShardedBatchSampler(len(data), batch_size, ctx.rank, ctx.world_size, seed))
-    on_gpu_decode = decode_device(inp.decode, ctx.device).type == "cuda"
-    ds = StreamingImages(src, net.image_size, decode=not on_gpu_decode)
-    idx = subset_indices(len(src), inp.limit)
-    sampler = ShardedBatchSampler(len(idx), batch_size, ctx.rank, ctx.world_size, seed)
-    return StreamLoader(ds, sampler, num_workers, ctx.device, idx)
+        return DeviceEpochLoader(data.train, size, rank, world, seed)
+    if data.cached:
+        return CachedLoader(data.train, ShardedBatchSampler(len(data.train), size, rank, world, seed))
+    on_gpu_decode = decode_device(input.decode, ctx.device).type == "cuda"
+    ds = StreamingImages(data.src, net.image_size, decode=not on_gpu_decode)
+    idx = subset_indices(len(data.src), data.limit)
+    sampler = ShardedBatchSampler(len(idx), size, rank, world, seed)
+    return StreamLoader(ds, sampler, dp.num_workers, ctx.device, idx)

@@ -1,6 +1,5 @@
 """Pipeline model parallelism of ``mariana vision train --model-parallel K`` (K > 1): the net's blocks cut
-into K stages over a (pipeline x data parallel) mesh (`mariana.platform.pipeline`), the stages' loader, and
-the stages' weights merged back into one model for the export."""
+into K stages over a (pipeline x data parallel) mesh (`mariana.platform.pipeline`), and the stages' loader."""
 
 from __future__ import annotations
 
@@ -63,17 +62,3 @@ def build_pipeline(
     what = (pp.stage_index, k, list(pp.stage._modules), n, pp.dp_ranks)
     log.info("pipeline: stage %d/%d blocks %s (%d params), gradient group ranks %s", *what)
     return pp
-
-
-def merged_exporter(step, fresh: Callable[[], torch.nn.Module], export: Callable, is_main: bool):
-    """-> ``exporter(metrics, step)`` for the Trainer: every stage sends its weights to rank 0 (a collective:
-    all ranks call), which loads them into ``fresh()`` (an unsplit model) and calls ``export(state, metrics)``."""
-
-    def export_merged(metrics: dict, _step: int) -> None:
-        merged = step.full_state_dict()
-        if is_main:
-            model = fresh()
-            as_blocks(model).load_state_dict(merged)
-            export(model.state_dict(), metrics)
-
-    return export_merged

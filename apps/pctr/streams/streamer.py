@@ -100,7 +100,7 @@ class Streamer(StreamRecords):
         if cfg.resume:
             self._restore()
         elif cfg.init_from:
-            warm_start(self.step, self.setup, cfg)
+            warm_start(self.step, cfg.run, cfg.rows, cfg.warm)
 
     # ---------------------------------------------------------------- folder
     def _wait_first(self) -> LogFile | None:
