@@ -1,7 +1,8 @@
 """``mariana asr eval --loso``: the leave-one-speaker-out table in one command, run for real (tiny settings,
 two speakers of the sample FSDD data) and checked against the separate commands it replaces: each fold's
 data equals `asr prepare`'s, each fold's WER equals a separate `asr eval` of its run, the mean is the
-folds' average; a second run reuses the trained folds and --fresh retrains; bad input fails in one line."""
+folds' average; a second run reuses the trained folds and --fresh retrains; bad input fails in one line.
+The command runs in this process (`trained_runs.cli_here`); its folds train in child processes as always."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import assert_cli_error, run_cli
+from helpers import assert_cli_error
+from trained_runs import cli_here
 
 TINY = ["--utterances", "8", "--max-digits", "2", "--seed", "0"]
 TRAIN = "--preset debug --workers 1 --epochs 1"
@@ -19,7 +21,7 @@ SPEAKERS = ["george", "jackson"]
 
 def _loso(fsdd: Path, out: Path, *extra: str, speakers: str = "george,jackson", check: bool = True):
     argv = ["asr", "eval", "--loso", "--data", fsdd, "--out", out, "--speakers", speakers, *TINY]
-    return run_cli([*argv, "--train-args", TRAIN, *extra], timeout=240, check=check)
+    return cli_here([*argv, "--train-args", TRAIN, *extra], check=check)
 
 
 def _mtimes(out: Path, speakers) -> dict[str, tuple[int, int]]:
@@ -64,9 +66,7 @@ def test_loso_folds_match_separate_commands(loso, data_dir, tmp_path):
         train_spk = {line.split()[1] for line in (out / f"{spk}-data/train/utt2spk").read_text().splitlines()}
         assert test_spk == {spk} and spk not in train_spk and len(train_spk) == 4
         # its WER is what a separate `asr eval` of the fold's run says
-        ev = run_cli(
-            ["asr", "eval", "--model", out / spk, "--data", out / f"{spk}-data/test"], timeout=120, check=True
-        )
+        ev = cli_here(["asr", "eval", "--model", out / spk, "--data", out / f"{spk}-data/test"], check=True)
         separate = json.loads(Path(fold["result"]).read_text())
         assert (fold["wer"], fold["ser"], fold["utterances"], fold["words"]) == (
             separate["wer"], separate["ser"], separate["utterances"], separate["words"])  # fmt: skip
@@ -106,8 +106,8 @@ def test_loso_rerun_reuses_and_fresh_retrains(loso, data_dir):
     )
     assert after["jackson"] == loso["mtimes"]["jackson"]
     # other train args: that fold is trained again
-    changed = run_cli(["asr", "eval", "--loso", "--data", fsdd, "--out", out, "--speakers", "jackson", *TINY,
-                       "--train-args", TRAIN + " --lr 0.001"], timeout=240, check=True)  # fmt: skip
+    changed = cli_here(["asr", "eval", "--loso", "--data", fsdd, "--out", out, "--speakers", "jackson", *TINY,
+                        "--train-args", TRAIN + " --lr 0.001"], check=True)  # fmt: skip
     assert "fold jackson: training" in changed.stdout
     assert _mtimes(out, ["jackson"])["jackson"][0] != loso["mtimes"]["jackson"][0]
 
@@ -137,8 +137,8 @@ def test_loso_errors(data_dir, tmp_path, capsys):
         for f in fragments:
             assert f in err, (f, err)
     # a failing training run (a real child process) names the fold and its log, which keeps its output
-    bad = run_cli([*base, "--loso", "--out", tmp_path / "f", "--speakers", "lucas", *TINY,
-                   "--train-args", "--preset debug --workers 1 --lr -1"], timeout=120)  # fmt: skip
+    bad = cli_here([*base, "--loso", "--out", tmp_path / "f", "--speakers", "lucas", *TINY,
+                    "--train-args", "--preset debug --workers 1 --lr -1"])  # fmt: skip
     log = tmp_path / "f" / "lucas.log"
     assert_cli_error(bad, "fold lucas: `mariana asr train` exited 2", f"log: {log}")
     assert "--lr must be a finite number >= 0" in log.read_text()

@@ -23,6 +23,13 @@ import torch
 from cliwalk import cli, run_main
 from helpers import DATA
 
+# `helpers.cli_env`'s settings for a CLI subprocess, for the processes an in-process command starts
+CHILD_ENV = {
+    "PYTHONUNBUFFERED": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "CUDA_VISIBLE_DEVICES": "",
+}
 FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
 CRITEO = DATA / "criteo" / "criteo_sample.tsv"
 
@@ -59,12 +66,13 @@ def cli_in_process(argv: list) -> tuple[int, str, str]:
 def cli_here(
     argv: list, check: bool = False, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """`cliwalk.cli` without a CUDA device, ``env`` added to the environment while it runs:
-    ``helpers.run_cli``'s drop-in for a one-process command whose exit code, output and files a test reads
-    (its signals, pipes or terminal stay real processes' tests)."""
+    """`cliwalk.cli` without a CUDA device: ``helpers.run_cli``'s drop-in for a one-process command whose
+    exit code, output and files a test reads (its signals, pipes or terminal stay real processes' tests).
+    While it runs the environment has ``env`` and what `helpers.cli_env` gives a subprocess (one thread,
+    no CUDA device, unbuffered), so the processes the command starts (`asr eval --loso`'s folds) get that."""
     with (
         mock.patch.object(torch.cuda, "is_available", return_value=False),
-        mock.patch.dict(os.environ, env or {}),
+        mock.patch.dict(os.environ, {**CHILD_ENV, **(env or {})}),
     ):
         return cli(argv, check=check)
 
