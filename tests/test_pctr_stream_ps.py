@@ -19,6 +19,7 @@ from mariana.apps.pctr.models.predict import load_predictor
 from mariana.platform.core.export import load_exported
 from sklearn.metrics import roc_auc_score
 from test_pctr_stream import LINES, MODEL, chunk, drop, start, wait_for
+from trained_runs import cli_here
 
 pytestmark = pytest.mark.slow
 
@@ -123,11 +124,7 @@ def four(tmp_path_factory):
     d.mkdir()
     for i in range(4):
         drop(d, f"f{i}.tsv", chunk(i), order=i)
-    run_cli(
-        ["pctr", "stream", "--data", d, *MODEL, *FOUR, "--out", one, "--batch-size", "512"],
-        timeout=120,
-        check=True,
-    )
+    cli_here(["pctr", "stream", "--data", d, *MODEL, *FOUR, "--out", one, "--batch-size", "512"], check=True)
     return d, one
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from cliwalk import run_main
 from helpers import DATA, last_line, run_cli
+from trained_runs import cli_here
 
 pytestmark = pytest.mark.slow
 
@@ -138,7 +139,7 @@ def test_2x2_mesh_matches_one_process_and_shards_memory(tmp_path, capsys):
 
 
 def test_model_parallel_must_divide_workers(tmp_path):
-    proc = run_cli(
+    proc = cli_here(  # refused by the launching process, before torchrun starts
         ["vision", "train", *COMMON, "--out", tmp_path / "r", "--workers", "3", "--model-parallel", "2"]
     )
     assert proc.returncode == 2
