@@ -20,6 +20,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What a CLI subprocess of the tests runs with: one thread, unbuffered, no CUDA device (`cli_env`; also set
+# around an in-process command, `trained_runs.as_subprocess`, for the processes it starts).
+CHILD_ENV = {
+    "PYTHONUNBUFFERED": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "CUDA_VISIBLE_DEVICES": "",
+}
+
+
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a CLI subprocess: one thread per process, unbuffered, no stray torchrun vars."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MARIANA_FAULT"))}
@@ -33,9 +43,7 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         "GROUP_RANK",
     ):
         env.pop(k, None)
-    env.update(
-        {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    )
+    env.update(CHILD_ENV)
     env.update(extra or {})
     return env
 

@@ -11,9 +11,11 @@ another --out from it, loads it) takes ``run.path``; one that writes into it (``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
@@ -21,15 +23,8 @@ from unittest import mock
 import pytest
 import torch
 from cliwalk import cli, run_main
-from helpers import DATA
+from helpers import CHILD_ENV, DATA
 
-# `helpers.cli_env`'s settings for a CLI subprocess, for the processes an in-process command starts
-CHILD_ENV = {
-    "PYTHONUNBUFFERED": "1",
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "CUDA_VISIBLE_DEVICES": "",
-}
 FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
 CRITEO = DATA / "criteo" / "criteo_sample.tsv"
 
@@ -55,25 +50,32 @@ class Trained:
     stderr: str
 
 
+@contextlib.contextmanager
+def as_subprocess(env: dict[str, str] | None = None) -> Iterator[None]:
+    """An in-process command as `helpers.run_cli` runs one: no CUDA device, and the environment of a CLI
+    subprocess (`helpers.CHILD_ENV`, then ``env``) for the processes it starts (`asr eval --loso`'s folds)."""
+    with (
+        mock.patch.object(torch.cuda, "is_available", return_value=False),
+        mock.patch.dict(os.environ, {**CHILD_ENV, **(env or {})}),
+    ):
+        yield
+
+
 def cli_in_process(argv: list) -> tuple[int, str, str]:
-    """``mariana ARGV`` run by `cliwalk.run_main` in this process without a CUDA device (as `helpers.run_cli`
-    hides it): (exit code, stdout, stderr). The process state the command changes (loggers and their handlers,
-    env, threads, flush-denormal, RNG) is put back afterwards."""
-    with mock.patch.object(torch.cuda, "is_available", return_value=False):
+    """``mariana ARGV`` run by `cliwalk.run_main` in this process `as_subprocess`: (exit code, stdout,
+    stderr). The process state the command changes (loggers and their handlers, env, threads,
+    flush-denormal, RNG) is put back afterwards."""
+    with as_subprocess():
         return run_main(argv)
 
 
 def cli_here(
     argv: list, check: bool = False, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """`cliwalk.cli` without a CUDA device: ``helpers.run_cli``'s drop-in for a one-process command whose
-    exit code, output and files a test reads (its signals, pipes or terminal stay real processes' tests).
-    While it runs the environment has ``env`` and what `helpers.cli_env` gives a subprocess (one thread,
-    no CUDA device, unbuffered), so the processes the command starts (`asr eval --loso`'s folds) get that."""
-    with (
-        mock.patch.object(torch.cuda, "is_available", return_value=False),
-        mock.patch.dict(os.environ, {**CHILD_ENV, **(env or {})}),
-    ):
+    """`cliwalk.cli` `as_subprocess` (``env`` added): ``helpers.run_cli``'s drop-in for a one-process
+    command whose exit code, output and files a test reads (signals, pipes and terminals stay real
+    processes' tests)."""
+    with as_subprocess(env):
         return cli(argv, check=check)
 
 

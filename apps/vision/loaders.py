@@ -108,7 +108,7 @@ class Images:
             load_decoded(open_source(path, self.src.classes), path, *self.decoding, limit) if path else None
         )
 
-    @property
+    @cached_property
     def n_train(self) -> int:
         return len(self.train) if self.cached else len(subset_indices(len(self.src), self.limit))
 
