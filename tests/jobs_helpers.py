@@ -74,7 +74,7 @@ class Service:
 
 
 def kill_tree(pid: int) -> None:
-    from mariana.platform.jobs.executor import descendants
+    from mariana.platform.runtime.launch import descendants
 
     for p, _ in [(pid, 0), *descendants(pid)]:
         try:

@@ -9,7 +9,8 @@ import threading
 import pytest
 from helpers import DATA, ROOT, cli_env
 from jobs_helpers import Service, wait_for
-from mariana.platform.jobs.executor import LocalExecutor, process_alive
+from mariana.platform.jobs.executor import LocalExecutor
+from mariana.platform.runtime.launch import process_alive
 
 FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
 pytestmark = pytest.mark.slow

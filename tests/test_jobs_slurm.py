@@ -97,7 +97,7 @@ def scontrol_state(slurm_id: str) -> str | None:
 
 def slurm_processes(slurm_id: str, also: bytes = b"") -> list[int]:
     """Live processes of a Slurm job on this host (their environment names the job, and holds ``also``
-    when given, e.g. ``RANK=1``)."""
+    when given, e.g. ``SLURM_STEP_ID=0``)."""
     out = []
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -110,6 +110,26 @@ def slurm_processes(slurm_id: str, also: bytes = b"") -> list[int]:
             if mine and stat[stat.rfind(")") + 2] not in "ZX":
                 out.append(int(d))
     return out
+
+
+def worker_of(run_dir: str, rank: int) -> tuple[int, int] | None:
+    """(pid, its launcher's pid) of the live worker process ``rank`` of a job, from the header of its log
+    (``mariana: rank R on ...; pid P``) and the launcher's ``MARIANA_AGENT_PID`` (the worker's parent is
+    the fork server the launcher started); None until the worker has started."""
+    log = Path(run_dir) / "logs" / f"rank-{rank}.log"
+    heads = (
+        [x for x in log.read_text().splitlines() if x.startswith(f"mariana: rank {rank} on")]
+        if log.exists()
+        else []
+    )
+    pid = int(heads[-1].rsplit("pid ", 1)[1]) if heads else 0
+    try:
+        env = dict(
+            x.split(b"=", 1) for x in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in x
+        )
+    except OSError:
+        return None
+    return (pid, int(env[b"MARIANA_AGENT_PID"])) if pid else None
 
 
 @pytest.fixture(scope="module")
@@ -177,19 +197,18 @@ def test_jobs_succeed_with_metrics_two_tasks_equal_one_process_and_ps_job(servic
     wait_for(
         lambda: svc.http.get(f"/api/jobs/{ps_dies}/counters").json()["history"], 120, "the worker trains"
     )
-    worker = slurm_processes(sid, b"RANK=1")
-    assert len(worker) == 1, worker
-    agent = int(
-        Path(f"/proc/{worker[0]}/stat").read_text().rsplit(")", 1)[1].split()[1]
-    )  # its torchrun agent
-    os.kill(agent, signal.SIGKILL)
+    worker = worker_of(svc.job(ps_dies)["run_dir"], 1)
+    assert worker and worker[0] in slurm_processes(sid), worker
+    os.kill(worker[1], signal.SIGKILL)  # its torchrun agent
     # In another PS job only the worker process dies: its agent restarts it, the other task's agent
     # restarts its server for the new membership (its restart count stays 0), and the group re-forms.
     sid2 = wait_for(lambda: svc.job(ps_restarts)["external_id"], 60, "the restarting PS job submitted")
     wait_for(
         lambda: svc.http.get(f"/api/jobs/{ps_restarts}/counters").json()["history"], 120, "its worker trains"
     )
-    os.kill(wait_for(lambda: slurm_processes(sid2, b"RANK=1"), 30, "its worker process")[0], signal.SIGKILL)
+    worker = wait_for(lambda: worker_of(svc.job(ps_restarts)["run_dir"], 1), 30, "its worker process")
+    assert worker[0] in slurm_processes(sid2), worker
+    os.kill(worker[0], signal.SIGKILL)
     for job_id in (quick, two, ps_job, ps_restarts):
         proc = run_cli(["jobs", "wait", job_id, "--timeout", "240"], env=svc.env())
         assert proc.returncode == 0 and f"job {job_id} succeeded" in proc.stdout, proc.stdout + proc.stderr

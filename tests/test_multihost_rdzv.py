@@ -144,13 +144,14 @@ def test_a_host_that_never_comes_is_one_line_within_the_wait(hosts, tmp_path):
 def test_any_interface_address_is_this_host(hosts):
     """The bridge's address is this machine's (a second interface; the hostname resolves elsewhere): the
     endpoint check connects to nothing there and torchrun is told that this node hosts the store."""
+    from mariana.platform.core.config import LaunchSection
     from mariana.platform.core.endpoint import is_this_host
-    from mariana.platform.runtime.launch import torchrun_args
+    from mariana.platform.runtime.launch import launch_config
 
     bridge = (hosts / "hosts").read_text().splitlines()[2].split()[0]  # "10.231.X.1 <this hostname>"
     assert is_this_host(bridge) and not is_this_host(bridge.rsplit(".", 1)[0] + ".11"), bridge
-    args = torchrun_args(1, ["mlp"], nnodes=2, rdzv_endpoint=f"{bridge}:{PORT}")
-    assert "is_host=True" in args[args.index("--rdzv-conf") + 1], args
+    conf = launch_config(1, LaunchSection(nnodes=2, rdzv_endpoint=f"{bridge}:{PORT}")).rdzv_configs
+    assert conf.get("is_host") is True, conf
 
 
 def cut_off(hosts: Path, cut: str, procs: dict, ready, timeout: float = 60) -> dict:

@@ -86,9 +86,8 @@ def train(args, argv) -> int:
         if nprocs % cfg.nnodes:
             raise MarianaError(f"--servers + --workers = {nprocs} is not divisible by --nnodes {cfg.nnodes}")
         nprocs //= cfg.nnodes
-    rdzv = (cfg.nnodes, cfg.rdzv_endpoint, cfg.rdzv_id)
     with periodic(lambda: workers_progress(Path(cfg.out))):  # the workers draw no bar here
-        rc = run_job(nprocs, argv, cfg.out, cfg.max_restarts, *rdzv, num_servers=cfg.servers)
+        rc = run_job(nprocs, argv, cfg.out, cfg.section("ps"))
     final = Path(cfg.out) / "metrics.json"
     if rc == 0 and final.is_file():
         m = json.loads(final.read_text())
@@ -158,7 +157,7 @@ def _stream_ps(cfg, argv) -> int:
     console lines on the terminal; prints the totals from RUN/metrics.json."""
     RunDir(cfg.out).save_config(cfg)
     nprocs = cfg.servers + cfg.workers
-    rc = run_job(nprocs, argv, cfg.out, cfg.max_restarts, console_rank=cfg.servers, num_servers=cfg.servers)
+    rc = run_job(nprocs, argv, cfg.out, cfg.section("ps"), console_rank=cfg.servers)
     final = Path(cfg.out) / "metrics.json"
     if rc == 0 and final.is_file():
         print(_stream_headline(json.loads(final.read_text())))

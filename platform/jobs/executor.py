@@ -26,6 +26,7 @@ from pathlib import Path
 
 from mariana.platform.core.errors import MarianaError
 
+from ..runtime.launch import descendants, proc_stat, process_alive
 from .resources import describe
 
 
@@ -38,41 +39,6 @@ class Handle:
 
 class StartError(RuntimeError):
     """The cluster refused the job at submission (e.g. sbatch's error): the job fails with this message."""
-
-
-def proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """``(state, ppid, starttime)`` of a process from /proc/PID/stat, or None if there is none."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # The command name (field 2) is in parentheses and may hold spaces: split after the last ')'.
-    rest = raw[raw.rfind(")") + 2 :].split()
-    return rest[0], int(rest[1]), int(rest[19])
-
-
-def process_alive(pid: int, start: int | None) -> bool:
-    """True if ``pid`` runs (not a zombie) and is the process that started at ``start`` (clock ticks)."""
-    st = proc_stat(pid)
-    if st is None or st[0] in ("Z", "X"):
-        return False
-    return start is None or st[2] == start
-
-
-def descendants(pid: int) -> list[tuple[int, int]]:
-    """All live descendants of ``pid`` as (pid, starttime), found through the /proc parent links."""
-    children: dict[int, list[tuple[int, int]]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            st = proc_stat(int(d))
-            if st is not None and st[0] not in ("Z", "X"):
-                children.setdefault(st[1], []).append((int(d), st[2]))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child[0])
-    return out
 
 
 class Executor:

@@ -50,37 +50,15 @@ def role_name(num_servers: int) -> Callable[[int], str]:
     return name
 
 
-def run_job(
-    nprocs: int,
-    argv: list[str],
-    run_dir: str,
-    max_restarts: int,
-    nnodes=1,
-    rdzv="",
-    rdzv_id="ps",
-    console_rank: int = 0,
-    num_servers: int | None = None,
-) -> int:
-    """Run the job's ``nprocs`` processes on this node under the launcher; returns 0 on success, 1 if it
-    failed after all restarts (2 if every failed process reported bad input). ``console_rank``: the global
-    rank whose progress bar and console log lines reach the terminal (e.g. the first worker, rank S); the
-    others write only to their logs. ``num_servers``: S, to name failed processes by role."""
+def run_job(nprocs: int, argv: list[str], run_dir: str, ps, console_rank: int = 0) -> int:
+    """Run the job's ``nprocs`` processes on this node under the launcher (``ps``: the job's section of
+    servers, workers, restarts and nodes, see `launch.launch_config`); returns 0 on success, 1 if it failed
+    after all restarts (2 if every failed process reported bad input). ``console_rank``: the global rank
+    whose progress bar and console log lines reach the terminal (e.g. the first worker, rank S); the others
+    write only to their logs. Failed processes are named by role."""
     t0 = time.time()
-    what = f"{nprocs} process(es) x {nnodes} node(s)"
-    if num_servers:
-        what = f"{num_servers} server(s) + {nprocs * nnodes - num_servers} worker(s)"
-    rc = launch(
-        nprocs,
-        argv,
-        run_dir,
-        what=f"a parameter-server job: {what}",
-        nnodes=nnodes,
-        max_restarts=max_restarts,
-        rdzv_endpoint=rdzv,
-        rdzv_id=rdzv_id,
-        console_rank=console_rank,
-        name=role_name(num_servers) if num_servers else None,
-    )
+    what = f"a parameter-server job: {ps.servers} server(s) + {ps.workers} worker(s)"
+    rc = launch(nprocs, argv, run_dir, ps, what=what, console_rank=console_rank, name=role_name(ps.servers))
     counters = collect_counters(run_dir)
     counters["wall_s"] = round(time.time() - t0, 2)
     if Path(run_dir).is_dir():

@@ -3,8 +3,8 @@
 Every multi-process job starts here: the data-parallel jobs (`launch_if_needed`, called by
 ``mariana <app> train --workers N``) and the parameter-server jobs (`mariana.platform.ps.master.run_job`,
 S servers + W workers). `launch` runs torchrun's agent in this process with c10d rendezvous on a free
-loopback port (``--standalone``) or on a given ``HOST:PORT`` for several nodes, ``max_restarts`` restarts of
-the whole group, per-rank logs (``RUN/logs/rank-R.log``, `workerio`; the agent's in ``launcher.log``) and
+loopback port or on a given ``HOST:PORT`` for several nodes, workers forked from a server that imported
+torch once (`_run_forked`), ``max_restarts`` restarts of the whole group, per-rank logs (``RUN/logs/rank-R.log``, `workerio`; the agent's in ``launcher.log``) and
 one console line per failed process (the console, failure and Ctrl-C behaviour: ``platform/README.md``,
 "Data parallel"); exit code 2 when every failed process reported bad input, else 1. Inside a process the
 launcher started, `in_worker` is true and the command trains instead of launching.
@@ -13,17 +13,19 @@ launcher started, `in_worker` is true and the command trains instead of launchin
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
 import socket
 import sys
 import threading
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from ..core.endpoint import is_this_host, split_endpoint, wait_s
-from .workerio import CONSOLE_RANK_ENV, CONSOLE_TTY_ENV, RUN_DIR_ENV, failure_lines
+from .workerio import AGENT_ENV, CONSOLE_RANK_ENV, CONSOLE_TTY_ENV, RUN_DIR_ENV, failure_lines
 
 CLI_MODULE = "mariana.platform.cli"
 
@@ -38,37 +40,23 @@ def needs_launcher(cfg) -> bool:
     return cfg.workers > 1 or cfg.nnodes > 1 or cfg.max_restarts > 0
 
 
-def torchrun_args(
-    nproc_per_node: int,
-    argv: list[str],
-    *,
-    nnodes: int = 1,
-    max_restarts: int = 0,
-    rdzv_endpoint: str = "",
-    rdzv_id: str = "",
-    module: str = CLI_MODULE,
-) -> list[str]:
-    """torchrun's command line: ``nproc_per_node`` processes running ``python -m module argv``."""
-    args = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node)]
-    args += ["--max-restarts", str(max_restarts), "--monitor-interval", "0.5"]
-    if nnodes == 1 and not rdzv_endpoint:
-        args += ["--standalone"]  # c10d on a free loopback port, a fresh rendezvous id
-    else:
-        args += [
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            rdzv_endpoint,
-            "--rdzv-id",
-            rdzv_id or "mariana",
-            "--rdzv-conf",
-            _rdzv_conf(rdzv_endpoint),
-        ]
-    return [*args, "-m", module, *argv]
+def launch_config(nproc: int, at):
+    """torchrun's settings for ``nproc`` workers on this node. ``at``: the launch section (a job's
+    ``max_restarts``, and ``nnodes``, ``rdzv_endpoint``, ``rdzv_id`` where it may span nodes). A c10d
+    rendezvous on a free loopback port with a fresh id (one node, no endpoint) or at the endpoint
+    (`_rdzv_conf`); the agent checks its workers every 0.5 s and restarts the whole group on a failure."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    nnodes, endpoint = getattr(at, "nnodes", 1), getattr(at, "rdzv_endpoint", "")
+    alone = nnodes == 1 and not endpoint
+    endpoint, run_id = ("localhost:0", str(uuid.uuid4())) if alone else (endpoint, at.rdzv_id or "mariana")
+    return LaunchConfig(nnodes, nnodes, nproc, run_id=run_id, role="default", rdzv_endpoint=endpoint,
+                        rdzv_backend="c10d", rdzv_configs={} if alone else _rdzv_conf(endpoint),
+                        max_restarts=at.max_restarts, monitor_interval=0.5, start_method="forkserver")  # fmt: skip
 
 
-def _rdzv_conf(endpoint: str) -> str:
-    """torchrun's ``--rdzv-conf``: a node that has not joined within the wait ends the rendezvous; and
+def _rdzv_conf(endpoint: str) -> dict:
+    """The rendezvous' settings: a node that has not joined within the wait ends the rendezvous; and
     this node hosts the store when the endpoint is one of its interfaces' addresses that torch's guess
     (the hostname's addresses) misses. Where torch guesses right it keeps its fallback: a second agent on
     the same node, finding the port taken, joins as a client (Slurm's --tasks-per-node above 1)."""
@@ -76,7 +64,7 @@ def _rdzv_conf(endpoint: str) -> str:
 
     host = split_endpoint(endpoint)[0]
     second_interface = is_this_host(host) and not _matches_machine_hostname(host)
-    return f"join_timeout={max(1, int(wait_s()))}" + (",is_host=True" if second_interface else "")
+    return {"join_timeout": max(1, int(wait_s()))} | ({"is_host": True} if second_interface else {})
 
 
 def stall_reports(run_dir: str | Path) -> list[dict]:
@@ -104,13 +92,49 @@ def _quiet_launcher_logs(run_dir: Path) -> None:
     path = str(run_dir / "logs" / "launcher.log")
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+    agent = "torch.distributed.elastic torch.distributed.run torch.distributed.launcher torch.multiprocessing"
+    for name in agent.split():
         lg = logging.getLogger(name)
         lg.propagate = False
         for old in [h for h in lg.handlers if getattr(h, "baseFilename", None) == path]:
             lg.removeHandler(old)  # a second launch in this process: one handler per file
             old.close()
         lg.addHandler(handler)
+
+
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """``(state, ppid, starttime)`` of a process from /proc/PID/stat, or None if there is none."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces: split after the last ')'.
+    rest = raw[raw.rfind(")") + 2 :].split()
+    return rest[0], int(rest[1]), int(rest[19])
+
+
+def process_alive(pid: int, start: int | None) -> bool:
+    """True if ``pid`` runs (not a zombie) and is the process that started at ``start`` (clock ticks)."""
+    st = proc_stat(pid)
+    if st is None or st[0] in ("Z", "X"):
+        return False
+    return start is None or st[2] == start
+
+
+def descendants(pid: int) -> list[tuple[int, int]]:
+    """All live descendants of ``pid`` as (pid, starttime), found through the /proc parent links."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            st = proc_stat(int(d))
+            if st is not None and st[0] not in ("Z", "X"):
+                children.setdefault(st[1], []).append((int(d), st[2]))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child[0])
+    return out
 
 
 def _stop_on_lost_host(run_dir: Path, lost: dict, done: threading.Event) -> None:
@@ -125,16 +149,16 @@ def _stop_on_lost_host(run_dir: Path, lost: dict, done: threading.Event) -> None
                 os.kill(os.getpid(), signal.SIGTERM)
                 if done.wait(5):
                     return
-                for stat in Path("/proc").glob("[0-9]*/stat"):  # this agent's workers
-                    with contextlib.suppress(OSError, IndexError):
-                        if stat.read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid()):
-                            os.kill(int(stat.parent.name), signal.SIGKILL)
+                for pid, _ in descendants(os.getpid()):  # this agent's workers (and their fork server)
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
                 print(f"mariana: error: {r['message']} (see {run_dir}/logs/)", file=sys.stderr, flush=True)
                 os._exit(1)
 
 
-def run_torchrun(args: list[str], run_dir: str | Path, nproc_per_node: int, console_rank: int = 0):
-    """Run torchrun's agent in this process with ``args`` (its command line); returns None on success,
+def run_torchrun(config, argv: list[str], run_dir: str | Path, console_rank: int = 0):
+    """Run torchrun's agent (``config``: `launch_config`) in this process, its workers running ``mariana
+    argv``; returns None on success,
     the ``ChildFailedError`` of a failed job, or the message of a lost host. Ctrl-C (or SIGTERM) stops
     the workers and raises KeyboardInterrupt.
 
@@ -142,15 +166,15 @@ def run_torchrun(args: list[str], run_dir: str | Path, nproc_per_node: int, cons
     ``RUN/logs/rank-R.log`` (see `workerio`); ``console_rank`` keeps its progress bar on the terminal."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
 
     run_dir = Path(run_dir).absolute()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     for stale in (run_dir / "logs").glob("error-rank-*.json"):  # of an earlier attempt of this run
         stale.unlink(missing_ok=True)
     if not os.environ.get("OMP_NUM_THREADS"):  # else torchrun sets 1 and prints a banner about it
-        os.environ["OMP_NUM_THREADS"] = str(worker_threads(nproc_per_node))
+        os.environ["OMP_NUM_THREADS"] = str(worker_threads(config.nproc_per_node))
     os.environ[RUN_DIR_ENV] = str(run_dir)
+    os.environ[AGENT_ENV] = str(os.getpid())
     os.environ[CONSOLE_RANK_ENV] = str(console_rank)
     # the workers' stderr is a pipe to this agent: they draw a progress bar only when this one is a terminal
     os.environ[CONSOLE_TTY_ENV] = "1" if sys.stderr.isatty() else "0"
@@ -158,25 +182,84 @@ def run_torchrun(args: list[str], run_dir: str | Path, nproc_per_node: int, cons
     lost, done = {}, threading.Event()
     threading.Thread(target=_stop_on_lost_host, args=(run_dir, lost, done), daemon=True).start()
     try:
-        run(parse_args(args))
+        _run_forked(config, argv, run_dir / "logs" / "launcher.log")
     except SignalException:
         if lost:
             return lost["message"]
         raise KeyboardInterrupt from None
     except ChildFailedError as e:
+        e.with_traceback(None)
+        gc.collect()  # the agent's queues, held by the error's frames: freed now, not reported leaked at exit
         return e
     finally:
         done.set()
     return None
 
 
+def _run_forked(config, argv: list[str], log: Path) -> None:
+    """The agent, with the workers forked from a server that imported torch and this command's modules once,
+    where ``python -m mariana.platform.cli argv`` would import them in each worker (seconds of CPU apiece).
+    The server is this launch's (started with its environment, stopped at its end) and runs no torch op, so
+    the workers start clean (OpenMP's thread pool does not survive a fork)."""
+    import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+
+    from torch.distributed.launcher.api import elastic_launch
+
+    loaded = [m for m in sys.modules if m.startswith("mariana.") and not m.endswith("__main__")]
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", *sorted(loaded)])
+    with open(
+        log, "a"
+    ) as f:  # multiprocessing's tracker: its warnings (semaphores of killed workers) go there
+        console = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        multiprocessing.resource_tracker.ensure_running()
+        os.dup2(console, 2)
+        os.close(console)
+    try:
+        elastic_launch(config=config, entrypoint=_forked_worker)(argv)
+    finally:
+        multiprocessing.forkserver._forkserver._stop()  # the next launch's server takes its environment
+
+
+def _forked_worker(argv: list) -> None:
+    """One worker, a child of the fork server: ``python -u -m mariana.platform.cli argv`` in a session of
+    its own (as torchrun's workers: Ctrl-C reaches the agent, which stops them)."""
+    import ctypes
+    import runpy
+
+    ctypes.CDLL(None).prctl(
+        1, 0
+    )  # PR_SET_PDEATHSIG 0: the fork server's end (a signal to the job) is not ours
+    os.setsid()
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=True)
+    sys.argv = [CLI_MODULE, *argv]
+    runpy.run_module(CLI_MODULE, run_name="__main__", alter_sys=True)
+
+
+def _first_failure(run_dir: str | Path, failures: dict, nproc: int) -> dict[int, int]:
+    """Global rank -> exit code of the failed worker to name. torchrun's agent reports the first worker whose
+    exit it saw, which may have failed because another did (gloo's "connection closed"): when that worker
+    left a record (an error or a watchdog report), name the worker of this node whose record came first."""
+    rank, f = next(iter(failures.items()))
+    logs, base = Path(run_dir) / "logs", int(rank) - f.local_rank
+    made = {r: p.stat().st_mtime for r in range(base, base + nproc) for p in logs.glob(f"*-rank-{r}.json")}
+    first = min(made, key=made.get) if int(rank) in made else int(rank)
+    return {first: f.exitcode if first == int(rank) else 1}
+
+
 def report_failure(
-    e, run_dir: str | Path, max_restarts: int = 0, name: Callable[[int], str] | None = None
+    e,
+    run_dir: str | Path,
+    max_restarts: int = 0,
+    name: Callable[[int], str] | None = None,
+    nproc_per_node: int = 1,
 ) -> int:
     """Print one console line per cause of a failed job (``e``: torchrun's ChildFailedError; ``name``:
     rank -> how to name that process, default ``worker rank R``); returns the exit code: 2 when every
     failed process reported bad input, else 1."""
-    codes = {int(r): f.exitcode for r, f in e.failures.items()}
+    codes = _first_failure(run_dir, e.failures, nproc_per_node)
     # A watchdog's report (a stall, a lost host) replaces its rank's exit code; reports of other nodes' ranks
     # (a shared run directory) are theirs to print.
     why = {
@@ -195,63 +278,40 @@ def launch(
     nproc_per_node: int,
     argv: list[str],
     run_dir: str | Path,
+    at,
     *,
     what: str = "",
-    nnodes: int = 1,
-    max_restarts: int = 0,
-    rdzv_endpoint: str = "",
-    rdzv_id: str = "",
     console_rank: int = 0,
     name: Callable[[int], str] | None = None,
-    module: str = CLI_MODULE,
 ) -> int:
-    """Run ``python -m module argv`` in ``nproc_per_node`` processes on this node (x ``nnodes``) under
-    torchrun and return the job's exit code (0, or `report_failure`'s after printing the cause).
-    ``what``: the processes, for the one line announcing the launch; ``name``: see `report_failure`."""
-    what = what or f"{nproc_per_node} worker(s) x {nnodes} node(s)"
-    print(
-        f"mariana: launching {what} through torchrun (max restarts {max_restarts}); logs in {run_dir}/logs/",
-        file=sys.stderr,
-        flush=True,
-    )
-    args = torchrun_args(
-        nproc_per_node,
-        argv,
-        nnodes=nnodes,
-        max_restarts=max_restarts,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_id=rdzv_id,
-        module=module,
-    )
+    """Run ``mariana argv`` in ``nproc_per_node`` processes on this node (of the nodes of ``at``, see
+    `launch_config`) under torchrun and return the job's exit code (0, or `report_failure`'s after printing
+    the cause). ``what``: the processes, for the one line announcing the launch; ``name``: see `report_failure`."""
     from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
 
+    config = launch_config(nproc_per_node, at)
+    nnodes, restarts = config.max_nodes, config.max_restarts
+    what = what or f"{nproc_per_node} worker(s) x {nnodes} node(s)"
+    print(f"mariana: launching {what} through torchrun (max restarts {restarts}); logs in {run_dir}/logs/",
+          file=sys.stderr, flush=True)  # fmt: skip
     try:
-        failure = run_torchrun(args, run_dir, nproc_per_node, console_rank)
+        failure = run_torchrun(config, argv, run_dir, console_rank)
     except RendezvousError as e:  # a node that never came, or the first node gone before the group formed
         timed_out = isinstance(e, RendezvousTimeoutError)
         why = f"not all {nnodes} nodes joined within {wait_s():g} s" if timed_out else (str(e) or repr(e))
-        print(f"mariana: error: the rendezvous at {rdzv_endpoint} failed: {why} (see {run_dir}/logs/launcher.log)",
+        print(f"mariana: error: the rendezvous at {at.rdzv_endpoint} failed: {why} (see {run_dir}/logs/launcher.log)",
               file=sys.stderr)  # fmt: skip
         return 1
     if isinstance(failure, str):  # a lost host: no restart
         print(f"mariana: error: {failure} (see {run_dir}/logs/)", file=sys.stderr)
         return 1
-    return 0 if failure is None else report_failure(failure, run_dir, max_restarts, name)
+    return 0 if failure is None else report_failure(failure, run_dir, restarts, name, nproc_per_node)
 
 
-def launch_if_needed(cfg, argv: list[str], module: str = CLI_MODULE) -> int | None:
+def launch_if_needed(cfg, argv: list[str]) -> int | None:
     """A data-parallel job (``cfg``: a `TrainConfig`). In the user's process: run ``argv`` under the
     launcher and return the job's exit code. In a worker (or when one plain process suffices): return
     None, the caller trains in-process."""
     if in_worker() or not needs_launcher(cfg):
         return None
-    return launch(
-        cfg.workers,
-        argv,
-        cfg.out,
-        nnodes=cfg.nnodes,
-        max_restarts=cfg.max_restarts,
-        rdzv_endpoint=cfg.rdzv_endpoint,
-        rdzv_id=cfg.rdzv_id,
-        module=module,
-    )
+    return launch(cfg.workers, argv, cfg.out, cfg.section("launch"))

@@ -25,7 +25,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from .workerio import RUN_DIR_ENV
+from .workerio import AGENT_ENV, RUN_DIR_ENV
 
 EXIT_STALL = 75
 # Order of phases inside one optimizer step: a rank in an earlier phase than the others is the one behind.
@@ -41,8 +41,8 @@ def exit_lost(rank: int, message: str) -> None:
     launcher prints it and stops the node's job, no restart; exit `EXIT_STALL` if no launcher stopped this
     process within `LOST_GRACE_S`. Meanwhile the rank's other threads stay blocked where they are."""
     print(f"[mariana] rank {rank}: {message}", file=sys.__stderr__, flush=True)
-    # "agent": the launcher that acts on it (an orphan of an earlier attempt has none)
-    report = dict(rank=rank, message=message, lost=True, host=socket.gethostname(), agent=os.getppid())
+    agent = int(os.environ.get(AGENT_ENV, 0))  # the launcher that acts on it
+    report = dict(rank=rank, message=message, lost=True, host=socket.gethostname(), agent=agent)
     if run := os.environ.get(RUN_DIR_ENV):
         with contextlib.suppress(OSError):
             (Path(run) / "logs" / f"stall-rank-{rank}.json").write_text(json.dumps(report))

@@ -25,6 +25,7 @@ from pathlib import Path
 RUN_DIR_ENV = "MARIANA_RUN_DIR"
 CONSOLE_RANK_ENV = "MARIANA_CONSOLE_RANK"
 CONSOLE_TTY_ENV = "MARIANA_CONSOLE_TTY"  # "1" when the launcher's stderr is a terminal
+AGENT_ENV = "MARIANA_AGENT_PID"  # the launcher's process (a worker's parent is its fork server)
 
 
 def error_file(run_dir: str | Path, rank: int | str) -> Path:
@@ -62,8 +63,8 @@ class WorkerIO:
         log = sys.__stderr__  # file descriptor 2: the log file now
         warnings.showwarning = _warnings_to(log)
         env = os.environ  # where this rank runs and meets the others: across hosts, never loopback
-        print(f"mariana: rank {rank} on {_host()}; rendezvous store {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}",
-              file=log, flush=True)  # fmt: skip
+        print(f"mariana: rank {rank} on {_host()}; rendezvous store {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}; "
+              f"pid {os.getpid()}", file=log, flush=True)  # fmt: skip
         return cls(Path(run_dir), rank, logs / f"rank-{rank}.log", log)
 
     def record_error(self, exc: BaseException, user: bool) -> None:

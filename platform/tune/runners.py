@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mariana.platform.jobs.executor import proc_stat, process_alive
+from mariana.platform.runtime.launch import proc_stat, process_alive
 
 LOG_NAME = "trial.log"  # a local trial's stdout + stderr, inside its run directory
 
