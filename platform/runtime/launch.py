@@ -169,8 +169,6 @@ def run_torchrun(config, argv: list[str], run_dir: str | Path, console_rank: int
 
     run_dir = Path(run_dir).absolute()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    for stale in (run_dir / "logs").glob("error-rank-*.json"):  # of an earlier attempt of this run
-        stale.unlink(missing_ok=True)
     if not os.environ.get("OMP_NUM_THREADS"):  # else torchrun sets 1 and prints a banner about it
         os.environ["OMP_NUM_THREADS"] = str(worker_threads(config.nproc_per_node))
     os.environ[RUN_DIR_ENV] = str(run_dir)

@@ -47,6 +47,8 @@ class WorkerIO:
         logs = Path(run_dir) / "logs"
         try:
             logs.mkdir(parents=True, exist_ok=True)
+            for stale in (f"error-rank-{rank}.json", f"stall-rank-{rank}.json"):  # of an earlier attempt
+                (logs / stale).unlink(missing_ok=True)
             fd = os.open(logs / f"rank-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError:
             return None  # keep the console; the launcher already checked --out, so this is unexpected
