@@ -4,6 +4,8 @@ begins where the source model ended, gradient accumulation equals one large batc
 from __future__ import annotations
 
 import json
+import os
+import signal
 from dataclasses import replace
 
 import pytest
@@ -82,6 +84,27 @@ def test_early_stop_exports_the_best_steps_weights(tmp_path):
     for k, v in ref_model.state_dict().items():
         torch.testing.assert_close(snapshots["exported"][k], v, rtol=0, atol=0)
     assert not torch.equal(snapshots["exported"]["weight"], model.state_dict()["weight"])  # it trained on
+
+
+def test_preemption_signal_after_the_loop_lets_the_run_finish(tmp_path, monkeypatch):
+    """Under Slurm (MARIANA_PREEMPTIBLE=1) a SIGTERM that comes after the last step, during the final
+    export, is noted and the run ends normally: its handler was still armed. (It used to be the default
+    again there, so the process died with 143 and Slurm requeued a finished run, which then could not resume:
+    test_slurm_requeue's time-limited job, twice on 2026-12-06/07.)"""
+    monkeypatch.setenv("MARIANA_PREEMPTIBLE", "1")
+    hits = []
+    before = signal.signal(signal.SIGTERM, lambda *_: hits.append("the handler restored too early"))
+    try:
+
+        def export(metrics, step):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        _, trainer = make(cfg_(tmp_path, max_steps=6), tmp_path, Loader(3, 4), exporter=export)
+        final = trainer.fit()
+        assert final["steps"] == 6 and trainer.signalled == "SIGTERM" and not hits, (final, hits)
+        assert signal.getsignal(signal.SIGTERM) is not None and not hits
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def test_lower_is_better_metrics_and_unknown_monitor():

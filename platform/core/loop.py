@@ -325,8 +325,15 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train until ``--max-steps``/``--epochs`` or early stopping (resuming first when asked);
         evaluate, checkpoint and export on schedule; write ``metrics.json``. Returns its record."""
-        cfg, ctx = self.cfg, self.ctx
         handlers = self._arm()
+        try:
+            return self._fit()
+        finally:  # a signal after the loop (the final evaluation and export) is noted, the run ends as usual
+            for sig, old in (handlers or {}).items():
+                signal.signal(sig, old)
+
+    def _fit(self) -> dict[str, Any]:
+        cfg, ctx = self.cfg, self.ctx
         resumed = self.maybe_resume()
         self.logger = MetricsLogger(self.run, ctx, self.total_steps, self.step, cfg.progress, self.desc)
         start_time, start_step = time.perf_counter(), self.step
@@ -334,11 +341,7 @@ class Trainer:
         with self.logger.redirect(), self.logger.bar:
             if self.evaluator is not None and not resumed and getattr(cfg, "init_from", ""):
                 eval_metrics = self.evaluate("warm start")  # the starting point, for comparison
-            try:
-                stopped_early, eval_metrics = self._run(eval_metrics, scheduled=True)
-            finally:
-                for sig, old in (handlers or {}).items():
-                    signal.signal(sig, old)
+            stopped_early, eval_metrics = self._run(eval_metrics, scheduled=True)
             wall = time.perf_counter() - start_time
             self.logger.flush(self.step_obj)  # a loss not yet logged (early stop between log points)
             self.samples += self.logger.run_samples

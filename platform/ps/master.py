@@ -51,11 +51,9 @@ def role_name(num_servers: int) -> Callable[[int], str]:
 
 
 def run_job(nprocs: int, argv: list[str], run_dir: str, ps, console_rank: int = 0) -> int:
-    """Run the job's ``nprocs`` processes on this node under the launcher (``ps``: the job's section of
-    servers, workers, restarts and nodes, see `launch.launch_config`); returns 0 on success, 1 if it failed
-    after all restarts (2 if every failed process reported bad input). ``console_rank``: the global rank
-    whose progress bar and console log lines reach the terminal (e.g. the first worker, rank S); the others
-    write only to their logs. Failed processes are named by role."""
+    """Run the job's ``nprocs`` processes on this node under the launcher (``ps``: its `launch.launch_config`
+    section); returns 0, or 1 if it failed after all restarts (2 if every failed process reported bad input).
+    ``console_rank``: the global rank whose bar and console lines reach the terminal (e.g. rank S)."""
     t0 = time.time()
     what = f"a parameter-server job: {ps.servers} server(s) + {ps.workers} worker(s)"
     rc = launch(nprocs, argv, run_dir, ps, what=what, console_rank=console_rank, name=role_name(ps.servers))
