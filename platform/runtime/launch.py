@@ -4,10 +4,11 @@ Every multi-process job starts here: the data-parallel jobs (`launch_if_needed`,
 ``mariana <app> train --workers N``) and the parameter-server jobs (`mariana.platform.ps.master.run_job`,
 S servers + W workers). `launch` runs torchrun's agent in this process with c10d rendezvous on a free
 loopback port or on a given ``HOST:PORT`` for several nodes, workers forked from a server that imported
-torch once (`_run_forked`), ``max_restarts`` restarts of the whole group, per-rank logs (``RUN/logs/rank-R.log``, `workerio`; the agent's in ``launcher.log``) and
-one console line per failed process (the console, failure and Ctrl-C behaviour: ``platform/README.md``,
-"Data parallel"); exit code 2 when every failed process reported bad input, else 1. Inside a process the
-launcher started, `in_worker` is true and the command trains instead of launching.
+torch once (`_run_forked`), restarts of the whole group, per-rank logs (``RUN/logs/rank-R.log``,
+`workerio`; the agent's in ``launcher.log``) and one console line per failed process (the console, failure
+and Ctrl-C behaviour: ``platform/README.md``, "Data parallel"); exit code 2 when every failed process
+reported bad input, else 1. Inside a process the launcher started, `in_worker` is true and the command
+trains instead of launching.
 """
 
 from __future__ import annotations
@@ -206,9 +207,8 @@ def _run_forked(config, argv: list[str], log: Path) -> None:
 
     loaded = [m for m in sys.modules if m.startswith("mariana.") and not m.endswith("__main__")]
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", *sorted(loaded)])
-    with open(
-        log, "a"
-    ) as f:  # multiprocessing's tracker: its warnings (semaphores of killed workers) go there
+    # multiprocessing's resource tracker: its warnings (the semaphores of killed workers) go to the log
+    with open(log, "a") as f:
         console = os.dup(2)
         os.dup2(f.fileno(), 2)
         multiprocessing.resource_tracker.ensure_running()
@@ -226,9 +226,8 @@ def _forked_worker(argv: list) -> None:
     import ctypes
     import runpy
 
-    ctypes.CDLL(None).prctl(
-        1, 0
-    )  # PR_SET_PDEATHSIG 0: the fork server's end (a signal to the job) is not ours
+    # PR_SET_PDEATHSIG 0, as torchrun's workers: the fork server's end (a signal to the group) is not ours
+    ctypes.CDLL(None).prctl(1, 0)
     os.setsid()
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)
@@ -284,7 +283,7 @@ def launch(
 ) -> int:
     """Run ``mariana argv`` in ``nproc_per_node`` processes on this node (of the nodes of ``at``, see
     `launch_config`) under torchrun and return the job's exit code (0, or `report_failure`'s after printing
-    the cause). ``what``: the processes, for the one line announcing the launch; ``name``: see `report_failure`."""
+    the cause). ``what``: the processes, for the launch's line; ``name``: see `report_failure`."""
     from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
 
     config = launch_config(nproc_per_node, at)
