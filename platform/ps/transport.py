@@ -35,6 +35,7 @@ log = logging.getLogger("mariana")
 
 PROTOCOL = 2  # bump on any change of the message layout: peers of two versions refuse each other
 MAX_MSG_BYTES = int(float(os.environ.get("MARIANA_PS_MAX_MSG_MB", "2048")) * 2**20)
+_INPROC = itertools.count()  # in-process socket names; an object's id() is reused once it is freed
 _NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
                  torch.int8, torch.uint8, torch.bool}  # fmt: skip
 
@@ -97,7 +98,7 @@ class Server:
         self.objects, self.secret, self.on_lost = objects, secret, on_lost
         self.sock = _socket(zmq.ROUTER)
         self.address = f"{host}:{self.sock.bind_to_random_port(f'tcp://{host}')}"
-        self.inbox = f"inproc://ps-server-{id(self)}"
+        self.inbox = f"inproc://ps-server-{next(_INPROC)}"
         self.replies = _socket(zmq.PULL)
         self.replies.bind(self.inbox)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="ps-call")
@@ -230,7 +231,7 @@ class Client:
             s.setsockopt(zmq.LINGER, 0)
             s.connect(f"tcp://{a}")
             self.socks.append(s)
-        self.outbox, self.local = f"inproc://ps-client-{id(self)}", threading.local()
+        self.outbox, self.local = f"inproc://ps-client-{next(_INPROC)}", threading.local()
         self.out = _socket(zmq.PULL)
         self.out.bind(self.outbox)
         self.pending: dict[bytes, tuple[int, Reply]] = {}
