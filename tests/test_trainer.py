@@ -6,18 +6,22 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from helpers import DATA
 from mariana.platform.core.config import TrainConfig
 from mariana.platform.core.errors import MarianaError
-from mariana.platform.core.evaluator import EPOCH, Evaluator, higher_is_better
+from mariana.platform.core.evaluator import EPOCH, Evaluator, auc_logloss, higher_is_better
 from mariana.platform.core.loop import Trainer
 from mariana.platform.core.rundir import RunDir
 from mariana.platform.core.steps import ModuleStep
 from mariana.platform.runtime.dist import DistContext
+from sklearn.metrics import log_loss, roc_auc_score
 from trained_runs import FRAPPE_DEEPFM, cli_here, train
 
 FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
@@ -105,6 +109,22 @@ def test_preemption_signal_after_the_loop_lets_the_run_finish(tmp_path, monkeypa
         assert signal.getsignal(signal.SIGTERM) is not None and not hits
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_auc_and_logloss_equal_scikit_learns_with_ties_and_clipped_extremes():
+    rng = np.random.default_rng(0)
+    for n in (2, 7, 100, 5000):
+        y = rng.integers(0, 2, n)
+        y[:2] = [0, 1]
+        for p in (rng.random(n), np.round(rng.random(n), 1), np.r_[np.zeros(n - n // 2), np.ones(n // 2)]):
+            m, clipped = auc_logloss(y, p), np.clip(p, 1e-7, 1 - 1e-7)
+            assert abs(m["auc"] - roc_auc_score(y, clipped)) < 1e-12, (n, m)
+            assert abs(m["logloss"] - log_loss(y, clipped, labels=[0, 1])) < 1e-12, (n, m)
+    assert np.isnan(auc_logloss(np.ones(3), np.ones(3))["auc"]) and np.isnan(auc_logloss([], [])["logloss"])
+    # the point of our own: evaluating does not import scikit-learn (1.5 s of CPU in each process)
+    code = "import sys; from mariana.platform.core.evaluator import auc_logloss as f; f([0, 1], [0.2, 0.9]); "
+    code += "assert 'sklearn' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_lower_is_better_metrics_and_unknown_monitor():

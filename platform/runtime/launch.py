@@ -196,17 +196,17 @@ def run_torchrun(config, argv: list[str], run_dir: str | Path, console_rank: int
 
 
 def _run_forked(config, argv: list[str], log: Path) -> None:
-    """The agent, with the workers forked from a server that imported torch and this command's modules once,
-    where ``python -m mariana.platform.cli argv`` would import them in each worker (seconds of CPU apiece).
-    The server is this launch's (started with its environment, stopped at its end) and runs no torch op, so
-    the workers start clean (OpenMP's thread pool does not survive a fork)."""
+    """The agent, with the workers forked from a server that imported torch (with torch._dynamo, which torch's
+    optimizers import) and this command's modules once, where ``python -m mariana.platform.cli argv`` would
+    import them in each worker (seconds of CPU apiece). The server is this launch's (started with its
+    environment, stopped at its end), runs no torch op: the workers start clean (OpenMP's pool dies in a fork)."""
     import multiprocessing.forkserver
     import multiprocessing.resource_tracker
 
     from torch.distributed.launcher.api import elastic_launch
 
     loaded = [m for m in sys.modules if m.startswith("mariana.") and not m.endswith("__main__")]
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", *sorted(loaded)])
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", *sorted(loaded)])
     # multiprocessing's resource tracker: its warnings (the semaphores of killed workers) go to the log
     with open(log, "a") as f:
         console = os.dup(2)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from mariana.platform.core.atomic import atomic_write_path, atomic_write_text
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.evaluator import roc_auc
 
 if TYPE_CHECKING:
     import numpy as np
@@ -59,16 +60,7 @@ class DriftSettings:
 
     def check(self) -> None:
         """MarianaError naming the knob when a value is out of range."""
-        ints = {
-            "days": 1,
-            "rows_per_day": 1,
-            "ads": 10,
-            "users": 1,
-            "segments": 1,
-            "categories": 1,
-            "sites": 1,
-            "rank": 1,
-        }
+        ints = dict(days=1, rows_per_day=1, ads=10, users=1, segments=1, categories=1, sites=1, rank=1)
         for name, lo in ints.items():
             if getattr(self, name) < lo:
                 raise MarianaError(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(self, name)}")
@@ -188,7 +180,6 @@ class DriftWorld:
     def day(self) -> tuple[dict[str, np.ndarray], dict]:
         """Draw the next day: (columns by name -> arrays of ``rows_per_day``, facts about the day)."""
         import numpy as np
-        from sklearn.metrics import roc_auc_score
 
         s, rng = self.s, self.rng
         self.d += 1
@@ -257,9 +248,7 @@ class DriftWorld:
             "distinct_users": int(len(np.unique(uid))),
             "ads_born_so_far": int(self.next_ad),
             # the AUC of the true click logits: the best any model can do on this day
-            "oracle_auc": round(float(roc_auc_score(label, logit)), 4)
-            if 0 < label.sum() < n
-            else float("nan"),
+            "oracle_auc": round(roc_auc(label, logit), 4),
         }
         return cols, facts
 
