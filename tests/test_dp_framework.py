@@ -183,3 +183,34 @@ def test_one_fault_syntax_for_ranks_workers_and_servers(monkeypatch):
         monkeypatch.setenv("MARIANA_FAULT", bad)
         with pytest.raises(ValueError, match="MARIANA_FAULT entry"):
             faults.FaultInjector()
+
+
+def test_watchdog_puts_its_host_in_the_store_at_once(monkeypatch):
+    """A rank's first heartbeat, naming its host, is in the job's store as its watchdog starts, not a period
+    (1 s) later: a host cut off in its first second of training is named by the others, not "?"
+    (test_multihost_rdzv's cut-off test once saw "lost host ?")."""
+    import faulthandler
+    import signal
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from helpers import free_port
+    from mariana.platform.runtime.watchdog import Watchdog
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    watchdog, key = Watchdog(rank=1, world_size=2, timeout_s=60.0), "mariana/hb/0/1"
+    try:
+        deadline = time.monotonic() + 0.5
+        while not store.check([key]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.check([key]), "no heartbeat within 0.5 s of the watchdog's start"
+        beat = json.loads(store.get(key))
+    finally:
+        watchdog.stop()
+        faulthandler.unregister(signal.SIGTERM)
+    assert beat["host"] == socket.gethostname() and beat["phase"] == "init"

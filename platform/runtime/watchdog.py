@@ -129,6 +129,7 @@ class Watchdog:
 
     def _run(self) -> None:
         period = min(1.0, self.timeout_s / 10)
+        self._publish()  # at once: a host cut off in its first period is named, not "?"
         while not self._stop.wait(period):
             self._publish()
             idle = time.monotonic() - self.last_progress
