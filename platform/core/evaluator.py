@@ -129,8 +129,8 @@ def evaluator_from(
 
 def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
     """ROC AUC of ``scores`` for 0/1 ``labels`` (both [N]); NaN unless both classes occur. The Mann-Whitney
-    statistic, ties at their mean rank: scikit-learn's ``roc_auc_score`` (a test compares) without its import
-    (1.5 s of CPU in each process that evaluates)."""
+    statistic, ties at their mean rank: scikit-learn's ``roc_auc_score`` (a test compares) without its import,
+    which costs an evaluating process more CPU than the evaluation."""
     import numpy as np
 
     y = np.asarray(labels, dtype=np.float64)
