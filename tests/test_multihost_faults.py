@@ -59,10 +59,13 @@ class LoseHost:
     def _run(self, svc, out, host):
         try:
             sid = wait_for(lambda: svc.job(self.job_id)["external_id"], 60, "the job submitted to Slurm")
+
             # Both ranks have started (their logs exist): the host's processes are found before the checkpoint,
             # so the kill lands within milliseconds of it, well before the run's end (30 steps take under a
             # second once started; a scan of /proc and a `kill` process per signal after it once came late).
-            started = lambda: all((out / "logs" / f"rank-{r}.log").is_file() for r in (0, 1)) and host(out)  # noqa: E731
+            def started():  # -> the lost host's name once both ranks' logs exist
+                return all((out / "logs" / f"rank-{r}.log").is_file() for r in (0, 1)) and host(out)
+
             self.host = wait_for(started, 240, "both ranks started", 0.05)
             # the step's processes (the torchrun agent, its workers), not the batch shell or srun of h1
             here = set(slurm_processes(sid, f"SLURMD_NODENAME={self.host}".encode()))
@@ -93,7 +96,7 @@ def submit(svc: Service, argv: list) -> int:
     return svc.http.post("/api/jobs", json=body).raise_for_status().json()["id"]
 
 
-def server_host(out: Path) -> str:
+def server_host(out: Path) -> str | None:
     """The host of server 0, from its log line ``server 0 serves at ADDR on host H``."""
     m = re.search(r"server 0 serves at \S+ on host (\S+)", (out / "logs" / "rank-0.log").read_text())
     return m and m.group(1)  # None until the server has logged it
