@@ -45,12 +45,12 @@ def ours_step(R: int, dim: int, hidden, device, compile: str = "auto"):
     ``--compile compile`` (auto: compiled with CUDA graphs on CUDA, eager on the CPU; "nograph": compiled by
     inductor without CUDA graphs), fp32 (``--amp off``, as the plain loop), no regulariser the plain loop
     lacks (``--l2-emb 0``); ``step.local`` is the `LocalStep`."""
-    from mariana.apps.pctr.configs import with_defaults
+    from mariana.apps.pctr.configs import PctrConfig
     from mariana.apps.pctr.models.nets import CTRModel
     from mariana.apps.pctr.models.optim import build_dense, row_config
     from mariana.platform.sparse.local import LocalStep
 
-    cfg = with_defaults(
+    cfg = PctrConfig(
         model="deepfm", dim=dim, hidden=",".join(map(str, hidden)), rows_per_field=R, sparse_lr=0.05, lr=1e-3,
         l2_emb=0.0, amp="off", compile="off" if compile == "nograph" else compile, device=str(device),
     )  # fmt: skip

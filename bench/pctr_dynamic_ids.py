@@ -43,7 +43,7 @@ def schemes(admit: int) -> list[dict]:
 
 def train_days(days: list[Path], work: Path, scheme: dict, args) -> dict:
     """One-epoch incremental training over ``days``; each day's model scored on the next day."""
-    from mariana.apps.pctr.configs import with_defaults
+    from mariana.apps.pctr.configs import PctrConfig
     from mariana.apps.pctr.evaluate import evaluate_run
     from mariana.apps.pctr.train import train_local
 
@@ -52,7 +52,7 @@ def train_days(days: list[Path], work: Path, scheme: dict, args) -> dict:
     for d, day in enumerate(days):
         out = work / f"{scheme['name']}-R{args.rows}-day{d + 1}"
         kw = {k: v for k, v in scheme.items() if k != "name"}
-        cfg = with_defaults(
+        cfg = PctrConfig(
             data=str(day), format="criteo", out=str(out), model=args.model, dim=args.dim, epochs=1,
             split="1,0,0", batch_size=args.batch_size, rows_per_field=args.rows, seed=args.seed, progress=False,
             early_stop=0, eval_every=0, **kw,

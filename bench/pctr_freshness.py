@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the generated days and runs in --work")
     args = ap.parse_args()
 
-    from mariana.apps.pctr.configs import with_defaults
+    from mariana.apps.pctr.configs import PctrConfig
     from mariana.apps.pctr.data.drift import DriftSettings, day_name, generate
     from mariana.apps.pctr.evaluate import evaluate_run
     from mariana.apps.pctr.train import train_local
@@ -79,7 +79,7 @@ def main() -> None:
 
     def train(data: str, out: Path, init_from: str = "") -> tuple[float, float]:
         """Train one run; (wall seconds, CPU seconds of this process, all threads)."""
-        cfg = with_defaults(
+        cfg = PctrConfig(
             data=data,
             out=str(out),
             format="criteo",

@@ -44,13 +44,13 @@ def load_ids(path: str):
 
 
 def ours(path: str, model: str, epochs: int, out: Path) -> dict:
-    from mariana.apps.pctr.configs import with_defaults
+    from mariana.apps.pctr.configs import PctrConfig
     from mariana.apps.pctr.evaluate import evaluate_run
     from mariana.apps.pctr.train import train_local
 
     run = out / model
     shutil.rmtree(run, ignore_errors=True)
-    cfg = with_defaults(
+    cfg = PctrConfig(
         data=path,
         out=str(run),
         format="libfm",

@@ -203,9 +203,9 @@ def test_flat_toml_is_read_with_one_deprecation_line_and_sectioned_toml_without(
 
 
 def test_run_config_is_written_by_sections_and_old_flat_ones_are_read_quietly(tmp_path, capsys):
-    from mariana.apps.pctr.configs import PctrConfig, with_defaults
+    from mariana.apps.pctr.configs import PctrConfig
 
-    cfg = with_defaults(out=str(tmp_path / "new"), lr=0.02, model="lr")
+    cfg = PctrConfig(out=str(tmp_path / "new"), lr=0.02, model="lr")
     save_config(cfg, tmp_path / "config.toml")
     text = (tmp_path / "config.toml").read_text()
     assert "[optim]\n" in text and "[net]\n" in text and "\nlr = 0.02\n" in text

@@ -214,3 +214,52 @@ def test_watchdog_puts_its_host_in_the_store_at_once(monkeypatch):
         watchdog.stop()
         faulthandler.unregister(signal.SIGTERM)
     assert beat["host"] == socket.gethostname() and beat["phase"] == "init"
+
+
+FORK_PROBE = """
+import json, multiprocessing, os, sys, threading, time
+from pathlib import Path
+import torch
+from mariana.platform.runtime.launch import fork_is_safe, fork_server
+
+seen = {"fresh": fork_is_safe()}
+t = threading.Thread(target=time.sleep, args=(0.5,))
+t.start()
+seen["with a thread"] = fork_is_safe()
+t.join()
+os.environ["OMP_NUM_THREADS"] = "1"  # what the launcher sets for its workers
+with fork_server(Path(sys.argv[1])):
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    seen["a fork of this process"] = Path(f"/proc/{pid}/cmdline").read_bytes() == Path("/proc/self/cmdline").read_bytes()
+    with multiprocessing.get_context("forkserver").Pool(1) as pool:
+        seen["worker threads"] = pool.apply(torch.get_num_threads)
+torch.ones(512, 512) @ torch.ones(512, 512)  # a parallel region: OpenMP's pool now exists
+seen["right after a parallel region"] = fork_is_safe()  # its threads still spin
+time.sleep(1)
+seen["a second after"] = fork_is_safe()  # they wait in OpenMP's code
+print(json.dumps(seen))
+"""
+
+
+def test_the_fork_server_is_a_fork_of_the_launcher_only_where_that_is_safe(tmp_path):
+    """The launch's fork server forks the launcher (torch imported once) when nothing in it makes a fork
+    unsafe, its workers then run the launch's OMP_NUM_THREADS (not the launcher's OpenMP setting); with
+    another thread, or once OpenMP has run a parallel region (a forked child would hang in its first one),
+    it is not a fork (multiprocessing starts a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT, cli_env
+
+    env = cli_env({"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"})  # the launcher's own: 2 threads
+    p = subprocess.run([sys.executable, "-c", FORK_PROBE, str(tmp_path / "log")], capture_output=True, text=True,
+                       env=env, cwd=ROOT, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.splitlines()[-1]) == {
+        "fresh": True,
+        "with a thread": False,
+        "a fork of this process": True,
+        "worker threads": 1,
+        "right after a parallel region": False,
+        "a second after": False,
+    }

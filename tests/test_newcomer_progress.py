@@ -1,7 +1,7 @@
 """Issue 41 point 10: long commands show progress. Off a terminal (a log, the job service, these tests)
 the one helper, `console.progress`, prints ``mariana: DESC: K/N UNITS (P %)`` lines (every
-``$MARIANA_PROGRESS_EVERY`` seconds; 0 here: every unit) and `console.periodic` relays a parameter-server
-job's workers. Checked on the commands the issue names: ``vision eval --tta-mode crops`` (with the new
+``$MARIANA_PROGRESS_EVERY`` seconds; 0 here: every unit) and the launcher's thread (`launch.watch`) relays
+a parameter-server job's workers. Checked on the commands the issue names: ``vision eval --tta-mode crops`` (with the new
 ``--limit``), the feature computation of ``asr train``'s cache, ``pctr train --servers``' master."""
 
 from __future__ import annotations
@@ -78,8 +78,10 @@ def test_asr_feature_computation_shows_progress(every_unit, capsys):
 
 def test_a_parameter_server_master_relays_its_workers_progress(monkeypatch, tmp_path, capsys):
     """`pctr train --servers`' master prints its workers' last counters records while the job runs."""
+    import threading
+
     from mariana.apps.pctr.commands import workers_progress
-    from mariana.platform.cli.console import periodic
+    from mariana.platform.runtime.launch import watch
 
     monkeypatch.setenv("MARIANA_PROGRESS_EVERY", "0.05")
     (tmp_path / "counters").mkdir()
@@ -87,8 +89,12 @@ def test_a_parameter_server_master_relays_its_workers_progress(monkeypatch, tmp_
     for w, step in ((0, 20), (1, 18)):
         rec = {"step": step, "loss": 0.5 - w / 10}
         (tmp_path / "counters" / f"worker-{w}.jsonl").write_text(json.dumps(rec) + "\n" + '{"step": 4')
-    with periodic(lambda: workers_progress(tmp_path)):
-        time.sleep(0.3)
+    done = threading.Event()  # the launcher's thread while the job runs
+    relay = threading.Thread(target=watch, args=(tmp_path, {}, done, lambda: workers_progress(tmp_path)))
+    relay.start()
+    time.sleep(0.6)
+    done.set()
+    relay.join()
     lines = capsys.readouterr().err.splitlines()
     assert lines and set(lines) == {
         "mariana: pctr train: worker 0 step 20 loss 0.5000, worker 1 step 18 loss 0.4000"

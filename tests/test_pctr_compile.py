@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import DATA
-from mariana.apps.pctr.configs import with_defaults
+from mariana.apps.pctr.configs import PctrConfig
 from mariana.apps.pctr.data.encoding import Batch
 from mariana.apps.pctr.models.nets import build_model
 from mariana.apps.pctr.models.optim import build_dense, row_config
@@ -44,7 +44,7 @@ def local_step(device: str, steps: int, **kw) -> LocalStep:
     """A `LocalStep` of DeepFM over F_ fields of R_ rows on ``device`` as `make_local_step` builds it, for
     ``steps`` steps of a cosine schedule (both learning rates change every step); ``kw`` over the settings."""
     kw = {"amp": "off", **kw}
-    cfg = with_defaults(
+    cfg = PctrConfig(
         model="deepfm", dim=4, hidden="16,8", rows_per_field=R_, schedule="cosine", dropout=0.0,
         clip_grad=5.0, weight_decay=1e-4, device=str(device), **kw,
     )  # fmt: skip
@@ -76,11 +76,11 @@ def train(step: LocalStep, data: list[Batch]) -> list[float]:
 
 def test_compile_mode_is_auto_on_cuda_only():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert compile_mode(with_defaults(), cpu) is None  # the CPU's trimmed eager step
-    assert compile_mode(with_defaults(), cuda) == ("inductor", "reduce-overhead")
-    assert compile_mode(with_defaults(compile="on"), cpu) == ("inductor", None)
-    assert compile_mode(with_defaults(compile="on", compile_backend="aot_eager"), cuda) == ("aot_eager", None)
-    assert compile_mode(with_defaults(compile="off"), cuda) is None
+    assert compile_mode(PctrConfig(), cpu) is None  # the CPU's trimmed eager step
+    assert compile_mode(PctrConfig(), cuda) == ("inductor", "reduce-overhead")
+    assert compile_mode(PctrConfig(compile="on"), cpu) == ("inductor", None)
+    assert compile_mode(PctrConfig(compile="on", compile_backend="aot_eager"), cuda) == ("aot_eager", None)
+    assert compile_mode(PctrConfig(compile="off"), cuda) is None
 
 
 def test_changing_learning_rates_reach_one_compiled_graph_and_train_the_eager_model():

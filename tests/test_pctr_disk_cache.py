@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import ROOT, cli_env
-from mariana.apps.pctr.configs import with_defaults
+from mariana.apps.pctr.configs import PctrConfig
 from mariana.apps.pctr.data.encoding import Batch, Encoder, infer_schema
 from mariana.apps.pctr.data.reader import WorkerData
 from mariana.apps.pctr.train import train_local
@@ -180,7 +180,7 @@ def small(tmp_path_factory):
 
 
 def _run(data, out, **kw) -> dict:
-    return train_local(with_defaults(data=str(data / "train.tsv"), out=str(out), **{**COMMON, **kw}))
+    return train_local(PctrConfig(data=str(data / "train.tsv"), out=str(out), **{**COMMON, **kw}))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from mariana.apps.pctr.configs import with_defaults
+from mariana.apps.pctr.configs import PctrConfig
 from mariana.apps.pctr.data.drift import DriftSettings, generate
 from mariana.apps.pctr.data.encoding import Encoder, ReadStats, count_lines, infer_schema, iter_chunks
 from mariana.apps.pctr.data.sources import resolve_sources
@@ -47,7 +47,7 @@ def _train(data, out, *extra):
 
 def _train_here(data, out, **kw):
     """`_train` in this process, through the function the CLI calls (no interpreter start-up)."""
-    cfg = with_defaults(
+    cfg = PctrConfig(
         data=str(data), out=str(out), format="criteo", model="deepfm", dim=4, hidden="8", rows_per_field=256,
         split="1,0,0", epochs=1, batch_size=256, progress=False, seed=5, schedule="constant", dropout=0.0, **kw,
     )  # fmt: skip
@@ -140,7 +140,7 @@ def test_folder_and_list_sources(days, tmp_path):
 
 def test_init_train_state_needs_a_one_process_checkpoint(days, tmp_path):
     with pytest.raises(MarianaError, match="--init-train-state needs --init-from"):
-        with_defaults(init_train_state=True).validate()
+        PctrConfig(init_train_state=True).validate()
     src = tmp_path / "src"
     _train_here(days / "day-01.tsv", src)
     with pytest.raises(MarianaError, match="--init-train-state applies to --servers 0 only"):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from helpers import DATA
-from mariana.apps.pctr.configs import with_defaults
+from mariana.apps.pctr.configs import PctrConfig
 from mariana.apps.pctr.data import encoding as data_mod
 from mariana.apps.pctr.data import sources as sources_mod
 from mariana.apps.pctr.data.encoding import Encoder
@@ -75,7 +75,7 @@ def test_setup_counts_lines_only_when_a_split_is_needed_and_then_once(days, tmp_
     """What a parameter-server server builds (schema, table spec) counts nothing; the workers' shares,
     the batch-size check and the validation set share one count."""
     counted, encoded = watch
-    cfg = with_defaults(
+    cfg = PctrConfig(
         data=str(days), out=str(tmp_path / "run"), format="criteo", model="lr", rows_per_field=64,
         split="0.8,0.2,0", batch_size=64, servers=1, workers=2,
     )  # fmt: skip

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.errors import DataError, MarianaError
+from mariana.platform.core.jsonfile import read_json
 
 from .data import parse_speakers, prepare, scan_fsdd
 from .evaluate import evaluate_run, parse_vtln
@@ -87,13 +88,6 @@ def parse_train_args(text: str) -> list[str]:
                 "OUT/<speaker>); leave it out"
             )
     return words
-
-
-def _read_marker(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):  # missing or torn by an interruption: the step is redone
-        return None
 
 
 def _train_command() -> list[str]:
@@ -165,7 +159,7 @@ def _prepare_options(data: str, utterances: int, max_digits: int, seed: int, syn
 def _prepare_fold(spk: str, data: str, data_dir: Path, fold_prep: dict, synth_kw: dict, fresh: bool) -> bool:
     """Prepare the fold's data folder (test speaker ``spk``) unless its marker says it was prepared with
     the same ``fold_prep`` (and not ``fresh``) -> True when it was reused."""
-    prepared = not fresh and _read_marker(data_dir / MARKER) == fold_prep
+    prepared = not fresh and read_json(data_dir / MARKER) == fold_prep
     if not prepared:
         (data_dir / MARKER).unlink(missing_ok=True)
         r = prepare(
@@ -184,7 +178,7 @@ def _prepare_fold(spk: str, data: str, data_dir: Path, fold_prep: dict, synth_kw
 def _train_fold(spk: str, data_dir: Path, run_dir: Path, log: Path, marker: dict, reuse: bool) -> bool:
     """Train the fold's model into ``run_dir`` unless ``reuse`` (the data was not prepared again) and its
     marker matches ``marker`` (the same data and train args) -> True when it trained."""
-    if reuse and (run_dir / MODEL_FILE).is_file() and _read_marker(run_dir / MARKER) == marker:
+    if reuse and (run_dir / MODEL_FILE).is_file() and read_json(run_dir / MARKER) == marker:
         print(f"fold {spk}: reusing the model in {run_dir} (same data and train args; --fresh retrains)")
         return False
     if run_dir.exists() and not run_dir.is_dir():

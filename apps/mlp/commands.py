@@ -3,12 +3,12 @@ runs (`mariana.platform.cli.dispatch`), so it imports the training code at its t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from mariana.platform.cli.common import check_data_path, run_training
 from mariana.platform.core.config import resolve_config
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.jsonfile import read_json
 
 from .configs import PRESETS, MlpConfig, MlpEvalConfig
 from .evaluate import evaluate_run
@@ -45,9 +45,7 @@ def _check_model_json(model: Path) -> None:
         raise MarianaError(
             f"no exported model at {weights} (train first, or point --model at a run directory)"
         )
-    try:
-        meta = json.loads(weights.with_name("model.json").read_text())
-    except (OSError, ValueError):
+    if (meta := read_json(weights.with_name("model.json"))) is None:
         return  # no readable model.json: load_exported reports the weights file
     app = meta.get("app") or meta.get("job") if isinstance(meta, dict) else None
     if app != "mlp":

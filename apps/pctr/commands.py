@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from mariana.platform.cli.common import check_data_path, check_fresh_run_dir
-from mariana.platform.cli.console import periodic, warn_skipped
+from mariana.platform.cli.console import warn_skipped
 from mariana.platform.core.config import read_config_values, resolve_config
 from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.export import warm_start_note
@@ -86,8 +86,8 @@ def train(args, argv) -> int:
         if nprocs % cfg.nnodes:
             raise MarianaError(f"--servers + --workers = {nprocs} is not divisible by --nnodes {cfg.nnodes}")
         nprocs //= cfg.nnodes
-    with periodic(lambda: workers_progress(Path(cfg.out))):  # the workers draw no bar here
-        rc = run_job(nprocs, argv, cfg.out, cfg.section("ps"))
+    # the workers draw no bar here: a line now and then from the launcher
+    rc = run_job(nprocs, argv, cfg.out, cfg.section("ps"), progress=lambda: workers_progress(Path(cfg.out)))
     final = Path(cfg.out) / "metrics.json"
     if rc == 0 and final.is_file():
         m = json.loads(final.read_text())

@@ -8,7 +8,7 @@ train` checks its flags before torch is imported."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 from mariana.platform.core.config import (
@@ -477,8 +477,3 @@ PRESETS = {
         log_every=50,
     ),
 }
-
-
-def with_defaults(**kw) -> PctrConfig:
-    """`PctrConfig` with ``kw`` over its defaults (benches and tests)."""
-    return replace(PctrConfig(), **kw)

@@ -1,7 +1,6 @@
 """Console lines shared by every app, so that the same event reads the same everywhere.
 
 `progress`: what a long step shows while it works (a bar on a terminal, periodic lines in a log);
-`periodic`: lines while other processes do the work (a parameter-server job's workers).
 `warn_skipped`: the one warning for input a command left out (malformed libFM/Criteo lines of pCTR and
 mlp, corrupt images of vision, unreadable recordings of ASR)::
 
@@ -11,15 +10,13 @@ Standard library only (the CLI modules import it before torch)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
-PROGRESS_EVERY_ENV = "MARIANA_PROGRESS_EVERY"  # seconds between progress lines off a terminal (default 30)
+from ..runtime.workerio import PROGRESS_EVERY_ENV
 
 
 def first_example(examples: Mapping | Iterable | None) -> str:
@@ -80,23 +77,3 @@ def progress(items: Iterable, total: int, desc: str, units: str = "batches") -> 
         if time.monotonic() - last >= every:
             last, share = time.monotonic(), f"{done}/{total} {units} ({100 * done // total} %)"
             print(f"mariana: {desc}: {share}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def periodic(describe: Callable[[], str]) -> Iterator[None]:
-    """While the block runs, ``mariana: <describe()>`` on stderr every ``$MARIANA_PROGRESS_EVERY`` seconds
-    (30; nothing while it returns ''), from a thread: for a command whose work runs in other processes."""
-    stop, every = threading.Event(), float(os.environ.get(PROGRESS_EVERY_ENV) or 30)
-
-    def loop() -> None:
-        while not stop.wait(every):
-            if text := describe():
-                print(f"mariana: {text}", file=sys.stderr, flush=True)
-
-    thread = threading.Thread(target=loop, name="mariana-progress", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()

@@ -16,6 +16,7 @@ import tomllib
 from pathlib import Path
 
 from ..core.errors import MarianaError
+from ..core.jsonfile import read_json
 from .common import DefaultsHelpFormatter, checkpoint_step, subcommands
 from .dispatch import handler
 from .main import build_parser
@@ -71,11 +72,7 @@ def run_command(folder: Path, commands: dict[str, type | None]) -> str | None:
 
 
 def _json(path: Path) -> dict | None:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
+    return value if isinstance(value := read_json(path), dict) else None
 
 
 def _last_records(path: Path, tail: int = 1 << 16) -> dict:

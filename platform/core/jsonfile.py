@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 
@@ -20,6 +21,14 @@ def finite(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [finite(v) for v in obj]
     return obj
+
+
+def read_json(path: str | Path) -> Any:
+    """The JSON value in the file ``path``; None when it is missing, unreadable or not JSON (a torn write)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def dumps(obj: Any, **kw) -> str:

@@ -32,11 +32,8 @@ OPSET = 18
 
 def file_digest(path: Path) -> str:
     """The first 16 hex digits of the file's SHA-256."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
+        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
 
 
 class OrtGraph:

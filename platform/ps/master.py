@@ -50,13 +50,14 @@ def role_name(num_servers: int) -> Callable[[int], str]:
     return name
 
 
-def run_job(nprocs: int, argv: list[str], run_dir: str, ps, console_rank: int = 0) -> int:
+def run_job(nprocs: int, argv: list[str], run_dir: str, ps, **how) -> int:
     """Run the job's ``nprocs`` processes on this node under the launcher (``ps``: its `launch.launch_config`
     section); returns 0, or 1 if it failed after all restarts (2 if every failed process reported bad input).
-    ``console_rank``: the global rank whose bar and console lines reach the terminal (e.g. rank S)."""
+    ``how``: `launch`'s ``console_rank`` (the global rank whose bar and console lines reach the terminal, e.g.
+    rank S) and ``progress``."""
     t0 = time.time()
     what = f"a parameter-server job: {ps.servers} server(s) + {ps.workers} worker(s)"
-    rc = launch(nprocs, argv, run_dir, ps, what=what, console_rank=console_rank, name=role_name(ps.servers))
+    rc = launch(nprocs, argv, run_dir, ps, what=what, name=role_name(ps.servers), **how)
     counters = collect_counters(run_dir)
     counters["wall_s"] = round(time.time() - t0, 2)
     if Path(run_dir).is_dir():

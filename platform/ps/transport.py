@@ -80,11 +80,21 @@ def _aligned(buf: memoryview):
     return out[off : off + len(buf)]
 
 
-def _socket(kind: int) -> zmq.Socket:
+def _socket(kind: int, connect: str = "", linger: int = 2000) -> zmq.Socket:
+    """A ``kind`` socket, connected to ``connect`` if given; queued messages (replies) leave for ``linger`` ms."""
     s = zmq.Context.instance().socket(kind)
     s.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
-    s.setsockopt(zmq.LINGER, 2000)  # replies already queued (``finish``'s) still leave on close
+    s.setsockopt(zmq.LINGER, linger)
+    if connect:
+        s.connect(connect)
     return s
+
+
+def _pusher(local: threading.local, inproc: str) -> zmq.Socket:
+    """This thread's PUSH socket to ``inproc`` (a zmq socket is used by one thread only)."""
+    if getattr(local, "push", None) is None:
+        local.push = _socket(zmq.PUSH, inproc)
+    return local.push
 
 
 class Server:
@@ -182,11 +192,7 @@ class Server:
         with self.stats_lock:
             self.stats["codec_s"] += t1 - t0 + t3 - t2
             self.stats[f"{method}_s"] = self.stats.get(f"{method}_s", 0.0) + t2 - t1
-        push = getattr(self.local, "push", None)
-        if push is None:
-            push = self.local.push = _socket(zmq.PUSH)
-            push.connect(self.inbox)
-        push.send_multipart(frames, copy=False)
+        _pusher(self.local, self.inbox).send_multipart(frames, copy=False)
 
     def close(self) -> None:
         self.closed.set()
@@ -225,12 +231,7 @@ class Client:
                  hosts=None, on_lost=None):  # fmt: skip
         self.addresses, self.timeout, self.on_lost = addresses, timeout_s, on_lost
         self.hosts = hosts or ["?"] * len(addresses)
-        self.socks = []
-        for a in addresses:
-            s = _socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(f"tcp://{a}")
-            self.socks.append(s)
+        self.socks = [_socket(zmq.DEALER, f"tcp://{a}", linger=0) for a in addresses]
         self.outbox, self.local = f"inproc://ps-client-{next(_INPROC)}", threading.local()
         self.out = _socket(zmq.PULL)
         self.out.bind(self.outbox)
@@ -251,11 +252,8 @@ class Client:
                 reply.set_exception(TransportError(self.dead[server]))
                 return reply
             self.pending[rid] = (server, reply)
-        push = getattr(self.local, "push", None)
-        if push is None:
-            push = self.local.push = _socket(zmq.PUSH)
-            push.connect(self.outbox)
-        push.send_multipart([server.to_bytes(4, "little"), kind, rid, *frames], copy=False)
+        head = [server.to_bytes(4, "little"), kind, rid]
+        _pusher(self.local, self.outbox).send_multipart([*head, *frames], copy=False)
         return reply
 
     def call(self, server: int, name: str, method: str, args: tuple, timeout: float | None = None) -> Reply:

@@ -4,7 +4,7 @@ Every multi-process job starts here: the data-parallel jobs (`launch_if_needed`,
 ``mariana <app> train --workers N``) and the parameter-server jobs (`mariana.platform.ps.master.run_job`,
 S servers + W workers). `launch` runs torchrun's agent in this process with c10d rendezvous on a free
 loopback port or on a given ``HOST:PORT`` for several nodes, workers forked from a server that imported
-torch once (`_run_forked`), restarts of the whole group, per-rank logs (``RUN/logs/rank-R.log``,
+torch once (`fork_server`), restarts of the whole group, per-rank logs (``RUN/logs/rank-R.log``,
 `workerio`; the agent's in ``launcher.log``) and one console line per failed process (the console, failure
 and Ctrl-C behaviour: ``platform/README.md``, "Data parallel"); exit code 2 when every failed process
 reported bad input, else 1. Inside a process the launcher started, `in_worker` is true and the command
@@ -15,20 +15,23 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
+import re
 import signal
 import socket
 import sys
 import threading
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..core.endpoint import is_this_host, split_endpoint, wait_s
-from .workerio import AGENT_ENV, CONSOLE_RANK_ENV, CONSOLE_TTY_ENV, RUN_DIR_ENV, failure_lines
+from ..core.jsonfile import read_json
+from . import workerio
 
 CLI_MODULE = "mariana.platform.cli"
+_OPENMP = re.compile(r"/lib(g|i)?omp[^/]*\.so[^/]*$")  # GNU, Intel and LLVM OpenMP
 
 
 def in_worker() -> bool:
@@ -69,14 +72,8 @@ def _rdzv_conf(endpoint: str) -> dict:
 
 
 def stall_reports(run_dir: str | Path) -> list[dict]:
-    logs = Path(run_dir) / "logs"
-    out = []
-    for p in sorted(logs.glob("stall-rank-*.json")) if logs.is_dir() else []:
-        try:
-            out.append(json.loads(p.read_text()))
-        except (OSError, ValueError):
-            pass
-    return out
+    reports = sorted((Path(run_dir) / "logs").glob("stall-rank-*.json"))
+    return [r for r in map(read_json, reports) if r is not None]
 
 
 def worker_threads(nproc_per_node: int) -> int:
@@ -101,6 +98,95 @@ def _quiet_launcher_logs(run_dir: Path) -> None:
             lg.removeHandler(old)  # a second launch in this process: one handler per file
             old.close()
         lg.addHandler(handler)
+
+
+def fork_is_safe() -> bool:
+    """Whether this process may fork a server whose children run torch: no other Python thread (a lock it
+    holds stays held), no GPU device (CUDA does not survive a fork) and no OpenMP pool (a child of a process
+    that ran a parallel region hangs in its first one): no thread is running or waits in OpenMP's code."""
+    if threading.active_count() > 1 or any(Path("/dev").glob("nvidia*")) or Path("/dev/kfd").exists():
+        return False
+    maps = Path("/proc/self/maps").read_text().splitlines()  # "start-end perms offset dev inode path"
+    openmp = [[int(a, 16) for a in ln.split()[0].split("-")] for ln in maps if _OPENMP.search(ln)]
+    for task in set(os.listdir("/proc/self/task")) - {str(os.getpid())}:
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            state = Path(f"/proc/self/task/{task}/syscall").read_text().split()
+            if state[0] == "running" or any(lo <= int(state[-1], 16) < hi for lo, hi in openmp):
+                return False
+    return True
+
+
+def _fork_the_server(preload: list[str]) -> None:
+    """Start multiprocessing's fork server as a fork of this process: what ``ForkServer.ensure_running``
+    does with a fresh interpreter (Python 3.11-3.12's protocol; later ones add a key: left to them)."""
+    from multiprocessing import connection, forkserver
+
+    import torch
+
+    server = forkserver._forkserver
+    if server._forkserver_pid is not None or hasattr(server, "_forkserver_authkey"):
+        return
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # the server ends when every client has closed alive_w
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if (pid := os.fork()) == 0:
+            try:
+                os.close(alive_w)
+                for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+                    signal.signal(sig, signal.SIG_DFL)  # as in a fresh interpreter
+                # OpenMP read the environment when this process loaded it: OMP_NUM_THREADS as a fresh server's
+                torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads()))
+                forkserver.main(listener.fileno(), alive_r, preload)
+            finally:
+                os._exit(0)
+        os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
+@contextlib.contextmanager
+def fork_server(log: Path) -> Iterator[None]:
+    """This launch's fork server for the block (stopped at its end: the next launch's takes its environment),
+    with torch, torch._dynamo (every torch optimizer imports it) and the command's modules imported once, not in
+    each worker (seconds of CPU apiece): a fork of this process where `fork_is_safe`, else a fresh interpreter.
+    The resource tracker (the semaphores of killed workers) writes to ``log``."""
+    import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+
+    loaded = [m for m in sys.modules if m.startswith("mariana.") and not m.endswith("__main__")]
+    preload = ["torch", "torch.distributed", "torch._dynamo", *sorted(loaded)]
+    multiprocessing.set_forkserver_preload(preload)
+    with open(log, "a") as f:
+        console = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        multiprocessing.resource_tracker.ensure_running()
+        os.dup2(console, 2)
+        os.close(console)
+    if fork_is_safe():
+        _fork_the_server(preload)
+    try:
+        yield
+    finally:
+        multiprocessing.forkserver._forkserver._stop()
+
+
+def forked_worker(argv: list) -> None:
+    """One worker, a child of the fork server: ``python -u -m mariana.platform.cli argv`` in a session of
+    its own (as torchrun's workers: Ctrl-C reaches the agent, which stops them)."""
+    import ctypes
+    import runpy
+
+    # PR_SET_PDEATHSIG 0, as torchrun's workers: the fork server's end (a signal to the group) is not ours
+    ctypes.CDLL(None).prctl(1, 0)
+    os.setsid()
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=True)
+    sys.argv = [CLI_MODULE, *argv]
+    runpy.run_module(CLI_MODULE, run_name="__main__", alter_sys=True)
 
 
 def proc_stat(pid: int) -> tuple[str, int, int] | None:
@@ -138,12 +224,18 @@ def descendants(pid: int) -> list[tuple[int, int]]:
     return out
 
 
-def _stop_on_lost_host(run_dir: Path, lost: dict, done: threading.Event) -> None:
-    """Until ``done``: once a rank of this host reports a lost host (`watchdog.exit_lost`), put its message in
-    ``lost`` and SIGTERM this process: torchrun's agent stops its workers, no restart (README, "A lost host /
-    link down"); if the agent is stuck in a store call to the lost host, kill the workers and exit 1 here."""
-    me = (socket.gethostname(), os.getpid())
+def watch(run_dir: Path, lost: dict, done: threading.Event, progress: Callable[[], str] | None) -> None:
+    """The launcher's thread until ``done``: ``mariana: <progress()>`` on stderr every ``$MARIANA_PROGRESS_EVERY``
+    seconds (30; nothing while it returns ''; ``progress`` None: never); once a rank of this host reports a lost
+    host (`watchdog.exit_lost`), its message in ``lost`` and a SIGTERM to this process: torchrun's agent stops
+    its workers, no restart (README, "A lost host / link down"); if the agent is stuck in a store call to the
+    lost host, kill the workers and exit 1 here."""
+    me, shown = (socket.gethostname(), os.getpid()), time.monotonic()
+    every = float(os.environ.get(workerio.PROGRESS_EVERY_ENV) or 30)
     while not done.wait(0.25):
+        if progress and time.monotonic() - shown >= every and (text := progress()):
+            shown = time.monotonic()
+            print(f"mariana: {text}", file=sys.stderr, flush=True)
         for r in stall_reports(run_dir):
             if r.get("lost") and (r.get("host"), r.get("agent")) == me:
                 lost["message"] = r["message"]
@@ -157,31 +249,33 @@ def _stop_on_lost_host(run_dir: Path, lost: dict, done: threading.Event) -> None
                 os._exit(1)
 
 
-def run_torchrun(config, argv: list[str], run_dir: str | Path, console_rank: int = 0):
+def run_torchrun(config, argv: list[str], run_dir: str | Path, console_rank: int = 0, progress=None):
     """Run torchrun's agent (``config``: `launch_config`) in this process, its workers running ``mariana
-    argv``; returns None on success,
-    the ``ChildFailedError`` of a failed job, or the message of a lost host. Ctrl-C (or SIGTERM) stops
-    the workers and raises KeyboardInterrupt.
+    argv``; returns None on success, the ``ChildFailedError`` of a failed job, or the message of a lost host.
+    Ctrl-C (or SIGTERM) stops the workers and raises KeyboardInterrupt.
 
     Workers get ``OMP_NUM_THREADS`` (unless set) and the run directory, so their output goes to
-    ``RUN/logs/rank-R.log`` (see `workerio`); ``console_rank`` keeps its progress bar on the terminal."""
+    ``RUN/logs/rank-R.log`` (see `workerio`); ``console_rank`` keeps its progress bar on the terminal;
+    ``progress``: a line for the console now and then while the job runs (`watch`), or None."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
 
     run_dir = Path(run_dir).absolute()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if not os.environ.get("OMP_NUM_THREADS"):  # else torchrun sets 1 and prints a banner about it
         os.environ["OMP_NUM_THREADS"] = str(worker_threads(config.nproc_per_node))
-    os.environ[RUN_DIR_ENV] = str(run_dir)
-    os.environ[AGENT_ENV] = str(os.getpid())
-    os.environ[CONSOLE_RANK_ENV] = str(console_rank)
+    os.environ[workerio.RUN_DIR_ENV] = str(run_dir)
+    os.environ[workerio.AGENT_ENV] = str(os.getpid())
+    os.environ[workerio.CONSOLE_RANK_ENV] = str(console_rank)
     # the workers' stderr is a pipe to this agent: they draw a progress bar only when this one is a terminal
-    os.environ[CONSOLE_TTY_ENV] = "1" if sys.stderr.isatty() else "0"
+    os.environ[workerio.CONSOLE_TTY_ENV] = "1" if sys.stderr.isatty() else "0"
     _quiet_launcher_logs(run_dir)
     lost, done = {}, threading.Event()
-    threading.Thread(target=_stop_on_lost_host, args=(run_dir, lost, done), daemon=True).start()
     try:
-        _run_forked(config, argv, run_dir / "logs" / "launcher.log")
+        with fork_server(run_dir / "logs" / "launcher.log"):  # before any thread: it may fork this process
+            threading.Thread(target=watch, args=(run_dir, lost, done, progress), daemon=True).start()
+            elastic_launch(config=config, entrypoint=forked_worker)(argv)
     except SignalException:
         if lost:
             return lost["message"]
@@ -195,46 +289,6 @@ def run_torchrun(config, argv: list[str], run_dir: str | Path, console_rank: int
     return None
 
 
-def _run_forked(config, argv: list[str], log: Path) -> None:
-    """The agent, with the workers forked from a server that imported torch (with torch._dynamo, which torch's
-    optimizers import) and this command's modules once, where ``python -m mariana.platform.cli argv`` would
-    import them in each worker (seconds of CPU apiece). The server is this launch's (started with its
-    environment, stopped at its end), runs no torch op: the workers start clean (OpenMP's pool dies in a fork)."""
-    import multiprocessing.forkserver
-    import multiprocessing.resource_tracker
-
-    from torch.distributed.launcher.api import elastic_launch
-
-    loaded = [m for m in sys.modules if m.startswith("mariana.") and not m.endswith("__main__")]
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", *sorted(loaded)])
-    # multiprocessing's resource tracker: its warnings (the semaphores of killed workers) go to the log
-    with open(log, "a") as f:
-        console = os.dup(2)
-        os.dup2(f.fileno(), 2)
-        multiprocessing.resource_tracker.ensure_running()
-        os.dup2(console, 2)
-        os.close(console)
-    try:
-        elastic_launch(config=config, entrypoint=_forked_worker)(argv)
-    finally:
-        multiprocessing.forkserver._forkserver._stop()  # the next launch's server takes its environment
-
-
-def _forked_worker(argv: list) -> None:
-    """One worker, a child of the fork server: ``python -u -m mariana.platform.cli argv`` in a session of
-    its own (as torchrun's workers: Ctrl-C reaches the agent, which stops them)."""
-    import ctypes
-    import runpy
-
-    # PR_SET_PDEATHSIG 0, as torchrun's workers: the fork server's end (a signal to the group) is not ours
-    ctypes.CDLL(None).prctl(1, 0)
-    os.setsid()
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True, write_through=True)
-    sys.argv = [CLI_MODULE, *argv]
-    runpy.run_module(CLI_MODULE, run_name="__main__", alter_sys=True)
-
-
 def _first_failure(run_dir: str | Path, failures: dict, nproc: int) -> dict[int, int]:
     """Global rank -> exit code of the failed worker to name. torchrun's agent reports the first worker whose
     exit it saw, which may have failed because another did (gloo's "connection closed"): when that worker
@@ -246,13 +300,7 @@ def _first_failure(run_dir: str | Path, failures: dict, nproc: int) -> dict[int,
     return {first: f.exitcode if first == int(rank) else 1}
 
 
-def report_failure(
-    e,
-    run_dir: str | Path,
-    max_restarts: int = 0,
-    name: Callable[[int], str] | None = None,
-    nproc_per_node: int = 1,
-) -> int:
+def report_failure(e, run_dir: str | Path, max_restarts: int = 0, name=None, nproc_per_node: int = 1) -> int:
     """Print one console line per cause of a failed job (``e``: torchrun's ChildFailedError; ``name``:
     rank -> how to name that process, default ``worker rank R``); returns the exit code: 2 when every
     failed process reported bad input, else 1."""
@@ -262,7 +310,7 @@ def report_failure(
     why = {
         rep["rank"]: rep.get("message", "watchdog") for rep in stall_reports(run_dir) if rep["rank"] in codes
     }
-    lines, all_user = failure_lines(run_dir, {r: c for r, c in codes.items() if r not in why}, name)
+    lines, all_user = workerio.failure_lines(run_dir, {r: c for r, c in codes.items() if r not in why}, name)
     lines += [f"{m} (see {run_dir}/logs/)" for m in why.values()]
     for line in lines:
         print(f"mariana: error: {line}", file=sys.stderr)
@@ -271,19 +319,12 @@ def report_failure(
     return 2 if all_user else 1
 
 
-def launch(
-    nproc_per_node: int,
-    argv: list[str],
-    run_dir: str | Path,
-    at,
-    *,
-    what: str = "",
-    console_rank: int = 0,
-    name: Callable[[int], str] | None = None,
-) -> int:
+def launch(nproc_per_node: int, argv: list[str], run_dir: str | Path, at, *, what="", console_rank=0, name=None,
+           progress=None) -> int:  # fmt: skip
     """Run ``mariana argv`` in ``nproc_per_node`` processes on this node (of the nodes of ``at``, see
     `launch_config`) under torchrun and return the job's exit code (0, or `report_failure`'s after printing
-    the cause). ``what``: the processes, for the launch's line; ``name``: see `report_failure`."""
+    the cause). ``what``: the processes, for the launch's line; ``name``: see `report_failure`; ``progress``:
+    see `run_torchrun`."""
     from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
 
     config = launch_config(nproc_per_node, at)
@@ -292,7 +333,7 @@ def launch(
     print(f"mariana: launching {what} through torchrun (max restarts {restarts}); logs in {run_dir}/logs/",
           file=sys.stderr, flush=True)  # fmt: skip
     try:
-        failure = run_torchrun(config, argv, run_dir, console_rank)
+        failure = run_torchrun(config, argv, run_dir, console_rank, progress)
     except RendezvousError as e:  # a node that never came, or the first node gone before the group formed
         timed_out = isinstance(e, RendezvousTimeoutError)
         why = f"not all {nnodes} nodes joined within {wait_s():g} s" if timed_out else (str(e) or repr(e))

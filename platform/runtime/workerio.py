@@ -22,9 +22,12 @@ import traceback
 import warnings
 from pathlib import Path
 
+from ..core.jsonfile import read_json
+
 RUN_DIR_ENV = "MARIANA_RUN_DIR"
 CONSOLE_RANK_ENV = "MARIANA_CONSOLE_RANK"
 CONSOLE_TTY_ENV = "MARIANA_CONSOLE_TTY"  # "1" when the launcher's stderr is a terminal
+PROGRESS_EVERY_ENV = "MARIANA_PROGRESS_EVERY"  # seconds between progress lines off a terminal (default 30)
 AGENT_ENV = "MARIANA_AGENT_PID"  # the launcher's process (a worker's parent is its fork server)
 
 
@@ -117,10 +120,7 @@ def failure_lines(run_dir: str | Path, exit_codes: dict[int, int], name=None) ->
         code = exit_codes[rank]
         who = name(rank) if name else f"worker rank {rank}"
         rel_log = Path(run_dir) / "logs" / f"rank-{rank}.log"
-        try:
-            rec = json.loads(error_file(run_dir, rank).read_text())
-        except (OSError, ValueError):
-            rec = None
+        rec = read_json(error_file(run_dir, rank))
         if rec and rec.get("kind") == "user":
             line = str(rec["message"])
         elif rec:

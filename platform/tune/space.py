@@ -108,14 +108,9 @@ def _param(name: str, spec: Any, types: dict[str, Any], config_cls: type, where:
             check_choice(config_cls, fname, value, f"{where}: choices[{i}]")
         return Param(fname, kind, choices=list(choices))
     integer = kind == "int"
-    if kind == "float" and base is not float:
-        raise MarianaError(
-            f"{where}: --{fname.replace('_', '-')} takes {getattr(base, '__name__', base)}, not a float range"
-        )
-    if integer and base not in (int, float):
-        raise MarianaError(
-            f"{where}: --{fname.replace('_', '-')} takes {getattr(base, '__name__', base)}, not an int range"
-        )
+    if base not in ((int, float) if integer else (float,)):
+        flag, takes = fname.replace("_", "-"), getattr(base, "__name__", base)
+        raise MarianaError(f"{where}: --{flag} takes {takes}, not {'an int' if integer else 'a float'} range")
     low, high = _number(spec, "low", where, integer), _number(spec, "high", where, integer)
     if low > high:
         raise MarianaError(f"{where}: low ({low}) must be <= high ({high})")

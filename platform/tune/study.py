@@ -29,6 +29,7 @@ from typing import Any
 from mariana.platform.core.atomic import atomic_write_text
 from mariana.platform.core.config import applicable_values, read_config_values, sectioned_toml
 from mariana.platform.core.errors import MarianaError
+from mariana.platform.core.jsonfile import read_json
 from mariana.platform.core.tracking import PARENT_ENV
 from mariana.platform.jobs.logstore import parse_record, read_lines
 from mariana.platform.jobs.scheduler import PRUNED
@@ -83,9 +84,7 @@ def read_new_records(f: InFlight) -> list[dict]:
 
 def final_value(run_dir: Path, monitor: str) -> tuple[float | None, str]:
     """The finished trial's metric from RUN/metrics.json (``val_M``, ``eval_M`` or ``M``), or an error."""
-    try:
-        final = json.loads((run_dir / "metrics.json").read_text())
-    except (OSError, ValueError):
+    if (final := read_json(run_dir / "metrics.json")) is None:
         return None, f"{run_dir}/metrics.json is missing or unreadable"
     v = metric_value(final, monitor, ("val_", "eval_", ""))
     if v is None:
