@@ -148,20 +148,14 @@ def _main(argv: list[str], worker) -> int:
             rc = args.func(args, argv)
         finally:
             mark_made(outputs)
-    except MarianaError as e:
-        if worker is None:
-            print(f"mariana: error: {e}", file=sys.stderr)
-        else:  # the launcher prints it once for all ranks
-            worker.record_error(e, user=True)
-        rc = e.exit_code
-    except KeyboardInterrupt:
-        print("mariana: interrupted", file=sys.stderr if worker is None else worker.log)
-        rc = 130
-    except Exception as e:
-        if worker is None:
-            raise
-        worker.record_error(e, user=False)
-        rc = 1
+    except (Exception, KeyboardInterrupt) as e:
+        rc = e.exit_code if isinstance(e, MarianaError) else 130 if isinstance(e, KeyboardInterrupt) else 1
+        if worker is not None:  # it records the cause and ends: the launcher prints it once for all ranks
+            worker.end(e, rc)
+        if not isinstance(e, MarianaError | KeyboardInterrupt):
+            raise  # a crash: its traceback
+        line = f"mariana: error: {e}" if isinstance(e, MarianaError) else "mariana: interrupted"
+        print(line, file=sys.stderr)
     sys.stdout.flush()
     return int(rc or 0)
 

@@ -14,6 +14,7 @@ turns those into one console line per cause (`failure_lines`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -21,7 +22,9 @@ import sys
 import traceback
 import warnings
 from pathlib import Path
+from typing import NoReturn
 
+from ..core.errors import MarianaError
 from ..core.jsonfile import read_json
 
 RUN_DIR_ENV = "MARIANA_RUN_DIR"
@@ -72,22 +75,25 @@ class WorkerIO:
               f"pid {os.getpid()}", file=log, flush=True)  # fmt: skip
         return cls(Path(run_dir), rank, logs / f"rank-{rank}.log", log)
 
-    def record_error(self, exc: BaseException, user: bool) -> None:
-        """Write ``exc``'s traceback (crashes) or message (user errors) to the log file and the one-line
-        cause to ``RUN/logs/error-rank-R.json``."""
-        if user:
-            message = str(exc)
-            print(f"mariana: error: {message}", file=self.log, flush=True)
+    def end(self, exc: BaseException, rc: int) -> NoReturn:
+        """End this failed worker with ``rc`` at once, while ``exc`` still holds its training state (freeing
+        DDP with gloo work in flight can deadlock: the gloo thread finishing it waits for the GIL the freeing
+        thread holds; the peers see its sockets close). First ``exc``'s traceback (a crash), message (a user
+        error) or "interrupted" (Ctrl-C) goes to the log, the one-line cause to ``RUN/logs/error-rank-R.json``."""
+        user, message = isinstance(exc, MarianaError), str(exc)
+        if user or isinstance(exc, KeyboardInterrupt):
+            print(f"mariana: error: {message}" if user else "mariana: interrupted", file=self.log, flush=True)
         else:
             traceback.print_exception(exc, file=self.log)
-            self.log.flush()
-            text = str(exc).strip().splitlines()
+            text = message.strip().splitlines()
             message = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-        record = {"rank": int(self.rank), "kind": "user" if user else "crash", "message": message}
-        try:
-            error_file(self.run_dir, self.rank).write_text(json.dumps(record) + "\n")
-        except OSError:
-            pass
+        if not isinstance(exc, KeyboardInterrupt):
+            record = {"rank": int(self.rank), "kind": "user" if user else "crash", "message": message}
+            with contextlib.suppress(OSError):
+                error_file(self.run_dir, self.rank).write_text(json.dumps(record) + "\n")
+        for stream in (self.log, sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(rc)
 
 
 def _host() -> str:
