@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -73,13 +74,14 @@ class WorkerIO:
         env = os.environ  # where this rank runs and meets the others: across hosts, never loopback
         print(f"mariana: rank {rank} on {_host()}; rendezvous store {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}; "
               f"pid {os.getpid()}", file=log, flush=True)  # fmt: skip
-        return cls(Path(run_dir), rank, logs / f"rank-{rank}.log", log)
+        io = cls(Path(run_dir), rank, logs / f"rank-{rank}.log", log)
+        # Ctrl-C ends a worker where it stands: a KeyboardInterrupt raised in DDP's comm hook left ranks waiting
+        signal.signal(signal.SIGINT, lambda *_: io.end(KeyboardInterrupt(), 130))
+        return io
 
     def end(self, exc: BaseException, rc: int) -> NoReturn:
-        """End this failed worker with ``rc`` at once, while ``exc`` still holds its training state (freeing
-        DDP with gloo work in flight can deadlock: the gloo thread finishing it waits for the GIL the freeing
-        thread holds; the peers see its sockets close). First ``exc``'s traceback (a crash), message (a user
-        error) or "interrupted" (Ctrl-C) goes to the log, the one-line cause to ``RUN/logs/error-rank-R.json``."""
+        """End this failed worker with ``rc`` at once, its training state unfreed (freeing DDP mid-all-reduce can
+        deadlock): ``exc``'s traceback, message or "interrupted" to the log, its cause to error-rank-R.json."""
         user, message = isinstance(exc, MarianaError), str(exc)
         if user or isinstance(exc, KeyboardInterrupt):
             print(f"mariana: error: {message}" if user else "mariana: interrupted", file=self.log, flush=True)
