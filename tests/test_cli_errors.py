@@ -292,3 +292,39 @@ def test_ctrl_c_with_workers_is_one_line(env, tmp_path):
     assert err.strip().splitlines()[-1] == "mariana: interrupted", err
     for noise in NOISE:
         assert noise not in out + err, err
+
+
+KEEP_ALIVE_PROBE = """
+import os, signal, sys, time
+from pathlib import Path
+from types import SimpleNamespace
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+from mariana.platform.runtime import launch
+
+data, run = sys.argv[1:3]
+sent = []
+def keep_alive(self):  # Ctrl-C once the worker trains, while this thread holds the agent's rendezvous handler
+    if (Path(run) / "metrics.jsonl").exists() and not sent:
+        sent.append(1)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(2)
+dr.DynamicRendezvousHandler._keep_alive = keep_alive
+config = launch.launch_config(1, SimpleNamespace(max_restarts=0))
+config.rdzv_configs["keep_alive_interval"] = 1
+argv = ["mlp", "train", "--data", data, "--out", run, "--preset", "debug", "--no-progress", "--max-steps", "100000"]
+try:
+    launch.run_torchrun(config, argv, run)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+time.sleep(3)  # the keep-alive call ends meanwhile
+"""
+
+
+def test_ctrl_c_during_the_agents_keep_alive_prints_nothing_more(env, tmp_path):
+    """Ctrl-C while torchrun's keep-alive thread holds the rendezvous handler (as when a lost host's store call
+    hangs there): the stopped launch stays referenced, so the handler is never freed in that thread, where
+    torch's timer finalizer would join the thread from itself ("cannot join current thread" on the console)."""
+    argv = [sys.executable, "-c", KEEP_ALIVE_PROBE, str(env["data"]), str(tmp_path / "run")]
+    p = subprocess.run(argv, capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=120)
+    assert p.returncode == 0 and p.stdout.splitlines()[-1] == "interrupted", p.stdout + p.stderr
+    assert "cannot join" not in p.stderr and "Traceback" not in p.stderr, p.stderr

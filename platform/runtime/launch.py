@@ -32,6 +32,7 @@ from . import workerio
 
 CLI_MODULE = "mariana.platform.cli"
 _OPENMP = re.compile(r"/lib(g|i)?omp[^/]*\.so[^/]*$")  # GNU, Intel and LLVM OpenMP
+_STOPPED: list[BaseException] = []  # launches a signal stopped, kept until this process ends (`run_torchrun`)
 
 
 def in_worker() -> bool:
@@ -60,10 +61,9 @@ def launch_config(nproc: int, at):
 
 
 def _rdzv_conf(endpoint: str) -> dict:
-    """The rendezvous' settings: a node that has not joined within the wait ends the rendezvous; and
-    this node hosts the store when the endpoint is one of its interfaces' addresses that torch's guess
-    (the hostname's addresses) misses. Where torch guesses right it keeps its fallback: a second agent on
-    the same node, finding the port taken, joins as a client (Slurm's --tasks-per-node above 1)."""
+    """The rendezvous' settings: a node that has not joined within the wait ends it; this node hosts the store
+    when the endpoint is an address of its interfaces that torch's guess (the hostname's) misses. Where torch guesses
+    right it keeps its fallback: a second agent on the node, finding the port taken, joins as a client (Slurm)."""
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
     host = split_endpoint(endpoint)[0]
@@ -77,14 +77,12 @@ def stall_reports(run_dir: str | Path) -> list[dict]:
 
 
 def worker_threads(nproc_per_node: int) -> int:
-    """CPU threads per worker when ``nproc_per_node`` processes share this machine (at least 1):
-    more would oversubscribe the cores."""
+    """CPU threads per worker when ``nproc_per_node`` processes share this machine (at least 1)."""
     return max(1, (os.cpu_count() or 1) // max(1, nproc_per_node))
 
 
 def _quiet_launcher_logs(run_dir: Path) -> None:
-    """torchrun's agent logs (restarts, failures, signals) go to ``RUN/logs/launcher.log``, not the
-    console: the launcher prints its own one-line summary."""
+    """torchrun's agent logs go to ``RUN/logs/launcher.log``, not the console (the launcher prints its own line)."""
     import logging
 
     path = str(run_dir / "logs" / "launcher.log")
@@ -150,10 +148,9 @@ def _fork_the_server(preload: list[str]) -> None:
 
 @contextlib.contextmanager
 def fork_server(log: Path) -> Iterator[None]:
-    """This launch's fork server for the block (stopped at its end: the next launch's takes its environment),
-    with torch, torch._dynamo (every torch optimizer imports it) and the command's modules imported once, not in
-    each worker (seconds of CPU apiece): a fork of this process where `fork_is_safe`, else a fresh interpreter.
-    The resource tracker (the semaphores of killed workers) writes to ``log``."""
+    """This launch's fork server for the block (stopped at its end: the next launch's takes its environment), with
+    torch, torch._dynamo (every torch optimizer imports it) and the command's modules imported once, not per worker:
+    a fork of this process where `fork_is_safe`, else a fresh interpreter; the resource tracker writes to ``log``."""
     import multiprocessing.forkserver
     import multiprocessing.resource_tracker
 
@@ -276,7 +273,10 @@ def run_torchrun(config, argv: list[str], run_dir: str | Path, console_rank: int
         with fork_server(run_dir / "logs" / "launcher.log"):  # before any thread: it may fork this process
             threading.Thread(target=watch, args=(run_dir, lost, done, progress), daemon=True).start()
             elastic_launch(config=config, entrypoint=forked_worker)(argv)
-    except SignalException:
+    except SignalException as e:
+        # Kept: its frames hold the agent's rendezvous handler; freed where its keep-alive thread held the last
+        # reference, torch's timer finalizer would join that thread from itself ("cannot join current thread").
+        _STOPPED.append(e)
         if lost:
             return lost["message"]
         raise KeyboardInterrupt from None
