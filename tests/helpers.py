@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import zygote
+
 ROOT = Path(__file__).resolve().parents[1]
+USE_ZYGOTE = os.environ.get("MARIANA_TEST_ZYGOTE", "1") != "0"
 DATA = Path(os.environ.get("MARIANA_DATA", ROOT.parent / "shared" / "data")).resolve()
 
 
@@ -51,19 +54,18 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def run_cli(
     args: list[str], timeout: float = 300, env: dict[str, str] | None = None, check: bool = False
 ) -> subprocess.CompletedProcess:
-    """Run ``mariana <args>`` as a real subprocess from the repository root; returns its CompletedProcess
-    (text stdout/stderr). ``check=True`` raises with both streams in the message on a non-zero exit."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "mariana.platform.cli", *map(str, args)],
-        cwd=ROOT,
-        env=cli_env(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """Run ``mariana <args>`` as a real process of its own from the repository root; returns its
+    CompletedProcess (text stdout/stderr). ``check=True`` raises with both streams in the message on a
+    non-zero exit. The process is a fork of this test process's preloaded interpreter (`zygote`) unless its
+    environment needs a fresh one (or ``MARIANA_TEST_ZYGOTE=0``)."""
+    argv, full_env, base = [str(a) for a in args], cli_env(env), cli_env()
+    proc = zygote.run(argv, full_env, base, ROOT, timeout) if USE_ZYGOTE else None
+    if proc is None:
+        cmd = [sys.executable, "-m", "mariana.platform.cli", *argv]
+        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
-            f"mariana {' '.join(map(str, args))} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+            f"mariana {' '.join(argv)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
             f"\n--- stderr\n{proc.stderr[-8000:]}"
         )
     return proc

@@ -1,0 +1,72 @@
+"""`helpers.run_cli` forks its commands from a preloaded interpreter (`zygote`): the test gets back what a
+fresh ``python -m mariana.platform.cli`` gives (exit code, stdout, stderr), a command past its timeout is
+killed, and an environment a fork cannot take gets a fresh interpreter."""
+
+import os
+import subprocess
+import sys
+
+import helpers
+import pytest
+import zygote
+from helpers import DATA, ROOT, cli_env, run_cli
+
+FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
+
+
+@pytest.fixture(autouse=True)
+def forked(monkeypatch):
+    monkeypatch.setattr(helpers, "USE_ZYGOTE", True)  # also under MARIANA_TEST_ZYGOTE=0
+
+
+def fresh(argv: list[str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "mariana.platform.cli", *argv]
+    return subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("case", ["version", "bad input"])
+def test_a_forked_command_answers_as_a_fresh_interpreter(case, tmp_path):
+    argv = (
+        ["--version"]
+        if case == "version"
+        else ["mlp", "train", "--data", str(tmp_path / "none"), "--out", "x"]
+    )
+    forked, new = run_cli(argv), fresh(argv)
+    assert zygote._server["proc"].poll() is None  # the command was a fork of the zygote
+    assert (forked.returncode, forked.stdout, forked.stderr) == (new.returncode, new.stdout, new.stderr)
+
+
+def test_a_command_past_its_timeout_is_killed(tmp_path):
+    argv = [
+        "mlp",
+        "train",
+        "--data",
+        FRAPPE,
+        "--out",
+        tmp_path / "run",
+        "--preset",
+        "debug",
+        "--max-steps",
+        "10000000",
+    ]
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_cli(argv, timeout=5)
+    server = zygote._server["proc"].pid
+    assert [pid for pid in os.listdir("/proc") if pid.isdigit() and _parent(pid) == server] == []
+
+
+def _parent(pid: str) -> int | None:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(")") + 2 :].split()[1])
+
+
+def test_what_a_fork_cannot_take_runs_fresh():
+    base = cli_env()
+    assert zygote.fits({**base, "MARIANA_JOBS_URL": "http://127.0.0.1:1"}, base)
+    assert zygote.fits({**base, "PYTEST_CURRENT_TEST": "another test"}, base)
+    assert not zygote.fits({**base, "MARIANA_PS_MAX_MSG_MB": "1"}, base)  # read when its module loads
+    assert not zygote.fits({**base, "OMP_NUM_THREADS": "2"}, base)
+    assert not zygote.fits({k: v for k, v in base.items() if k != "PYTHONUNBUFFERED"}, base)
