@@ -5,6 +5,8 @@ killed, and an environment a fork cannot take gets a fresh interpreter."""
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import helpers
 import pytest
@@ -70,3 +72,31 @@ def test_what_a_fork_cannot_take_runs_fresh():
     assert not zygote.fits({**base, "MARIANA_PS_MAX_MSG_MB": "1"}, base)  # read when its module loads
     assert not zygote.fits({**base, "OMP_NUM_THREADS": "2"}, base)
     assert not zygote.fits({k: v for k, v in base.items() if k != "PYTHONUNBUFFERED"}, base)
+
+
+def test_a_command_from_another_thread_meanwhile_runs_fresh(tmp_path):
+    """One command at a time goes through the zygote; another thread's, meanwhile, runs in a fresh interpreter
+    (both through the zygote, each would read the other's replies)."""
+    results: dict[str, subprocess.CompletedProcess] = {"first": run_cli(["--version"])}  # the zygote is up
+    train = [
+        "mlp",
+        "train",
+        "--data",
+        FRAPPE,
+        "--out",
+        tmp_path / "run",
+        "--preset",
+        "debug",
+        "--no-progress",
+    ]
+    train += ["--max-steps", "2000"]  # outlasts a fresh interpreter's --version
+    thread = threading.Thread(target=lambda: results.update(train=run_cli(train, timeout=120)))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not zygote._lock.locked() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    results["version"] = run_cli(["--version"], timeout=120)
+    assert thread.is_alive()  # the version did not wait for the training's end
+    thread.join(150)
+    assert results["train"].returncode == 0 and "validation AUC" in results["train"].stdout, results["train"]
+    assert (results["version"].returncode, results["version"].stdout) == (0, fresh(["--version"]).stdout)

@@ -27,6 +27,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 CLI = "mariana.platform.cli"
@@ -34,6 +36,7 @@ PRELOAD = ["torch", "torch.distributed.run", "torch._dynamo", "mariana.platform.
            *(f"mariana.apps.{app}.train" for app in ("mlp", "pctr", "vision", "asr"))]  # fmt: skip
 READ_AT_IMPORT = ("MARIANA_PS_MAX_MSG_MB",)  # product settings read when a module loads, not per command
 _server: dict = {}  # this process's zygote: {"proc": Popen, "env": its environment}
+_lock = threading.Lock()  # one command at a time: a thread finding it taken runs a fresh interpreter
 
 
 def fits(env: dict[str, str], base: dict[str, str]) -> bool:
@@ -63,8 +66,6 @@ atexit.register(_stop)
 
 def _reply(proc: subprocess.Popen, deadline: float | None) -> dict:
     """The zygote's next reply line; TimeoutError past ``deadline`` (time.monotonic())."""
-    import time
-
     wait = None if deadline is None else max(0.0, deadline - time.monotonic())
     if not select.select([proc.stdout], [], [], wait)[0]:
         raise TimeoutError
@@ -77,14 +78,19 @@ def _reply(proc: subprocess.Popen, deadline: float | None) -> dict:
 def run(argv: list[str], env: dict[str, str], base: dict[str, str], cwd: Path, timeout: float):
     """``python -m mariana.platform.cli argv`` as a fork of this process's zygote (started with environment
     ``base`` on first use) -> a `subprocess.CompletedProcess` as `subprocess.run` would return it (text
-    streams), or None where ``env`` does not fit the zygote's (`fits`) or it may not fork; `subprocess.TimeoutExpired` past ``timeout`` seconds,
-    the command killed."""
-    import time
-
-    server = _start(base, cwd)
-    if not fits(env, server["env"]):
+    streams), or None where ``env`` does not fit the zygote's (`fits`), it may not fork, or another thread's
+    command holds it; `subprocess.TimeoutExpired` past ``timeout`` seconds, the command killed."""
+    if not _lock.acquire(blocking=False):
         return None
-    proc, deadline = server["proc"], time.monotonic() + timeout
+    try:
+        server = _start(base, cwd)
+        return _fork(server["proc"], argv, env, cwd, timeout) if fits(env, server["env"]) else None
+    finally:
+        _lock.release()
+
+
+def _fork(proc: subprocess.Popen, argv: list[str], env: dict[str, str], cwd: Path, timeout: float):
+    deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="zygote-") as tmp:
         out, err = Path(tmp) / "out", Path(tmp) / "err"
         request = {"argv": argv, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
