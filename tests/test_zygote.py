@@ -2,7 +2,6 @@
 fresh ``python -m mariana.platform.cli`` gives (exit code, stdout, stderr), a command past its timeout is
 killed, and an environment a fork cannot take gets a fresh interpreter."""
 
-import os
 import subprocess
 import sys
 import threading
@@ -12,6 +11,7 @@ import helpers
 import pytest
 import zygote
 from helpers import DATA, ROOT, cli_env, run_cli
+from mariana.platform.runtime.launch import descendants
 
 FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
 
@@ -19,6 +19,22 @@ FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
 @pytest.fixture(autouse=True)
 def forked(monkeypatch):
     monkeypatch.setattr(helpers, "USE_ZYGOTE", True)  # also under MARIANA_TEST_ZYGOTE=0
+
+
+def train(out, steps: int) -> list:
+    return [
+        "mlp",
+        "train",
+        "--data",
+        FRAPPE,
+        "--out",
+        out,
+        "--preset",
+        "debug",
+        "--no-progress",
+        "--max-steps",
+        steps,
+    ]
 
 
 def fresh(argv: list[str]) -> subprocess.CompletedProcess:
@@ -39,30 +55,9 @@ def test_a_forked_command_answers_as_a_fresh_interpreter(case, tmp_path):
 
 
 def test_a_command_past_its_timeout_is_killed(tmp_path):
-    argv = [
-        "mlp",
-        "train",
-        "--data",
-        FRAPPE,
-        "--out",
-        tmp_path / "run",
-        "--preset",
-        "debug",
-        "--max-steps",
-        "10000000",
-    ]
     with pytest.raises(subprocess.TimeoutExpired):
-        run_cli(argv, timeout=5)
-    server = zygote._server["proc"].pid
-    assert [pid for pid in os.listdir("/proc") if pid.isdigit() and _parent(pid) == server] == []
-
-
-def _parent(pid: str) -> int | None:
-    try:
-        stat = open(f"/proc/{pid}/stat").read()
-    except OSError:
-        return None
-    return int(stat[stat.rfind(")") + 2 :].split()[1])
+        run_cli(train(tmp_path / "run", 10_000_000), timeout=5)
+    assert descendants(zygote._server["proc"].pid) == []
 
 
 def test_what_a_fork_cannot_take_runs_fresh():
@@ -78,19 +73,8 @@ def test_a_command_from_another_thread_meanwhile_runs_fresh(tmp_path):
     """One command at a time goes through the zygote; another thread's, meanwhile, runs in a fresh interpreter
     (both through the zygote, each would read the other's replies)."""
     results: dict[str, subprocess.CompletedProcess] = {"first": run_cli(["--version"])}  # the zygote is up
-    train = [
-        "mlp",
-        "train",
-        "--data",
-        FRAPPE,
-        "--out",
-        tmp_path / "run",
-        "--preset",
-        "debug",
-        "--no-progress",
-    ]
-    train += ["--max-steps", "2000"]  # outlasts a fresh interpreter's --version
-    thread = threading.Thread(target=lambda: results.update(train=run_cli(train, timeout=120)))
+    argv = train(tmp_path / "run", 2000)  # outlasts a fresh interpreter's --version
+    thread = threading.Thread(target=lambda: results.update(train=run_cli(argv, timeout=120)))
     thread.start()
     deadline = time.monotonic() + 60
     while not zygote._lock.locked() and time.monotonic() < deadline:
