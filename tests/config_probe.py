@@ -1,5 +1,5 @@
-"""Test helper: witness values for a config's `when` clauses (a value under which a clause holds and one
-under which it fails), so tests can drive each clause both ways."""
+"""Test helpers: witness values for a config's `when` clauses (a value under which a clause holds and one
+under which it fails), so tests can drive each clause both ways; a field's default; a saved config read back."""
 
 from __future__ import annotations
 
@@ -7,7 +7,24 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from mariana.platform.core.config.fields import _OTHER, Clause, default_of
+from mariana.platform.core.config import read_config_values
+from mariana.platform.core.config.fields import _OTHER, Clause
+from mariana.platform.core.config.resolve import apply_values
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    """A field's default value (calling its factory)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory()  # type: ignore[misc]
+
+
+def load_config(cls: type, path: str | Path):
+    """A config saved by `save_config` (e.g. ``RUN/config.toml``, sectioned or flat) read back into ``cls``;
+    keys ``cls`` does not have (fields an earlier version declared) are ignored."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in read_config_values(path).items() if k in names}
+    return apply_values(cls(), values, str(path))
 
 
 def witnesses(cls: type, clause: Clause, tmp: Path | None = None) -> tuple[Any, Any]:

@@ -74,16 +74,20 @@ def run_cli(
 def run_torchrun(script: str | Path, nproc: int, *args, timeout: float = 180) -> subprocess.CompletedProcess:
     """Run ``script`` (a test's worker entry) in ``nproc`` processes under the real launcher
     (``torchrun --standalone``: a free rendezvous port), from the repository root, in `cli_env`; asserts a
-    zero exit with the tail of stderr in the message."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-         str(script), *map(str, args)],
-        cwd=ROOT,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )  # fmt: skip
+    zero exit with the tail of stderr in the message. The launcher is a fork of the test process's `zygote`
+    and its workers forks of a server forked from it, unless the zygote is off."""
+    argv = [str(script), *map(str, args)]
+    proc = zygote.run(argv, cli_env(), cli_env(), ROOT, timeout, nproc) if USE_ZYGOTE else None
+    if proc is None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            *argv,
+        ]
+        proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 

@@ -101,7 +101,7 @@ def _argv(command, cls, name, setting: dict, path: str) -> list[str]:
     """``mariana COMMAND`` with ``--NAME`` given explicitly at its default value plus ``setting``."""
     import dataclasses
 
-    from mariana.platform.core.config import default_of
+    from config_probe import default_of
 
     default = default_of({f.name: f for f in dataclasses.fields(cls)}[name])
     argv = [*command, "--data", path, "--workers", "2", *_flag_args(cls, name, default, path)]

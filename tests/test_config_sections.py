@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from config_probe import witnesses
+from config_probe import default_of, load_config, witnesses
 from helpers import cli_env
 from mariana.platform.cli.main import build_parser, check_command
 from mariana.platform.core.config import (
@@ -24,9 +24,7 @@ from mariana.platform.core.config import (
     Config,
     Section,
     add_config_args,
-    default_of,
     flag,
-    load_config,
     opt,
     read_config_values,
     resolve_config,

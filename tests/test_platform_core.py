@@ -5,11 +5,11 @@ import dataclasses
 
 import pytest
 import torch
+from config_probe import load_config
 from mariana.platform.core.atomic import atomic_torch_save, atomic_write_text
 from mariana.platform.core.config import (
     TrainConfig,
     add_config_args,
-    load_config,
     resolve_config,
     save_config,
 )

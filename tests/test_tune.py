@@ -13,11 +13,13 @@ rate of 1e-6 (AUC stays near its initial value), the others at 0.1, with an eval
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from helpers import DATA, ROOT, assert_cli_error, cli_env, last_line, run_cli
@@ -289,6 +291,40 @@ def test_crashing_trials_are_failed_with_their_error_and_the_study_goes_on(
         assert rows[n]["error"].startswith("--hidden") and "'0'" in rows[n]["error"], rows[n]  # its own line
         assert f"trial {n}: failed: --hidden" in proc.stdout
     assert last_line(proc.stdout).startswith("best trial 1: auc ") and "2 failed" in last_line(proc.stdout)
+
+
+def test_local_trials_are_children_of_the_tuners_fork_server(tmp_path: Path, frappe_slice: Path):
+    """A local trial is forked from the server the tuner starts (torch and the app imported once for all
+    trials), leads a session of its own, writes its log, reports its exit, and a cancel stops it."""
+    from multiprocessing import forkserver
+
+    from mariana.platform.runtime.launch import fork_server, proc_stat
+    from mariana.platform.tune.runners import LocalRunner
+
+    runner = LocalRunner(threads=1)
+    train = ["mlp", "train", "--data", str(frappe_slice), *"--preset debug --max-steps 10000000".split()]
+    with (
+        mock.patch.dict(os.environ, cli_env()),
+        fork_server(tmp_path / "server.log", ("mariana.apps.mlp.train",)),
+    ):
+        version = runner.start(["--version"], tmp_path / "version", "trial 0")
+        deadline = time.monotonic() + 60
+        while (status := runner.poll(version)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status == (True, "")
+        assert (tmp_path / "version" / "trial.log").read_text().startswith("mariana ")
+        long = runner.start([*train, "--out", str(tmp_path / "long")], tmp_path / "long", "trial 1")
+        try:
+            server = forkserver._forkserver._forkserver_pid
+            assert proc_stat(long["pid"])[1] == server  # its parent: the server
+            while os.getpgid(long["pid"]) != long["pid"] and time.monotonic() < deadline:
+                time.sleep(0.05)  # the child calls setsid first thing
+            assert os.getpgid(long["pid"]) == long["pid"]  # a cancel reaches its whole group
+            assert runner.poll(long) is None
+        finally:  # the server waits for its children before it ends
+            runner.cancel(long)
+            runner.wait_cancelled(long)
+    assert not Path(f"/proc/{long['pid']}").exists()
 
 
 @pytest.mark.parametrize("space", sorted((ROOT / "apps").glob("*/spaces/*.toml")), ids=lambda p: p.stem)

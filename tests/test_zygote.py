@@ -60,6 +60,22 @@ def test_a_command_past_its_timeout_is_killed(tmp_path):
     assert descendants(zygote._server["proc"].pid) == []
 
 
+def test_both_replies_in_the_pipe_before_the_first_is_read(monkeypatch):
+    """A short command may end before the test process reads the fork's first reply: the second reply then
+    already sits in the stream's buffer and must be read from there, not waited for until the timeout."""
+    run_cli(["--version"])  # the zygote is up
+    reply = zygote._reply
+
+    def late(*args):
+        time.sleep(3)  # a busy test process: the command ends meanwhile
+        return reply(*args)
+
+    monkeypatch.setattr(zygote, "_reply", late)
+    start = time.monotonic()
+    assert run_cli(["--version"], timeout=30).returncode == 0
+    assert time.monotonic() - start < 20
+
+
 def test_what_a_fork_cannot_take_runs_fresh():
     base = cli_env()
     assert zygote.fits({**base, "MARIANA_JOBS_URL": "http://127.0.0.1:1"}, base)

@@ -8,9 +8,13 @@ descriptors 0/1/2, its environment, working directory, ``sys.argv`` and OpenMP t
 handlers, exit code, a crash's traceback on stderr). The child is a real process of its own, forked
 from a single-threaded parent that never ran a torch operation (no OpenMP pool to inherit).
 
-Protocol on the zygote's stdin/stdout, one JSON object per line: the request ``{"argv", "env", "cwd",
-"out", "err"}`` (``out``/``err``: files for the command's stdout/stderr), then the replies ``{"pid"}``
-(forked) and ``{"rc"}`` (its exit code as `subprocess` reports it: negative for a signal).
+A request may instead be a torchrun launch of a test's worker script (``nproc`` > 0, `helpers.run_torchrun`):
+the child runs torchrun's agent, whose workers are forks of a server forked from it (the platform's launcher).
+
+Protocol on the zygote's stdin/stdout, one JSON object per line: the request ``{"argv", "nproc", "env",
+"cwd", "out", "err", "timeout"}`` (``out``/``err``: files for the command's stdout/stderr), then the replies
+``{"pid"}`` (forked) and ``{"rc", "timed_out"}`` (its exit code as `subprocess` reports it: negative for a
+signal; the zygote kills a command past ``timeout`` seconds).
 
 `run` is the client (`helpers.run_cli`); `fits` says when a fresh interpreter is needed instead: an
 environment differing from the zygote's beyond ``MARIANA_*`` variables that nothing reads at import and
@@ -28,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
+import types
 from pathlib import Path
 
 CLI = "mariana.platform.cli"
@@ -64,48 +68,51 @@ def _stop() -> None:
 atexit.register(_stop)
 
 
-def _reply(proc: subprocess.Popen, deadline: float | None) -> dict:
-    """The zygote's next reply line; TimeoutError past ``deadline`` (time.monotonic())."""
-    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-    if not select.select([proc.stdout], [], [], wait)[0]:
-        raise TimeoutError
+def _reply(proc: subprocess.Popen) -> dict:
+    """The zygote's next reply line (a blocking read: both replies may already sit in the stream's buffer,
+    where a ``select`` on the pipe would not see the second)."""
     line = proc.stdout.readline()
     if not line:
         raise RuntimeError(f"the test zygote ended (exit code {proc.wait()})")
     return json.loads(line)
 
 
-def run(argv: list[str], env: dict[str, str], base: dict[str, str], cwd: Path, timeout: float):
+def run(
+    argv: list[str], env: dict[str, str], base: dict[str, str], cwd: Path, timeout: float, nproc: int = 0
+):
     """``python -m mariana.platform.cli argv`` as a fork of this process's zygote (started with environment
     ``base`` on first use) -> a `subprocess.CompletedProcess` as `subprocess.run` would return it (text
     streams), or None where ``env`` does not fit the zygote's (`fits`), it may not fork, or another thread's
-    command holds it; `subprocess.TimeoutExpired` past ``timeout`` seconds, the command killed."""
+    command holds it; `subprocess.TimeoutExpired` past ``timeout`` seconds, the command killed. With
+    ``nproc``: ``torchrun --standalone --nproc-per-node nproc argv`` (a script and its arguments) instead."""
     if not _lock.acquire(blocking=False):
         return None
     try:
         server = _start(base, cwd)
-        return _fork(server["proc"], argv, env, cwd, timeout) if fits(env, server["env"]) else None
+        return _fork(server["proc"], argv, env, cwd, timeout, nproc) if fits(env, server["env"]) else None
     finally:
         _lock.release()
 
 
-def _fork(proc: subprocess.Popen, argv: list[str], env: dict[str, str], cwd: Path, timeout: float):
-    deadline = time.monotonic() + timeout
+def _fork(
+    proc: subprocess.Popen, argv: list[str], env: dict[str, str], cwd: Path, timeout: float, nproc: int
+):
     with tempfile.TemporaryDirectory(prefix="zygote-") as tmp:
         out, err = Path(tmp) / "out", Path(tmp) / "err"
-        request = {"argv": argv, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
+        files = {"out": str(out), "err": str(err)}
+        request = {"argv": argv, "nproc": nproc, "env": env, "cwd": str(cwd), **files, "timeout": timeout}
         proc.stdin.write(json.dumps(request) + "\n")
         proc.stdin.flush()
-        if (pid := _reply(proc, None)["pid"]) is None:
+        if _reply(proc)["pid"] is None:
             return None
-        try:
-            rc = _reply(proc, deadline)["rc"]
-        except TimeoutError:
-            os.kill(pid, signal.SIGKILL)
-            _reply(proc, None)
-            raise subprocess.TimeoutExpired([CLI, *argv], timeout, out.read_text(), err.read_text()) from None
+        done = _reply(proc)
         read = {p: p.read_text(errors="replace") if p.exists() else "" for p in (out, err)}
-    return subprocess.CompletedProcess([sys.executable, "-m", CLI, *argv], rc, read[out], read[err])
+    if done["timed_out"]:
+        raise subprocess.TimeoutExpired([CLI, *argv], timeout, read[out], read[err])
+    launcher = ["torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc else [CLI]
+    return subprocess.CompletedProcess(
+        [sys.executable, "-m", *launcher, *argv], done["rc"], read[out], read[err]
+    )
 
 
 def _become(request: dict, default_threads: int) -> None:
@@ -124,9 +131,32 @@ def _become(request: dict, default_threads: int) -> None:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or default_threads))
-    sys.argv, sys.path[0] = [CLI, *request["argv"]], os.getcwd()  # as ``python -m`` there
-    runpy.run_module(CLI, run_name="__main__", alter_sys=True)
+    if request["nproc"]:
+        _torchrun(request["argv"], request["nproc"])
+    else:
+        sys.argv, sys.path[0] = [CLI, *request["argv"]], os.getcwd()  # as ``python -m`` there
+        runpy.run_module(CLI, run_name="__main__", alter_sys=True)
     sys.exit(0)
+
+
+def _torchrun(argv: list[str], nproc: int) -> None:
+    """In the forked child: ``torchrun --standalone --nproc-per-node nproc argv`` (``argv``: a script and its
+    arguments) through the platform's launcher settings, the workers forked from a fork of this process."""
+    from mariana.platform.runtime import launch
+    from torch.distributed.launcher.api import elastic_launch
+
+    config = launch.launch_config(nproc, types.SimpleNamespace(max_restarts=0))
+    with tempfile.TemporaryDirectory(prefix="zygote-") as tmp, launch.fork_server(Path(tmp) / "launcher.log"):
+        elastic_launch(config, entrypoint=_script)(*argv)
+
+
+def _script(path: str, *args: str) -> None:
+    """One torchrun worker: ``python path args`` (its folder first on ``sys.path``, as there)."""
+    import runpy
+
+    sys.argv = [path, *args]
+    sys.path.insert(0, str(Path(path).resolve().parent))
+    runpy.run_path(path, run_name="__main__")
 
 
 def serve() -> None:
@@ -153,8 +183,19 @@ def serve() -> None:
             replies.close()
             _become(request, threads)
         print(json.dumps({"pid": pid}), file=replies)
-        status = os.waitpid(pid, 0)[1]
-        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), file=replies)
+        print(json.dumps(_wait(pid, request["timeout"])), file=replies)
+
+
+def _wait(pid: int, timeout: float) -> dict:
+    """Wait for the child ``pid`` at most ``timeout`` seconds (SIGKILL past it) -> ``{"rc", "timed_out"}``."""
+    fd = os.pidfd_open(pid)
+    try:
+        timed_out = not select.select([fd], [], [], timeout)[0]
+        if timed_out:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        os.close(fd)
+    return {"rc": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), "timed_out": timed_out}
 
 
 if __name__ == "__main__":

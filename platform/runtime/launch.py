@@ -147,15 +147,16 @@ def _fork_the_server(preload: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def fork_server(log: Path) -> Iterator[None]:
+def fork_server(log: Path, also: tuple[str, ...] = ()) -> Iterator[None]:
     """This launch's fork server for the block (stopped at its end: the next launch's takes its environment), with
-    torch, torch._dynamo (every torch optimizer imports it) and the command's modules imported once, not per worker:
-    a fork of this process where `fork_is_safe`, else a fresh interpreter; the resource tracker writes to ``log``."""
+    torch, torch._dynamo (every torch optimizer imports it), the command's modules and ``also`` imported once, not
+    per child: a fork of this process where `fork_is_safe`, else a fresh interpreter; the resource tracker writes
+    to ``log``."""
     import multiprocessing.forkserver
     import multiprocessing.resource_tracker
 
     loaded = [m for m in sys.modules if m.startswith("mariana.") and not m.endswith("__main__")]
-    preload = ["torch", "torch.distributed", "torch._dynamo", *sorted(loaded)]
+    preload = ["torch", "torch.distributed", "torch._dynamo", *sorted(loaded), *also]
     multiprocessing.set_forkserver_preload(preload)
     with open(log, "a") as f:
         console = os.dup(2)
@@ -171,15 +172,25 @@ def fork_server(log: Path) -> Iterator[None]:
         multiprocessing.forkserver._forkserver._stop()
 
 
-def forked_worker(argv: list) -> None:
+def forked_worker(argv: list, env: dict | None = None, log: str | None = None) -> None:
     """One worker, a child of the fork server: ``python -u -m mariana.platform.cli argv`` in a session of
-    its own (as torchrun's workers: Ctrl-C reaches the agent, which stops them)."""
+    its own (as torchrun's workers: Ctrl-C reaches the agent, which stops them). A tuner's trial also gives its
+    environment ``env`` (``OMP_NUM_THREADS``: torch's threads) and the file its stdout and stderr append to."""
     import ctypes
     import runpy
+
+    import torch
 
     # PR_SET_PDEATHSIG 0, as torchrun's workers: the fork server's end (a signal to the group) is not ours
     ctypes.CDLL(None).prctl(1, 0)
     os.setsid()
+    if log is not None:  # its files (not a caller's replacement of sys.stdout), environment and threads
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1), os.dup2(fd, 2), os.close(fd)
+        sys.stdout, sys.stderr = (open(n, "w", encoding="utf-8", closefd=False) for n in (1, 2))
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or torch.get_num_threads()))
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)
     sys.argv = [CLI_MODULE, *argv]

@@ -4,6 +4,7 @@ the command runs)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from mariana.platform.core.errors import MarianaError
 from mariana.platform.core.evaluator import higher_is_better, metric_name
 from mariana.platform.core.tracking import start_study
 from mariana.platform.jobs.client import JobsClient, read_token
+from mariana.platform.runtime.launch import fork_server
 
 from .apps import app_info
 from .cli import DIRECTIONS
@@ -104,6 +106,10 @@ def tune(args, argv) -> int:
     )  # fmt: skip
     shown = {f"tune.{k}": str(v) for k, v in vars(args).items() if isinstance(v, str | int | float | list)}
     study = start_study(args.app, out, shown)  # the MLflow parent run of the trials
-    rc = run_study(opts, runner)
+    out.mkdir(parents=True, exist_ok=True)
+    app = info.module.rpartition(".")[0]  # local trials fork from a server that imported the app's training
+    trials = fork_server(out / "fork-server.log", (f"{app}.commands", f"{app}.train"))
+    with trials if client is None else contextlib.nullcontext():
+        rc = run_study(opts, runner)
     study.final({"steps": 0, "exit_code": rc})
     return rc

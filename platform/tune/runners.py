@@ -7,13 +7,13 @@ running else ``(ok, error)``, ``cancel(handle)`` and ``stop_stale(handle)``.
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
-from mariana.platform.runtime.launch import proc_stat, process_alive
+from mariana.platform.runtime.launch import forked_worker, proc_stat, process_alive
 
 LOG_NAME = "trial.log"  # a local trial's stdout + stderr, inside its run directory
 
@@ -28,24 +28,24 @@ def last_error_line(text: str) -> str:
 
 
 class LocalRunner:
-    """Trials as child processes of the tuner, each in its own session (a cancel reaches the whole group,
-    torchrun workers included). Each gets ``threads`` torch threads so P trials share the cores."""
+    """Trials as children of the tuner's fork server (`launch.fork_server`, entered by the tuner: torch and the
+    app imported once, not per trial), each in its own session (a cancel reaches the whole group, torchrun
+    workers included). Each gets ``threads`` torch threads so P trials share the cores."""
 
     kind = "local"
 
     def __init__(self, threads: int):
         self.threads = threads
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, multiprocessing.Process] = {}
 
     def start(self, argv: list[str], run_dir: Path, name: str) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.setdefault("OMP_NUM_THREADS", str(self.threads))
-        with open(run_dir / LOG_NAME, "ab") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "mariana.platform.cli", *argv],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            )  # fmt: skip
+        proc = multiprocessing.get_context("forkserver").Process(
+            target=forked_worker, args=(argv, env, str(run_dir / LOG_NAME)), name=name
+        )
+        proc.start()
         self.procs[proc.pid] = proc
         st = proc_stat(proc.pid)
         return {
@@ -57,7 +57,7 @@ class LocalRunner:
 
     def poll(self, handle: dict) -> tuple[bool, str] | None:
         proc = self.procs.get(handle["pid"])
-        rc = proc.poll() if proc is not None else -1
+        rc = proc.exitcode if proc is not None else -1
         if rc is None:
             return None
         self.procs.pop(handle["pid"], None)
@@ -76,11 +76,10 @@ class LocalRunner:
         proc = self.procs.pop(handle["pid"], None)
         if proc is None:
             return
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+        proc.join(timeout)
+        if proc.exitcode is None:
             _kill_group(handle["pid"], handle.get("pid_start"), signal.SIGKILL)
-            proc.wait()
+            proc.join()
 
     def stop_stale(self, handle: dict) -> None:
         """A trial left running by a killed tuner: SIGKILL its process group (it will be run again)."""
@@ -91,10 +90,10 @@ class LocalRunner:
 def _kill_group(pid: int, start: int | None, sig: int) -> None:
     if not process_alive(pid, start):
         return
-    try:
-        os.killpg(pid, sig)  # the trial leads its own session: this reaches torchrun's workers too
-    except (ProcessLookupError, PermissionError):
-        pass
+    # the trial (even before its setsid), then its session's group: torchrun's workers too
+    for kill in (os.kill, os.killpg):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(pid, sig)
 
 
 class JobRunner:

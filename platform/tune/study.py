@@ -15,6 +15,7 @@ not draw the first configurations again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -266,11 +267,13 @@ def run_study(o: TuneOptions, runner) -> int:
                     print(f"trial {number}: failed: {status[1]}", flush=True)
                 del flying[number]
                 done += 1
-    except KeyboardInterrupt:
-        # Stop the trials (they would run on unattended); they stay RUNNING in the study and are
-        # re-queued by the next `mariana tune` with the same --out.
+    except BaseException:
+        # Ctrl-C or a failure: stop the trials (they would run on unattended, and the local trials' fork
+        # server waits for them); they stay RUNNING in the study and are re-queued by the next `mariana tune`
+        # with the same --out. A cancel that fails (the job service gone) does not hide the first error.
         for f in flying.values():
-            runner.cancel(f.handle)
+            with contextlib.suppress(Exception):
+                runner.cancel(f.handle)
         raise
     return finish(study, o, name)
 

@@ -6,7 +6,7 @@ exported (`FrozenIdMap`).
 
 Keys find rows batch by batch in training order; unadmitted keys are counted in a TinyLFU count-min
 sketch and use the field's OOV row ``f R``. The rules, and why, are in apps/pctr/README.md, Dynamic ids.
-Memory is bounded whatever the number of distinct ids (`memory_bytes`); everything is numpy over the
+Memory is bounded whatever the number of distinct ids (fixed-size arrays); everything is numpy over the
 batch's unique keys and deterministic, so `state_dict` and ``--resume`` continue exactly (the index is
 rebuilt from ``row_key`` on load).
 """
@@ -358,11 +358,6 @@ class IdMap:
             "ids_capacity": self.F * (self.R - 1),
             "ids_rows_in_use_per_field": self.used.tolist(),
         }
-
-    def memory_bytes(self) -> int:
-        """Bytes held by the map (independent of how many distinct ids were seen)."""
-        arrays = (self.row_key, self.row_count, self.row_last, self.used, self.sketch, self.slot)
-        return sum(a.nbytes for a in arrays) + 3 * self.admitted.nbytes
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict:

@@ -25,7 +25,6 @@ from .fields import (
     at_least,
     check_choice,
     coerce,
-    default_of,
     flag,
     given,
     not_with,
@@ -34,7 +33,7 @@ from .fields import (
     when,
 )
 from .files import load_toml, read_config_values, save_config, sectioned_toml
-from .resolve import add_config_args, applicable_values, load_config, resolve_config, saved_run_values
+from .resolve import add_config_args, applicable_values, resolve_config, saved_run_values
 from .sections import MAX_FIELDS, Config, Section
 from .train import (
     RESUME_MAY_CHANGE,

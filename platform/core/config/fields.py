@@ -146,13 +146,6 @@ def opt(
     return dataclasses.field(default=default, metadata=meta)
 
 
-def default_of(f: dataclasses.Field) -> Any:
-    """A field's default value (calling its factory)."""
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    return f.default_factory()  # type: ignore[misc]
-
-
 def _base_type(tp: Any) -> tuple[Any, bool]:
     """(inner type, optional?) for ``X`` or ``X | None``."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):

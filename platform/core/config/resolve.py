@@ -168,14 +168,6 @@ def saved_run_values(cls: type, given: dict[str, Any], toml_values: dict[str, An
     return {k: v for k, v in read_config_values(path).items() if k in names}
 
 
-def load_config(cls: type[C], path: str | Path) -> C:
-    """Read a config saved by `save_config` (e.g. ``RUN/config.toml``, sectioned or flat) back into
-    ``cls``; keys ``cls`` does not have (fields an earlier version declared) are ignored."""
-    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    values = {k: v for k, v in read_config_values(path).items() if k in names}
-    return apply_values(cls(), values, str(path))
-
-
 def applicable_values(
     cls: type, values: dict[str, Any], argv: list[str] | tuple = (), presets: dict | None = None
 ) -> dict[str, Any]:
