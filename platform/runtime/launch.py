@@ -147,16 +147,16 @@ def _fork_the_server(preload: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def fork_server(log: Path, also: tuple[str, ...] = ()) -> Iterator[None]:
+def fork_server(log: Path, modules: tuple[str, ...] | None = None) -> Iterator[None]:
     """This launch's fork server for the block (stopped at its end: the next launch's takes its environment), with
-    torch, torch._dynamo (every torch optimizer imports it), the command's modules and ``also`` imported once, not
-    per child: a fork of this process where `fork_is_safe`, else a fresh interpreter; the resource tracker writes
-    to ``log``."""
+    torch, torch._dynamo (every torch optimizer imports it) and ``modules`` (default: the command's) imported once,
+    not per child: a fork of this process where `fork_is_safe`, else a fresh interpreter; the resource tracker
+    writes to ``log``."""
     import multiprocessing.forkserver
     import multiprocessing.resource_tracker
 
-    loaded = [m for m in sys.modules if m.startswith("mariana.") and not m.endswith("__main__")]
-    preload = ["torch", "torch.distributed", "torch._dynamo", *sorted(loaded), *also]
+    loaded = sorted(m for m in sys.modules if m.startswith("mariana.") and not m.endswith("__main__"))
+    preload = ["torch", "torch.distributed", "torch._dynamo", *(loaded if modules is None else modules)]
     multiprocessing.set_forkserver_preload(preload)
     with open(log, "a") as f:
         console = os.dup(2)

@@ -107,9 +107,9 @@ def tune(args, argv) -> int:
     shown = {f"tune.{k}": str(v) for k, v in vars(args).items() if isinstance(v, str | int | float | list)}
     study = start_study(args.app, out, shown)  # the MLflow parent run of the trials
     out.mkdir(parents=True, exist_ok=True)
-    app = info.module.rpartition(".")[0]  # local trials fork from a server that imported the app's training
-    trials = fork_server(out / "fork-server.log", (f"{app}.commands", f"{app}.train"))
-    with trials if client is None else contextlib.nullcontext():
+    app = info.module.rpartition(".")[0]  # local trials fork from a server that imported the CLI and the app
+    modules = ("mariana.platform.cli.main", f"{app}.commands", f"{app}.train")
+    with fork_server(out / "fork-server.log", modules) if client is None else contextlib.nullcontext():
         rc = run_study(opts, runner)
     study.final({"steps": 0, "exit_code": rc})
     return rc
