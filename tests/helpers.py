@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import zygote
@@ -61,8 +60,9 @@ def run_cli(
     argv, full_env, base = [str(a) for a in args], cli_env(env), cli_env()
     proc = zygote.run(argv, full_env, base, ROOT, timeout) if USE_ZYGOTE else None
     if proc is None:
-        cmd = [sys.executable, "-m", "mariana.platform.cli", *argv]
-        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            zygote.command(argv), cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+        )
     if check and proc.returncode != 0:
         raise AssertionError(
             f"mariana {' '.join(argv)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
@@ -76,18 +76,11 @@ def run_torchrun(script: str | Path, nproc: int, *args, timeout: float = 180) ->
     (``torchrun --standalone``: a free rendezvous port), from the repository root, in `cli_env`; asserts a
     zero exit with the tail of stderr in the message. The launcher is a fork of the test process's `zygote`
     and its workers forks of a server forked from it, unless the zygote is off."""
-    argv = [str(script), *map(str, args)]
-    proc = zygote.run(argv, cli_env(), cli_env(), ROOT, timeout, nproc) if USE_ZYGOTE else None
+    argv, env = [str(script), *map(str, args)], cli_env()
+    proc = zygote.run(argv, env, env, ROOT, timeout, nproc) if USE_ZYGOTE else None
     if proc is None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            *argv,
-        ]
-        proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+        cmd = zygote.command(argv, nproc)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 

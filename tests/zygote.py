@@ -77,6 +77,12 @@ def _reply(proc: subprocess.Popen) -> dict:
     return json.loads(line)
 
 
+def command(argv: list[str], nproc: int = 0) -> list[str]:
+    """The fresh interpreter's command line a request stands for: the CLI, or torchrun with ``nproc`` workers."""
+    launcher = ["torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc else [CLI]
+    return [sys.executable, "-m", *launcher, *argv]
+
+
 def run(
     argv: list[str], env: dict[str, str], base: dict[str, str], cwd: Path, timeout: float, nproc: int = 0
 ):
@@ -108,11 +114,8 @@ def _fork(
         done = _reply(proc)
         read = {p: p.read_text(errors="replace") if p.exists() else "" for p in (out, err)}
     if done["timed_out"]:
-        raise subprocess.TimeoutExpired([CLI, *argv], timeout, read[out], read[err])
-    launcher = ["torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc else [CLI]
-    return subprocess.CompletedProcess(
-        [sys.executable, "-m", *launcher, *argv], done["rc"], read[out], read[err]
-    )
+        raise subprocess.TimeoutExpired(command(argv, nproc), timeout, read[out], read[err])
+    return subprocess.CompletedProcess(command(argv, nproc), done["rc"], read[out], read[err])
 
 
 def _become(request: dict, default_threads: int) -> None:

@@ -186,7 +186,9 @@ def forked_worker(argv: list, env: dict | None = None, log: str | None = None) -
     os.setsid()
     if log is not None:  # its files (not a caller's replacement of sys.stdout), environment and threads
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1), os.dup2(fd, 2), os.close(fd)
+        for target in (1, 2):
+            os.dup2(fd, target)
+        os.close(fd)
         sys.stdout, sys.stderr = (open(n, "w", encoding="utf-8", closefd=False) for n in (1, 2))
         os.environ.clear()
         os.environ.update(env)

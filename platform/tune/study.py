@@ -210,8 +210,7 @@ def run_study(o: TuneOptions, runner) -> int:
     import optuna
     from optuna.trial import TrialState
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    o.out.mkdir(parents=True, exist_ok=True)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # o.out: made by the caller (`commands.tune`)
     study, url, name = open_study(o)
     requeued = requeue_interrupted(study, runner)
     trials_dir = o.out / "trials"
