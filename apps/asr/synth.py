@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 from mariana.platform.core.errors import MarianaError
+from tqdm import tqdm
 
 from .data import DIGIT_WORDS, check_out_dir, read_wav, write_wav
 
@@ -254,13 +255,12 @@ def synthesize(
         import concurrent.futures as cf
         import multiprocessing as mp
 
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(todo), desc="synth", unit="speaker", mininterval=2.0)
-        # A fresh process per speaker (max_tasks_per_child=1): eSpeak's state never carries over.
-        with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), max_tasks_per_child=1) as pool:
+        bar = tqdm(total=len(todo), desc="synth", unit="speaker", mininterval=2.0, disable=not progress)
+        # A process per speaker (eSpeak's state never carries over), each forked from one server that imported
+        # this module and the resampler once, not a new interpreter importing them again.
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__, "scipy.signal"])
+        with cf.ProcessPoolExecutor(jobs, mp_context=ctx, max_tasks_per_child=1) as pool:
             futs = [
                 pool.submit(synth_speaker, out, spk, takes, seed, sample_rate, todo[spk.name])
                 for spk in voices
@@ -269,10 +269,8 @@ def synthesize(
             for f in cf.as_completed(futs):
                 n, sk = f.result()
                 generated, skipped = generated + n, skipped + sk
-                if bar:
-                    bar.update(1)
-        if bar:
-            bar.close()
+                bar.update(1)
+        bar.close()
     meta = dict(settings, takes=takes, speakers=[asdict(s) for s in voices])
     tmp = meta_path.with_name(".synth.json.tmp")
     tmp.write_text(json.dumps(meta, indent=1))
