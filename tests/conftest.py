@@ -6,6 +6,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import helpers  # noqa: E402
 from helpers import DATA  # noqa: E402
 
 torch.set_num_threads(1)
@@ -26,6 +27,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    helpers._base.update(helpers.cli_env())  # what the test zygote starts with (`helpers.zygote_env`)
 
 
 @pytest.fixture(scope="session")

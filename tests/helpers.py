@@ -3,9 +3,12 @@ environment, and the real launcher (``python -m mariana.platform.cli ...`` -> to
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import zygote
@@ -50,6 +53,16 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+_base: dict[str, str] = {}  # `zygote_env`, once it is known
+
+
+def zygote_env() -> dict[str, str]:
+    """The environment the zygote starts with, and which a command's must fit to be a fork of it: `cli_env` as
+    it was once every test module was imported (conftest.py's ``pytest_collection_finish``), not as one test's
+    ``monkeypatch`` left it when the zygote happened to start."""
+    return _base or cli_env()
+
+
 def run_cli(
     args: list[str], timeout: float = 300, env: dict[str, str] | None = None, check: bool = False
 ) -> subprocess.CompletedProcess:
@@ -57,7 +70,7 @@ def run_cli(
     CompletedProcess (text stdout/stderr). ``check=True`` raises with both streams in the message on a
     non-zero exit. The process is a fork of this test process's preloaded interpreter (`zygote`) unless its
     environment needs a fresh one (or ``MARIANA_TEST_ZYGOTE=0``)."""
-    argv, full_env, base = [str(a) for a in args], cli_env(env), cli_env()
+    argv, full_env, base = [str(a) for a in args], cli_env(env), zygote_env()
     proc = zygote.run(argv, full_env, base, ROOT, timeout) if USE_ZYGOTE else None
     if proc is None:
         proc = subprocess.run(
@@ -71,13 +84,46 @@ def run_cli(
     return proc
 
 
+def start_cli(args: list, log: Path, env: dict[str, str] | None = None):
+    """``mariana <args>`` started in the background (a server a test talks to) in a session of its own, its
+    stdout and stderr appended to ``log`` -> a `subprocess.Popen`, or the zygote's `zygote.Forked` (what the
+    tests use of one: ``pid``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``, ``returncode``)."""
+    argv, full_env = [str(a) for a in args], cli_env(env)
+    Path(log).touch()  # there to read from the start
+    proc = zygote.spawn(argv, full_env, zygote_env(), ROOT, Path(log)) if USE_ZYGOTE else None
+    if proc is None:
+        with open(log, "ab") as f:
+            proc = subprocess.Popen(zygote.command(argv), cwd=ROOT, env=full_env, stdout=f,
+                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    return proc
+
+
+def wait_for_line(proc, log: Path, text: str, timeout: float = 60) -> list[str]:
+    """The whole lines ``log`` holds once one of them contains ``text`` (``proc`` writes them: `start_cli`);
+    AssertionError with the output if ``proc`` ends first or ``timeout`` seconds pass (its session killed, so a
+    failed test leaves nothing running)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = Path(log).read_text().splitlines(keepends=True)
+        lines = [ln.rstrip("\n") for ln in lines if ln.endswith("\n")]
+        if any(text in ln for ln in lines):
+            return lines
+        if proc.poll() is not None or time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(
+                f"no line with {text!r} (exit code {proc.returncode}):\n" + "\n".join(lines[-20:])
+            )
+        time.sleep(0.05)
+
+
 def run_torchrun(script: str | Path, nproc: int, *args, timeout: float = 180) -> subprocess.CompletedProcess:
     """Run ``script`` (a test's worker entry) in ``nproc`` processes under the real launcher
     (``torchrun --standalone``: a free rendezvous port), from the repository root, in `cli_env`; asserts a
     zero exit with the tail of stderr in the message. The launcher is a fork of the test process's `zygote`
     and its workers forks of a server forked from it, unless the zygote is off."""
     argv, env = [str(script), *map(str, args)], cli_env()
-    proc = zygote.run(argv, env, env, ROOT, timeout, nproc) if USE_ZYGOTE else None
+    proc = zygote.run(argv, env, zygote_env(), ROOT, timeout, nproc) if USE_ZYGOTE else None
     if proc is None:
         cmd = zygote.command(argv, nproc)
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -6,15 +6,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import threading
+import tempfile
 import time
 from pathlib import Path
 from unittest import mock
 
 import httpx
 from cliwalk import cli
-from helpers import ROOT, cli_env
+from helpers import cli_env, start_cli, wait_for_line
 
 
 class Service:
@@ -22,28 +21,20 @@ class Service:
 
     def __init__(self, home: Path, *extra: str, slots: int = 2):
         self.home = Path(home)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mariana.platform.cli", "jobs", "serve", "--home", str(home), "--port", "0",
-             "--slots", str(slots), *extra],
-            cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        self.lines: list[str] = []
-        first = threading.Event()
-
-        def pump():  # keep draining the pipe so the service never blocks on a full stdout
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                first.set()
-            first.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not first.wait(120) or "http://" not in "".join(self.lines):
-            self.proc.kill()
-            raise AssertionError(f"the service did not start:\n{''.join(self.lines)}")
-        self.url = "".join(self.lines).split("http://", 1)[1].split()[0]
-        self.url = "http://" + self.url
+        fd, log = tempfile.mkstemp(prefix=f"{self.home.name}-service-", suffix=".log", dir=self.home.parent)
+        os.close(fd)
+        self.log = Path(log)  # one file per start: a restarted service's URL is its own
+        self.proc = start_cli(
+            ["jobs", "serve", "--home", home, "--port", "0", "--slots", slots, *extra], self.log
+        )
+        lines = wait_for_line(self.proc, self.log, "http://", 120)
+        self.url = "http://" + next(ln for ln in lines if "http://" in ln).split("http://", 1)[1].split()[0]
         self.http = httpx.Client(base_url=self.url, timeout=30, trust_env=False)
         wait_for(lambda: self.http.get("/healthz").status_code == 200, 60, "service healthy")
+
+    def output(self) -> str:
+        """What the service printed so far (stdout and stderr)."""
+        return self.log.read_text()
 
     def env(self) -> dict[str, str]:
         return {"MARIANA_JOBS_URL": self.url}

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import re
 import socket
-import subprocess
-import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import torch
 from cliwalk import cli
-from helpers import ROOT, assert_cli_error, cli_env
+from helpers import assert_cli_error, start_cli, wait_for_line
 from PIL import Image
 
 
@@ -132,26 +131,16 @@ def test_eval_writes_one_result_per_data_set(tiny, no_cuda, capfd):
     assert '"images": 8' in out.read_text()
 
 
-def _serve(args: list) -> tuple[subprocess.Popen, list[str]]:
-    """Start `mariana serve ARGS`; returns the process and its stdout lines up to the "serving ..." line."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mariana.platform.cli", "serve", *map(str, args)],
-        cwd=ROOT,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines = []
-    for line in proc.stdout:  # blocks until the server prints (or exits)
-        lines.append(line.rstrip("\n"))
-        if line.startswith("serving "):
-            break
-    return proc, lines
+def _serve(args: list, log: Path):
+    """Start `mariana serve ARGS` (`helpers.start_cli`); returns the process and its output's lines up to the
+    "serving ..." line."""
+    proc = start_cli(["serve", *args], log)
+    lines = wait_for_line(proc, log, "serving ")
+    return proc, lines[: next(i for i, ln in enumerate(lines) if ln.startswith("serving ")) + 1]
 
 
-def test_serve_port_0_prints_the_bound_port(tiny):
-    proc, lines = _serve(["--vision", tiny["run"], "--port", "0", "--threads", "1"])
+def test_serve_port_0_prints_the_bound_port(tiny, tmp_path):
+    proc, lines = _serve(["--vision", tiny["run"], "--port", "0", "--threads", "1"], tmp_path / "serve.log")
     try:
         m = re.search(r"on http://127\.0\.0\.1:(\d+)", lines[-1] if lines else "")
         assert m, lines

@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import DATA, ROOT, cli_env
+from helpers import DATA, start_cli
 from mariana.apps.pctr.models.predict import load_predictor
 from mariana.apps.pctr.streams.config import parse_export_every
 from mariana.apps.pctr.streams.folder import LogFile, scan
@@ -57,15 +56,10 @@ def ledger(run: Path) -> list[dict]:
     return state["stream"]["ledger"]
 
 
-def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "mariana.platform.cli", "pctr", "stream", *map(str, args)],
-        cwd=ROOT,
-        env=cli_env(env),
-        stdout=open(log, "w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+def start(args: list[str], log: Path, env: dict | None = None):
+    """``mariana pctr stream ARGS`` in the background (`helpers.start_cli`), its output in ``log`` (emptied)."""
+    log.write_text("")
+    return start_cli(["pctr", "stream", *args], log, env)
 
 
 def wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):

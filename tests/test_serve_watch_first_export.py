@@ -3,12 +3,9 @@ the stream's first export: serve waits for it (one line) and then serves, instea
 --watch the error names no flag serve does not have (it said --model, serve's flag is --pctr)."""
 
 import shutil
-import subprocess
-import sys
-import time
 
 from cliwalk import run_main
-from helpers import ROOT, cli_env
+from helpers import start_cli, wait_for_line
 
 
 def test_watch_waits_for_the_first_export(tmp_path, data_dir, capsys):
@@ -16,13 +13,10 @@ def test_watch_waits_for_the_first_export(tmp_path, data_dir, capsys):
     live.mkdir()
     rc, out, err = run_main(["serve", "--pctr", live, "--port", "0"], capsys)
     assert rc == 2 and "no exported model" in err and "--model" not in err, err
-    srv = subprocess.Popen(
-        [sys.executable, "-m", "mariana.platform.cli", "serve", "--pctr", str(live), "--port", "0", "--watch"]
-        + ["--watch-interval", "0.2"],
-        cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    log = tmp_path / "serve.log"
+    srv = start_cli(["serve", "--pctr", live, "--port", "0", "--watch", "--watch-interval", "0.2"], log)
     try:
-        assert "waiting for the first exported model" in srv.stdout.readline()
+        assert "waiting for the first exported model" in wait_for_line(srv, log, "waiting")[0]
         data = tmp_path / "f.libfm"
         data.write_text(
             "\n".join((data_dir / "frappe" / "frappe.validation.libfm").read_text().splitlines()[:200])
@@ -33,10 +27,7 @@ def test_watch_waits_for_the_first_export(tmp_path, data_dir, capsys):
         assert rc == 0, err
         shutil.copyfile(run / "model.json", live / "model.json")
         shutil.copyfile(run / "model.safetensors", live / "model.safetensors")
-        deadline = time.monotonic() + 60
-        line = ""
-        while time.monotonic() < deadline and "serving" not in line:
-            line = srv.stdout.readline()
+        line = wait_for_line(srv, log, "serving")[-1]
         assert line.startswith("serving pctr on http://"), line
     finally:
         srv.terminate()

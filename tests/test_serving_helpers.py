@@ -8,13 +8,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers import DATA, ROOT, cli_env, free_port
+from helpers import DATA, free_port, start_cli
 
 FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
 CRITEO = DATA / "criteo" / "criteo_sample.tsv"
@@ -45,18 +44,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_dir / f"serve-{self.port}.log", "w+")
-        cmd = [
-            sys.executable,
-            "-m",
-            "mariana.platform.cli",
-            "serve",
-            *map(str, args),
-            "--port",
-            str(self.port),
-        ]
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=cli_env(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        self.proc = start_cli(["serve", *args, "--port", self.port], Path(self.log.name))
         deadline = time.monotonic() + startup_timeout
         while True:
             if self.proc.poll() is not None:

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import httpx
 import pytest
@@ -32,6 +33,17 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 FRAPPE = DATA / "frappe" / "frappe.validation.libfm"
+
+
+@pytest.fixture(autouse=True)
+def _environ_put_back():
+    """A tracker opened in this process sets MLflow's settings in os.environ (as it may in its own CLI
+    process): put back after each test, or every later command of this pytest process would see them (and
+    run in a fresh interpreter: its environment no longer fits the zygote's)."""
+    with mock.patch.dict(os.environ):
+        yield
+
+
 TRAIN = ["--preset", "debug", "--max-steps", "6", "--log-every", "2"]
 
 

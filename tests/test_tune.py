@@ -1,10 +1,10 @@
 """`mariana tune`: real tuners running real `mariana pctr train` trials (local processes, or jobs of a real
 `mariana jobs serve`) on a 6000-line slice of the Frappe sample, Optuna studies in SQLite files.
 
-The tuner runs in this process (`jobs_helpers.run_in_process`, with a CLI process's environment) where
-a test does not need it to be a process of its own (the killed tuner; one refused command line for its
-exit code): its trials are processes either way, and each tuner or retraining process would add an
-interpreter and torch start-up.
+A tuner that runs trials is a process of its own, forked from the test zygote (`helpers.run_cli`,
+`helpers.start_cli`): its trials' fork server is then a fork of it, where a tuner in this process (threads:
+not safe to fork) would start a fresh interpreter for it. Refused command lines and retraining run in this
+process (`jobs_helpers.run_in_process`, with a CLI process's environment).
 
 The space makes pruning deterministic: half of the configurations train the embedding table at a learning
 rate of 1e-6 (AUC stays near its initial value), the others at 0.1, with an eval record every 3 steps.
@@ -16,13 +16,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from unittest import mock
 
 import pytest
-from helpers import DATA, ROOT, assert_cli_error, cli_env, last_line, run_cli
+from helpers import DATA, ROOT, assert_cli_error, cli_env, last_line, run_cli, start_cli
 from jobs_helpers import run_in_process
 from mariana.platform.core.config import read_config_values
 
@@ -84,7 +83,7 @@ def test_study_prunes_and_best_toml_reproduces(tmp_path: Path, frappe_slice: Pat
     from optuna.trial import TrialState
 
     out = tmp_path / "tune"
-    proc = run_in_process(_tune_args(_space(tmp_path), out, frappe_slice, 8, "--local"), capsys, check=True)
+    proc = run_cli(_tune_args(_space(tmp_path), out, frappe_slice, 8, "--local"), check=True)
     head = last_line(proc.stdout)
     assert head.startswith("best trial ") and "pruned" in head, proc.stdout
 
@@ -130,7 +129,7 @@ def test_study_prunes_and_best_toml_reproduces(tmp_path: Path, frappe_slice: Pat
 
 
 @pytest.mark.slow
-def test_killed_tuner_resumes_without_losing_or_repeating_trials(tmp_path: Path, frappe_slice: Path, capsys):
+def test_killed_tuner_resumes_without_losing_or_repeating_trials(tmp_path: Path, frappe_slice: Path):
     from optuna.trial import TrialState
 
     out = tmp_path / "tune"
@@ -138,9 +137,8 @@ def test_killed_tuner_resumes_without_losing_or_repeating_trials(tmp_path: Path,
     space = _space(tmp_path, SPACE.replace("max_steps = 30", "max_steps = 150"))
     args = _tune_args(space, out, frappe_slice, 4, "--local", "--pruner", "none")
     log = tmp_path / "tuner1.log"
-    with open(log, "w") as f:
-        tuner = subprocess.Popen([sys.executable, "-m", "mariana.platform.cli", *map(str, args)], cwd=ROOT,
-                                 env=cli_env(), stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
+    log.write_text("")
+    tuner = start_cli(args, log)
     try:
         # Kill it once two trials finished and the third is training (its metrics are being written).
         deadline = time.monotonic() + 240
@@ -161,7 +159,7 @@ def test_killed_tuner_resumes_without_losing_or_repeating_trials(tmp_path: Path,
     assert len(complete_before) >= 2 and running, before
     orphans = [t.user_attrs["handle"]["pid"] for t in running if "handle" in t.user_attrs]
 
-    proc = run_in_process(args, capsys, check=True)  # the second tuner
+    proc = run_cli(args, check=True)  # the second tuner
     assert "re-queued" in proc.stdout.splitlines()[0], proc.stdout
     for pid in orphans:  # what the killed tuner left running was stopped, not left to compete for the CPU
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
@@ -275,16 +273,14 @@ def test_study_page_in_a_real_browser(tmp_path: Path, frappe_slice: Path, capsys
 
 @pytest.mark.slow
 def test_crashing_trials_are_failed_with_their_error_and_the_study_goes_on(
-    tmp_path: Path, frappe_slice: Path, capsys
+    tmp_path: Path, frappe_slice: Path
 ):
     """hidden = "0" makes `pctr train` refuse its flags (exit 2); with seed 0 trials 0 and 2 draw it."""
     space = _space(
         tmp_path, '[params.hidden]\ntype = "categorical"\nchoices = ["16", "0"]\n[fixed]\nmax_steps = 5\n'
     )
     out = tmp_path / "tune"
-    proc = run_in_process(
-        _tune_args(space, out, frappe_slice, 3, "--local", "--seed", "0"), capsys, check=True
-    )
+    proc = run_cli(_tune_args(space, out, frappe_slice, 3, "--local", "--seed", "0"), check=True)
     rows = {r["number"]: r for r in json.loads((out / "results.json").read_text())["trials"]}
     assert [rows[n]["state"] for n in range(3)] == ["fail", "complete", "fail"], proc.stdout
     for n in (0, 2):

@@ -1,11 +1,15 @@
 """`helpers.run_cli` forks its commands from a preloaded interpreter (`zygote`): the test gets back what a
 fresh ``python -m mariana.platform.cli`` gives (exit code, stdout, stderr), a command past its timeout is
-killed, and an environment a fork cannot take gets a fresh interpreter."""
+killed, and an environment a fork cannot take gets a fresh interpreter; `helpers.start_cli`'s background
+commands are forks too."""
 
+import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import helpers
 import pytest
@@ -80,6 +84,7 @@ def test_what_a_fork_cannot_take_runs_fresh():
     base = cli_env()
     assert zygote.fits({**base, "MARIANA_JOBS_URL": "http://127.0.0.1:1"}, base)
     assert zygote.fits({**base, "PYTEST_CURRENT_TEST": "another test"}, base)
+    assert zygote.fits({**base, "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_x"}, base)  # after a compile
     assert not zygote.fits({**base, "MARIANA_PS_MAX_MSG_MB": "1"}, base)  # read when its module loads
     assert not zygote.fits({**base, "OMP_NUM_THREADS": "2"}, base)
     assert not zygote.fits({k: v for k, v in base.items() if k != "PYTHONUNBUFFERED"}, base)
@@ -100,3 +105,27 @@ def test_a_command_from_another_thread_meanwhile_runs_fresh(tmp_path):
     thread.join(150)
     assert results["train"].returncode == 0 and "validation AUC" in results["train"].stdout, results["train"]
     assert (results["version"].returncode, results["version"].stdout) == (0, fresh(["--version"]).stdout)
+
+
+def test_a_background_command_is_a_forked_session_reaped_by_the_zygote(tmp_path):
+    """`helpers.start_cli`: a server forked by the zygote, in a session of its own, its output in the log; the
+    zygote reaps it and records its exit code (a signal's negative, an error's 2) for `poll` and `wait`, while
+    foreground commands go on meanwhile."""
+    log = tmp_path / "service.log"
+    proc = helpers.start_cli(["jobs", "serve", "--home", tmp_path / "home", "--port", "0"], log)
+    try:
+        assert isinstance(proc, zygote.Forked)
+        lines = helpers.wait_for_line(proc, log, "http://", timeout=120)
+        parent = int(Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert parent == zygote._server["proc"].pid and os.getsid(proc.pid) == proc.pid, lines
+        assert (
+            run_cli(["--version"]).returncode == 0 and proc.poll() is None
+        )  # a foreground command meanwhile
+    finally:
+        proc.send_signal(signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL and proc.poll() == -signal.SIGKILL
+    bad = helpers.start_cli(
+        ["jobs", "serve", "--home", tmp_path / "home", "--port", "-5"], tmp_path / "bad.log"
+    )
+    assert bad.wait(60) == 2, (tmp_path / "bad.log").read_text()
+    assert "--port" in (tmp_path / "bad.log").read_text()

@@ -14,11 +14,13 @@ the child runs torchrun's agent, whose workers are forks of a server forked from
 Protocol on the zygote's stdin/stdout, one JSON object per line: the request ``{"argv", "nproc", "env",
 "cwd", "out", "err", "timeout"}`` (``out``/``err``: files for the command's stdout/stderr), then the replies
 ``{"pid"}`` (forked) and ``{"rc", "timed_out"}`` (its exit code as `subprocess` reports it: negative for a
-signal; the zygote kills a command past ``timeout`` seconds).
+signal; the zygote kills a command past ``timeout`` seconds). A background request (`spawn`: a server the
+test talks to) adds ``{"status", "session"}`` and gets the first reply only: the zygote reaps the command
+when it ends (SIGCHLD) and writes its exit code to the file ``status``, which `Forked` reads.
 
-`run` is the client (`helpers.run_cli`); `fits` says when a fresh interpreter is needed instead: an
-environment differing from the zygote's beyond ``MARIANA_*`` variables that nothing reads at import and
-pytest's own (``PYTEST_CURRENT_TEST`` changes with every test).
+`run` and `spawn` are the clients (`helpers.run_cli`, `helpers.start_cli`); `fits` says when a fresh interpreter is needed instead: an
+environment differing from the zygote's beyond ``MARIANA_*`` variables that nothing reads at import,
+pytest's own (``PYTEST_CURRENT_TEST`` changes with every test) and those torch sets and reads per call.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -39,6 +42,9 @@ CLI = "mariana.platform.cli"
 PRELOAD = ["torch", "torch.distributed.run", "torch._dynamo", "mariana.platform.cli.main", "mariana.platform.ps.master",
            *(f"mariana.apps.{app}.train" for app in ("mlp", "pctr", "vision", "asr"))]  # fmt: skip
 READ_AT_IMPORT = ("MARIANA_PS_MAX_MSG_MB",)  # product settings read when a module loads, not per command
+# Set in this process's os.environ by torch itself (inductor's first compile writes its default cache folder)
+# and read per call: without it, every command after an in-process compile would need a fresh interpreter.
+READ_PER_CALL = ("TORCHINDUCTOR_CACHE_DIR",)
 _server: dict = {}  # this process's zygote: {"proc": Popen, "env": its environment}
 _lock = threading.Lock()  # one command at a time: a thread finding it taken runs a fresh interpreter
 
@@ -46,7 +52,9 @@ _lock = threading.Lock()  # one command at a time: a thread finding it taken run
 def fits(env: dict[str, str], base: dict[str, str]) -> bool:
     """Whether a command with environment ``env`` may be a fork of a zygote started with ``base``."""
     keys = {k for k in env.keys() | base.keys() if env.get(k) != base.get(k)}
-    return all(k.startswith(("MARIANA_", "PYTEST_")) and k not in READ_AT_IMPORT for k in keys)
+    return all(
+        k.startswith(("MARIANA_", "PYTEST_")) and k not in READ_AT_IMPORT or k in READ_PER_CALL for k in keys
+    )
 
 
 def _start(env: dict[str, str], cwd: Path) -> dict:
@@ -100,6 +108,56 @@ def run(
         _lock.release()
 
 
+def spawn(argv: list[str], env: dict[str, str], base: dict[str, str], cwd: Path, log: Path):
+    """``python -m mariana.platform.cli argv`` in the background as a fork of this process's zygote, in a
+    session of its own, stdout and stderr appended to ``log`` -> a `Forked`, or None as `run` returns it."""
+    if not _lock.acquire(blocking=False):
+        return None
+    try:
+        server = _start(base, cwd)
+        if not fits(env, server["env"]):
+            return None
+        status = Path(tempfile.mkdtemp(prefix="zygote-")) / "status"
+        request = {"argv": argv, "nproc": 0, "env": env, "cwd": str(cwd), "out": str(log), "err": str(log),
+                   "status": str(status), "session": True}  # fmt: skip
+        server["proc"].stdin.write(json.dumps(request) + "\n")
+        server["proc"].stdin.flush()
+        pid = _reply(server["proc"])["pid"]
+        return None if pid is None else Forked(pid, status, command(argv))
+    finally:
+        _lock.release()
+
+
+class Forked:
+    """A background command of the zygote (its child, not ours): what the tests use of `subprocess.Popen`."""
+
+    def __init__(self, pid: int, status: Path, args: list[str]):
+        self.pid, self.args, self.returncode, self._status = pid, args, None, status
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._status.exists():  # written once the zygote has reaped it
+            self.returncode = int(self._status.read_text())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 def _fork(
     proc: subprocess.Popen, argv: list[str], env: dict[str, str], cwd: Path, timeout: float, nproc: int
 ):
@@ -124,10 +182,15 @@ def _become(request: dict, default_threads: int) -> None:
 
     import torch
 
-    fds = [os.open(os.devnull, os.O_RDONLY)]
-    fds += [os.open(request[k], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for k in ("out", "err")]
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    if request.get("session"):
+        os.setsid()
+    mode = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request.get("status") else os.O_TRUNC)
+    fds = [os.open(os.devnull, os.O_RDONLY), os.open(request["out"], mode, 0o644)]
+    fds.append(fds[1] if request["err"] == request["out"] else os.open(request["err"], mode, 0o644))
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
+    for fd in set(fds):
         os.close(fd)
     sys.stdin = open(0, encoding="utf-8", closefd=False)
     os.environ.clear()
@@ -175,6 +238,8 @@ def serve() -> None:
 
     threads = torch.get_num_threads()
     replies = os.fdopen(os.dup(1), "w", buffering=1)
+    background: dict[int, str] = {}  # pid -> its status file
+    signal.signal(signal.SIGCHLD, lambda *_: _reap(background))
     for line in sys.stdin:
         request = json.loads(line)
         if not fork_is_safe():
@@ -186,7 +251,23 @@ def serve() -> None:
             replies.close()
             _become(request, threads)
         print(json.dumps({"pid": pid}), file=replies)
-        print(json.dumps(_wait(pid, request["timeout"])), file=replies)
+        if request.get("status"):
+            background[pid] = request["status"]
+            _reap(background)  # it may have ended before it was in the list
+        else:
+            print(json.dumps(_wait(pid, request["timeout"])), file=replies)
+
+
+def _reap(background: dict[int, str]) -> None:
+    """Reap the background commands that ended, each exit code written to its status file (atomically)."""
+    for pid in list(background):
+        try:
+            done, code = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped meanwhile by the handler, run between two of this loop's bytecodes
+            continue
+        if done and (status := background.pop(pid, None)):
+            Path(status + ".tmp").write_text(str(os.waitstatus_to_exitcode(code)))
+            os.replace(status + ".tmp", status)
 
 
 def _wait(pid: int, timeout: float) -> dict:
