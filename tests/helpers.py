@@ -86,8 +86,9 @@ def run_cli(
 
 def start_cli(args: list, log: Path, env: dict[str, str] | None = None):
     """``mariana <args>`` started in the background (a server a test talks to) in a session of its own, its
-    stdout and stderr appended to ``log`` -> a `subprocess.Popen`, or the zygote's `zygote.Forked` (what the
-    tests use of one: ``pid``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``, ``returncode``)."""
+    stdout and stderr appended to ``log`` -> a `subprocess.Popen`, or the zygote's `zygote.Forked` (what
+    the tests use of one: ``pid``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``,
+    ``returncode``)."""
     argv, full_env = [str(a) for a in args], cli_env(env)
     Path(log).touch()  # there to read from the start
     proc = zygote.spawn(argv, full_env, zygote_env(), ROOT, Path(log)) if USE_ZYGOTE else None
@@ -100,8 +101,8 @@ def start_cli(args: list, log: Path, env: dict[str, str] | None = None):
 
 def wait_for_line(proc, log: Path, text: str, timeout: float = 60) -> list[str]:
     """The whole lines ``log`` holds once one of them contains ``text`` (``proc`` writes them: `start_cli`);
-    AssertionError with the output if ``proc`` ends first or ``timeout`` seconds pass (its session killed, so a
-    failed test leaves nothing running)."""
+    AssertionError with the output if ``proc`` ends first or ``timeout`` seconds pass (its session killed,
+    so a failed test leaves nothing running)."""
     deadline = time.monotonic() + timeout
     while True:
         lines = Path(log).read_text().splitlines(keepends=True)

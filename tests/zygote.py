@@ -18,9 +18,10 @@ signal; the zygote kills a command past ``timeout`` seconds). A background reque
 test talks to) adds ``{"status", "session"}`` and gets the first reply only: the zygote reaps the command
 when it ends (SIGCHLD) and writes its exit code to the file ``status``, which `Forked` reads.
 
-`run` and `spawn` are the clients (`helpers.run_cli`, `helpers.start_cli`); `fits` says when a fresh interpreter is needed instead: an
-environment differing from the zygote's beyond ``MARIANA_*`` variables that nothing reads at import,
-pytest's own (``PYTEST_CURRENT_TEST`` changes with every test) and those torch sets and reads per call.
+`run` and `spawn` are the clients (`helpers.run_cli`, `helpers.start_cli`); `fits` says when a fresh
+interpreter is needed instead: an environment differing from the zygote's beyond ``MARIANA_*`` variables
+that nothing reads at import, pytest's own (``PYTEST_CURRENT_TEST`` changes with every test) and those torch
+sets and reads per call.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -137,6 +139,7 @@ class Forked:
     def poll(self) -> int | None:
         if self.returncode is None and self._status.exists():  # written once the zygote has reaped it
             self.returncode = int(self._status.read_text())
+            shutil.rmtree(self._status.parent, ignore_errors=True)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
