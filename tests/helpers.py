@@ -100,15 +100,15 @@ def start_cli(args: list, log: Path, env: dict[str, str] | None = None):
 
 
 def wait_for_line(proc, log: Path, text: str, timeout: float = 60) -> list[str]:
-    """The whole lines ``log`` holds once one of them contains ``text`` (``proc`` writes them: `start_cli`);
-    AssertionError with the output if ``proc`` ends first or ``timeout`` seconds pass (its session killed,
-    so a failed test leaves nothing running)."""
+    """The whole lines of ``log`` up to the first that contains ``text``, that one last (``proc`` writes
+    them: `start_cli`); AssertionError with the output if ``proc`` ends first or ``timeout`` seconds pass (its
+    session killed, so a failed test leaves nothing running)."""
     deadline = time.monotonic() + timeout
     while True:
         lines = Path(log).read_text().splitlines(keepends=True)
         lines = [ln.rstrip("\n") for ln in lines if ln.endswith("\n")]
-        if any(text in ln for ln in lines):
-            return lines
+        if (i := next((i for i, ln in enumerate(lines) if text in ln), None)) is not None:
+            return lines[: i + 1]
         if proc.poll() is not None or time.monotonic() > deadline:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)

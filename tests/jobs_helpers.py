@@ -27,8 +27,9 @@ class Service:
         self.proc = start_cli(
             ["jobs", "serve", "--home", home, "--port", "0", "--slots", slots, *extra], self.log
         )
-        lines = wait_for_line(self.proc, self.log, "http://", 120)
-        self.url = "http://" + next(ln for ln in lines if "http://" in ln).split("http://", 1)[1].split()[0]
+        self.url = (
+            "http://" + wait_for_line(self.proc, self.log, "http://", 120)[-1].split("http://")[1].split()[0]
+        )
         self.http = httpx.Client(base_url=self.url, timeout=30, trust_env=False)
         wait_for(lambda: self.http.get("/healthz").status_code == 200, 60, "service healthy")
 

@@ -135,8 +135,7 @@ def _serve(args: list, log: Path):
     """Start `mariana serve ARGS` (`helpers.start_cli`); returns the process and its output's lines up to the
     "serving ..." line."""
     proc = start_cli(["serve", *args], log)
-    lines = wait_for_line(proc, log, "serving ")
-    return proc, lines[: next(i for i, ln in enumerate(lines) if ln.startswith("serving ")) + 1]
+    return proc, wait_for_line(proc, log, "serving ")
 
 
 def test_serve_port_0_prints_the_bound_port(tiny, tmp_path):
