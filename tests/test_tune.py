@@ -171,14 +171,37 @@ def test_killed_tuner_resumes_without_losing_or_repeating_trials(tmp_path: Path,
     assert {t.number for t in interrupted} == {t.number for t in running}
     for n, v in complete_before.items():  # completed trials are kept as they were
         assert after[n].state == TrialState.COMPLETE and after[n].value == v
-    for t in interrupted:  # each interrupted configuration is run again exactly once
+    for t in interrupted:  # each interrupted configuration is run again exactly once (where one was drawn)
         again = [u for u in counted if u.user_attrs.get("requeued_from") == t.number]
-        assert len(again) == 1 and again[0].params == t.params
+        assert len(again) == ("params" in t.user_attrs), t  # killed mid-draw: see the next test
+        assert all(u.params == t.params for u in again)
     params = [tuple(sorted(t.params.items())) for t in counted]
     assert len(set(params)) == len(params)  # no configuration evaluated twice
     best = max(t.value for t in counted)
     assert json.loads((out / "results.json").read_text())["best"]["value"] == best
     assert f"auc {best:.4f}" in last_line(proc.stdout)
+
+
+def test_a_trial_killed_while_its_parameters_were_drawn_is_not_requeued_half_drawn(tmp_path: Path):
+    """The tuner draws a trial's parameters one by one into the study; a kill between two draws leaves a
+    RUNNING trial with part of them and no run. Re-queueing that part would hand the next trial a fresh
+    draw of the rest: it is failed as interrupted (not counted) and not re-queued; a drawn one is."""
+    import optuna
+    from mariana.platform.tune.study import requeue_interrupted
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}", direction="maximize")
+    half, whole = study.ask(), study.ask()
+    half.suggest_float("lr", 1e-3, 1e-2, log=True)  # killed before dropout was drawn
+    whole.suggest_float("lr", 1e-3, 1e-2, log=True), whole.suggest_float("dropout", 0.0, 0.3)
+    whole.set_user_attr("params", whole.params)  # what the tuner records once all are drawn (`_launch`)
+    assert requeue_interrupted(study, runner=None) == 1
+    trials = study.get_trials()
+    assert [t.user_attrs.get("interrupted") for t in trials[:2]] == [True, True]
+    assert "not re-queued" in trials[0].user_attrs["error"] and "; re-queued" in trials[1].user_attrs["error"]
+    assert len(trials) == 3 and trials[2].user_attrs["requeued_from"] == whole.number
+    again = study.ask()  # the re-queued trial: the whole draw, nothing new
+    assert {"lr": again.suggest_float("lr", 1e-3, 1e-2, log=True),
+            "dropout": again.suggest_float("dropout", 0.0, 0.3)} == whole.params  # fmt: skip
 
 
 def test_bad_space_files_are_one_line_errors(tmp_path: Path, frappe_slice: Path, capsys):

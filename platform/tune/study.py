@@ -187,7 +187,7 @@ def open_study(o: TuneOptions):
 
 def requeue_interrupted(study, runner) -> int:
     """Trials a killed tuner left RUNNING: stop what is left of them, FAIL them (``interrupted``) and
-    enqueue their parameters again. Returns how many."""
+    enqueue their parameters again where all were drawn. Returns how many were re-queued."""
     from optuna.trial import TrialState
 
     n = 0
@@ -198,11 +198,14 @@ def requeue_interrupted(study, runner) -> int:
                 runner.stop_stale(handle)
             except MarianaError as e:  # e.g. the service that ran it is gone: nothing left to stop
                 print(f"mariana: warning: trial {t.number}: {e}", file=sys.stderr)
+        drawn = "params" in t.user_attrs  # else killed while its parameters were drawn: nothing ran
+        why = "; re-queued" if drawn else " while its parameters were drawn; not re-queued"
         study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
-        study._storage.set_trial_user_attr(t._trial_id, "error", "interrupted: the tuner stopped; re-queued")
+        study._storage.set_trial_user_attr(t._trial_id, "error", f"interrupted: the tuner stopped{why}")
         study.tell(t.number, state=TrialState.FAIL)
-        study.enqueue_trial(t.params, user_attrs={"requeued_from": t.number})
-        n += 1
+        if drawn:
+            study.enqueue_trial(t.params, user_attrs={"requeued_from": t.number})
+            n += 1
     return n
 
 
