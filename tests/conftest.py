@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,13 @@ import helpers  # noqa: E402
 from helpers import DATA  # noqa: E402
 
 torch.set_num_threads(1)
+
+# The suite starts a few hundred interpreters (CLI commands, servers, workers) that import the same
+# modules; where the environment turns off bytecode caches (PYTHONDONTWRITEBYTECODE) each of them would
+# compile the project's sources again, and each xdist worker its assertion-rewritten test files. This
+# process (its collection follows) and the ones it starts write and reuse ``__pycache__`` as by default.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 pytest_plugins = ["trained_runs"]  # the trained runs the tests share (session fixtures)
 
