@@ -6,20 +6,20 @@ cannot honour; ``start`` returns a `Handle` whose ``pid`` + ``start`` (the proce
 the cluster's message; ``poll`` -> None while the job runs, else its exit status; ``alive`` re-adopts jobs
 after a service restart; a cancel sends ``terminate``, then ``kill`` after a grace period.
 
-`LocalExecutor` runs each job as ``python -m mariana.platform.jobs.runner --exit-file RUN/job.exit --
-argv...`` in a new session (its own process group, so it survives the service and a cancel reaches every
-process of the group), output appended to ``RUN/job.log``. torchrun starts its workers in sessions of their
-own, so terminate/kill also signal every descendant found under the job's process (remembered at the first
-signal, identified by pid + start time). It runs one task on this host. `SlurmExecutor`: ``slurm.py``.
+`LocalExecutor` runs each job under `runner.run`, a child of a fork server (torch and the commands imported
+once) in a new session (its own process group, so it survives the service and a cancel reaches every
+process of the group), output appended to ``RUN/job.log``, exit status in ``RUN/job.exit``. torchrun
+starts its workers in sessions of their own, so terminate/kill also signal every descendant found under the
+job's process (remembered at the first signal, identified by pid + start time). It runs one task on this host. `SlurmExecutor`: ``slurm.py``.
 Run directories must be on storage the service can read, since the LogStore tails files there.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.connection
 import os
 import signal
-import subprocess
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +27,7 @@ from pathlib import Path
 from mariana.platform.core.errors import MarianaError
 
 from ..runtime.launch import descendants, proc_stat, process_alive
+from . import runner
 from .resources import describe
 
 
@@ -50,15 +51,8 @@ class Executor:
     def check(self, resources: dict, options: set[str]) -> None:
         """Raise MarianaError (one line) if this executor cannot honour ``resources``."""
 
-    def start(
-        self,
-        job_id: int,
-        argv: list[str],
-        run_dir: Path,
-        cwd: str,
-        env: dict[str, str],
-        resources: dict | None = None,
-    ) -> Handle:
+    def start(self, job_id: int, argv: list[str], run_dir: Path, cwd: str, env: dict[str, str],
+              resources: dict | None = None) -> Handle:  # fmt: skip
         raise NotImplementedError
 
     def describe(self, handle: Handle) -> str:
@@ -94,7 +88,10 @@ class LocalExecutor(Executor):
     """Jobs as process groups on this host (see the module docstring)."""
 
     def __init__(self):
-        self._procs: dict[int, subprocess.Popen] = {}  # pid -> our child (reaped by poll)
+        self._procs: dict[int, multiprocessing.Process] = {}  # pid -> a runner we started (reaped by poll)
+        multiprocessing.set_forkserver_preload(
+            ["torch", "torch._dynamo", "mariana.platform.cli.main", runner.__name__]
+        )
         self._tree: dict[int, set[tuple[int, int]]] = {}  # pid -> descendants seen at terminate
         self._lock = threading.Lock()
         self.on_exit = None  # called (no arguments) when a job's runner ends: the scheduler's wake
@@ -112,57 +109,33 @@ class LocalExecutor(Executor):
         if cpus > (os.cpu_count() or 1):
             raise MarianaError(f"--cpus-per-task {cpus}: this host has {os.cpu_count()} CPU(s)")
 
-    def start(
-        self,
-        job_id: int,
-        argv: list[str],
-        run_dir: Path,
-        cwd: str,
-        env: dict[str, str],
-        resources: dict | None = None,
-    ) -> Handle:
+    def start(self, job_id: int, argv: list[str], run_dir: Path, cwd: str, env: dict[str, str],
+              resources: dict | None = None) -> Handle:  # fmt: skip
         run_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "mariana.platform.jobs.runner",
-            "--exit-file",
-            str(run_dir / "job.exit"),
-            "--",
-            *argv,
-        ]
-        with open(run_dir / "job.log", "ab") as log:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=cwd or None,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                close_fds=True,
-            )
+        args = (str(run_dir / "job.exit"), argv, cwd, env, str(run_dir / "job.log"))
+        proc = multiprocessing.get_context("forkserver").Process(
+            target=runner.run, args=args, name=f"job {job_id}"
+        )
+        proc.start()
+        multiprocessing.process._children.discard(proc)  # not joined (nor killed) when the service exits
         st = proc_stat(proc.pid)
         with self._lock:
             self._procs[proc.pid] = proc
         if self.on_exit is not None:
-            threading.Thread(target=self._notify_exit, args=(proc.pid,), daemon=True).start()
+            threading.Thread(target=self._notify_exit, args=(proc,), daemon=True).start()
         return Handle(proc.pid, st[2] if st else None)
 
-    def _notify_exit(self, pid: int) -> None:
-        """Call ``on_exit`` when the runner ``pid`` ends, so its slot is given to the next job at once instead
-        of at the scheduler's next tick. WNOWAIT leaves the child unreaped: `poll` reaps it as before."""
-        try:
-            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-        except ChildProcessError:  # already reaped by `poll`: the scheduler has seen the exit
-            return
+    def _notify_exit(self, proc: multiprocessing.Process) -> None:
+        """Call ``on_exit`` when a runner ends, so its slot is given to the next job at once instead of at the
+        scheduler's next tick (`poll` then reads its status; ``proc`` held here keeps its sentinel open)."""
+        multiprocessing.connection.wait([proc.sentinel])
         self.on_exit()
 
     def poll(self, handle: Handle, run_dir: Path) -> int | None:
         with self._lock:
             proc = self._procs.get(handle.pid)
         if proc is not None:
-            rc = proc.poll()
+            rc = proc.exitcode
             if rc is None:
                 return None
             with self._lock:

@@ -1,51 +1,74 @@
-"""The wrapper every job runs under: ``python -m mariana.platform.jobs.runner --exit-file F -- argv...``.
+"""The wrapper every local job runs under (`LocalExecutor`): a child of the service's fork server, which
+imported torch and the commands once, not per job.
 
-It runs ``python -m mariana.platform.cli argv...`` as its child (same process group, so a group signal
-reaches both), waits for it and writes the child's exit status to ``F`` atomically (temporary file +
-rename). The service may have been restarted (or killed) in the meantime: the exit file is how a job that
-ended while nobody was watching reports success or failure. Negative statuses are signals (-15 =
-SIGTERM). Imports only the standard library, so it adds no start-up time to the job.
+`run` starts a session of its own (so the job survives the service, and a group signal reaches the job
+too), forks the job ``mariana argv...`` (`_job`, in its process group), waits for it and writes its exit
+status to ``RUN/job.exit`` atomically. The service may have been restarted (or killed) in the meantime:
+the exit file is how a job that ended while nobody was watching reports success or failure. Negative
+statuses are signals (-15 = SIGTERM).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import runpy
 import signal
-import subprocess
 import sys
+import threading
+import traceback
+
+from ..core.atomic import atomic_write_text
+from ..runtime.launch import CLI_MODULE
 
 
-def write_exit(path: str, code: int) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(f"{code}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) < 3 or argv[0] != "--exit-file" or "--" not in argv:
-        print(
-            "usage: python -m mariana.platform.jobs.runner --exit-file F -- APP CMD [ARGS...]",
-            file=sys.stderr,
-        )
-        return 2
-    exit_file = argv[1]
-    job_argv = argv[argv.index("--") + 1 :]
-    try:
+def run(exit_file: str, argv: list[str], cwd: str, env: dict[str, str], log: str) -> None:
+    """The job ``mariana argv`` in ``cwd`` with exactly ``env``, stdout and stderr appended to ``log``;
+    exits with its status (a signal's as 128 + N) once that is in ``exit_file``."""
+    os.setsid()
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(exit_file)  # a retried job reuses the run directory: the old status is not ours
-    except FileNotFoundError:
-        pass
-    # A cancel signals the whole group: the child gets it directly; this process stays to record the status.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    signal.signal(signal.SIGINT, lambda *_: None)
-    child = subprocess.Popen([sys.executable, "-m", "mariana.platform.cli", *job_argv])
-    code = child.wait()
-    write_exit(exit_file, code)
-    return code if code >= 0 else 128 - code
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for fd, target in ((os.open(os.devnull, os.O_RDONLY), 0), (out, 1), (out, 2)):
+        os.dup2(fd, target)
+    os.chdir(cwd or ".")
+    os.environ.clear(), os.environ.update(env)
+    # A cancel signals the whole group: the job gets it directly; this process stays to record the status.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    if (pid := os.fork()) == 0:
+        _job(argv)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    atomic_write_text(exit_file, f"{code}\n")
+    sys.exit(code if code >= 0 else 128 - code)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _job(argv: list[str]) -> None:
+    """``mariana argv`` in this forked process, ended as a fresh interpreter ends (non-daemon threads joined,
+    atexit handlers run); never returns."""
+    import torch
+
+    code = 1
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # OpenMP read the environment when the fork server loaded it: the job's OMP_NUM_THREADS as a fresh one's
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads()))
+        sys.stdin = open(os.devnull)
+        sys.stdout, sys.stderr = (open(n, "w", encoding="utf-8", buffering=1, closefd=False) for n in (1, 2))
+        sys.argv = [CLI_MODULE, *argv]
+        runpy.run_module(CLI_MODULE, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:  # as the interpreter reads it: None is 0, a message is printed and 1
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+        with contextlib.suppress(Exception):
+            sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
