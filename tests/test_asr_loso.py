@@ -38,7 +38,6 @@ def loso(data_dir, tmp_path_factory):
     return {"out": out, "proc": proc, "summary": summary, "mtimes": _mtimes(out, SPEAKERS)}
 
 
-@pytest.mark.slow
 def test_loso_folds_match_separate_commands(loso, data_dir, tmp_path):
     from mariana.platform.cli.main import main
 
@@ -90,7 +89,6 @@ def test_loso_folds_match_separate_commands(loso, data_dir, tmp_path):
                     f"speakers -> {out / 'eval.json'}")  # fmt: skip
 
 
-@pytest.mark.slow
 def test_loso_rerun_reuses_and_fresh_retrains(loso, data_dir):
     out, fsdd = loso["out"], data_dir / "fsdd/recordings"
     again = _loso(fsdd, out)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-import pytest
 import torch
 from mariana.apps.asr import train as asr_train
 from mariana.apps.asr.batches import ResidentBatches, bucket_frames, collate_bucketed, make_loader
@@ -76,7 +75,6 @@ def test_bucket_lengths_are_few():
     assert all(bucket_frames(t) >= t for t in range(1, 3000))
 
 
-@pytest.mark.slow
 def test_compiled_default_recipe_recompiles_nothing_after_the_first_epoch(tmp_path, monkeypatch):
     # The default recipe's network and augmentation (SpecAugment, LayerNorm, dropout) with time stretch on
     # top, compiled with aot_eager: every graph is made in the first epoch, the next two add none.

@@ -39,7 +39,6 @@ def tiny(data_dir, tmp_path_factory):
     return run, data / "test"
 
 
-@pytest.mark.slow
 def test_tempo_fixed_auto_and_refused(tiny, capsys):
     """--tempo 1.15 (speaking-rate normalisation) takes frames every 11.5 ms: 1/1.15 of the frames, cached
     separately from the 10 ms features; --tempo auto picks the factor the model is most confident at (no

@@ -102,7 +102,6 @@ def tiny_run(data_dir, tmp_path_factory):
     return run, data
 
 
-@pytest.mark.slow
 def test_transcribe_equals_eval_cmvn_file_and_the_server(tiny_run, tmp_path):
     run, data = tiny_run
     meta = json.loads((run / "model.json").read_text())

@@ -142,7 +142,6 @@ def _utt2spk(test) -> dict[str, str]:
     return dict(line.split() for line in (test / "utt2spk").read_text().splitlines())
 
 
-@pytest.mark.slow
 def test_tempo_auto_then_vtln_auto(tiny):
     """Both auto: the tempo chosen at warp 1 (as --tempo auto alone), then the warp at that tempo."""
     run, test = tiny

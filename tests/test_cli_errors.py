@@ -236,7 +236,6 @@ def test_version():
 NOISE = ("Traceback", "OMP_NUM_THREADS", "[Gloo]", "checkpoint at step", "Warning", "SignalException")
 
 
-@pytest.mark.slow
 def test_crashing_worker_prints_one_line_cause(env, tmp_path):
     """A worker that raises (a bug, not bad input): its traceback goes to RUN/logs/rank-1.log, the console
     gets one line naming the rank, the exception and the log, and none of torchrun's, gloo's or the
@@ -266,7 +265,6 @@ def test_crashing_worker_prints_one_line_cause(env, tmp_path):
     assert "checkpoint at step 2" in (run / "logs" / "rank-0.log").read_text()
 
 
-@pytest.mark.slow
 def test_ctrl_c_with_workers_is_one_line(env, tmp_path):
     """SIGINT to the launcher's process group (what a terminal's Ctrl-C does) once the workers train."""
     run = tmp_path / "run"
@@ -322,7 +320,6 @@ time.sleep(3)  # the keep-alive call ends meanwhile
 """
 
 
-@pytest.mark.slow
 def test_ctrl_c_during_the_agents_keep_alive_prints_nothing_more(env, tmp_path):
     """Ctrl-C while torchrun's keep-alive thread holds the rendezvous handler (as when a lost host's store call
     hangs there): the stopped launch stays referenced, so the handler is never freed in that thread, where

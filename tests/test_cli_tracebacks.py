@@ -107,7 +107,6 @@ except Exception as e:
 """
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("preset", [None, "WARNING"])
 def test_c10d_cpp_warnings_stay_off_the_console(preset):
     """A store call to a host whose job already ended (the end of a multi-node job) makes c10d log a

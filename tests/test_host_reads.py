@@ -39,7 +39,6 @@ CASES = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("app", list(CASES))
 def test_training_steps_read_nothing_back_outside_log_eval_ckpt_steps(app, tmp_path):
     audit = tmp_path / "audit"

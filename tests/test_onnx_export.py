@@ -83,7 +83,6 @@ def _held_out_lines(path: Path, n: int = 200) -> list[str]:
     return [line.split("\t", 1)[1] if "\t" in line else line.split(None, 1)[1] for line in lines]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["frappe_deepfm", "frappe_fm", "criteo_dcn"])
 def test_pctr_onnxruntime_equals_torch(name, request, tmp_path):
     run = fresh_copy(request.getfixturevalue(name), tmp_path / "run")
@@ -155,7 +154,6 @@ def test_asr_onnxruntime_equals_torch(asr_run, tmp_path):
         assert ort_tr.transcribe_file(wav) == tr.transcribe_file(wav)
 
 
-@pytest.mark.slow
 def test_serve_onnxruntime_answers_as_torch(frappe_deepfm, vision_run, asr_run, tmp_path):
     """The same requests to a torch server and an onnxruntime server of the same runs: equal answers, the
     same model versions."""

@@ -245,7 +245,6 @@ def test_kill9_mid_file_then_resume_equals_uninterrupted(tmp_path):
     assert ma["version"] == mb["version"]
 
 
-@pytest.mark.slow
 def test_serving_follows_three_exports_without_failed_requests(tmp_path, tmp_path_factory):
     """A real `mariana serve --pctr RUN --watch --watch-interval 0.2` answers 3 clients continuously while
     the running streamer trains on 3 more files and exports after each: no request fails and the version

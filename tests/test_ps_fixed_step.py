@@ -78,7 +78,6 @@ CASES = [
 assert {k for k, _ in CASES} == set(MODELS) and {r for _, r in CASES} == set(RULES)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind,rule", CASES)
 def test_whole_step_compiles_fullgraph_and_matches_eager(kind, rule):
     torch._dynamo.reset()  # each case compiles afresh (the cache would count them as recompiles)

@@ -134,7 +134,6 @@ time.sleep(600)
 """
 
 
-@pytest.mark.slow
 def test_a_killed_server_is_detected_within_the_peer_timeout(monkeypatch):
     monkeypatch.setenv("MARIANA_PS_PEER_TIMEOUT_S", "2")
     proc = subprocess.Popen(

@@ -9,7 +9,6 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
 from helpers import cli_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -25,7 +24,6 @@ def _loadgen(url: str, body_file, *args: str) -> dict:
     return run_process(url, body_file, *args, env=cli_env(), timeout=120)
 
 
-@pytest.mark.slow
 def test_latency_and_throughput_regression(frappe_deepfm, tmp_path, tmp_path_factory):
     lines = [strip_label(ln, "libfm") for ln in head_lines(FRAPPE, 1000)]
     one, batch = tmp_path / "one.json", tmp_path / "batch.json"

@@ -19,7 +19,6 @@ early_stop = 0
 """
 
 
-@pytest.mark.slow
 def test_continuing_a_study_with_another_budget_is_refused(tmp_path, data_dir, capsys):
     data = tmp_path / "f.libfm"
     data.write_text(

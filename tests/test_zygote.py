@@ -46,7 +46,6 @@ def fresh(argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", ["version", "bad input"])
 def test_a_forked_command_answers_as_a_fresh_interpreter(case, tmp_path):
     argv = (
@@ -65,7 +64,6 @@ def test_a_command_past_its_timeout_is_killed(tmp_path):
     assert descendants(zygote._server["proc"].pid) == []
 
 
-@pytest.mark.slow
 def test_both_replies_in_the_pipe_before_the_first_is_read(monkeypatch):
     """A short command may end before the test process reads the fork's first reply: the second reply then
     already sits in the stream's buffer and must be read from there, not waited for until the timeout."""
@@ -95,7 +93,6 @@ def test_what_a_fork_cannot_take_runs_fresh():
     assert not zygote.fits({k: v for k, v in base.items() if k != "PYTHONUNBUFFERED"}, base)
 
 
-@pytest.mark.slow
 def test_a_command_from_another_thread_meanwhile_runs_fresh(tmp_path):
     """One command at a time goes through the zygote; another thread's, meanwhile, runs in a fresh interpreter
     (both through the zygote, each would read the other's replies)."""
@@ -113,7 +110,6 @@ def test_a_command_from_another_thread_meanwhile_runs_fresh(tmp_path):
     assert (results["version"].returncode, results["version"].stdout) == (0, fresh(["--version"]).stdout)
 
 
-@pytest.mark.slow
 def test_a_background_command_is_a_forked_session_reaped_by_the_zygote(tmp_path):
     """`helpers.start_cli`: a server forked by the zygote, in a session of its own, its output in the log; the
     zygote reaps it and records its exit code (a signal's negative, an error's 2) for `poll` and `wait`, while
