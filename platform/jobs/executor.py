@@ -10,8 +10,9 @@ after a service restart; a cancel sends ``terminate``, then ``kill`` after a gra
 once) in a new session (its own process group, so it survives the service and a cancel reaches every
 process of the group), output appended to ``RUN/job.log``, exit status in ``RUN/job.exit``. torchrun
 starts its workers in sessions of their own, so terminate/kill also signal every descendant found under the
-job's process (remembered at the first signal, identified by pid + start time). It runs one task on this host. `SlurmExecutor`: ``slurm.py``.
-Run directories must be on storage the service can read, since the LogStore tails files there.
+job's process (remembered at the first signal, identified by pid + start time). It runs one task on this
+host. `SlurmExecutor`: ``slurm.py``. Run directories must be on storage the service can read, since the
+LogStore tails files there.
 """
 
 from __future__ import annotations

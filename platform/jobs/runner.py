@@ -13,14 +13,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import runpy
 import signal
 import sys
 import threading
 import traceback
 
 from ..core.atomic import atomic_write_text
-from ..runtime.launch import CLI_MODULE
+from ..runtime.launch import output_to, run_cli_module
 
 
 def run(exit_file: str, argv: list[str], cwd: str, env: dict[str, str], log: str) -> None:
@@ -29,11 +28,9 @@ def run(exit_file: str, argv: list[str], cwd: str, env: dict[str, str], log: str
     os.setsid()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(exit_file)  # a retried job reuses the run directory: the old status is not ours
-    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    for fd, target in ((os.open(os.devnull, os.O_RDONLY), 0), (out, 1), (out, 2)):
-        os.dup2(fd, target)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    output_to(log, env)
     os.chdir(cwd or ".")
-    os.environ.clear(), os.environ.update(env)
     # A cancel signals the whole group: the job gets it directly; this process stays to record the status.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
@@ -47,18 +44,11 @@ def run(exit_file: str, argv: list[str], cwd: str, env: dict[str, str], log: str
 def _job(argv: list[str]) -> None:
     """``mariana argv`` in this forked process, ended as a fresh interpreter ends (non-daemon threads joined,
     atexit handlers run); never returns."""
-    import torch
-
     code = 1
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        # OpenMP read the environment when the fork server loaded it: the job's OMP_NUM_THREADS as a fresh one's
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads()))
-        sys.stdin = open(os.devnull)
-        sys.stdout, sys.stderr = (open(n, "w", encoding="utf-8", buffering=1, closefd=False) for n in (1, 2))
-        sys.argv = [CLI_MODULE, *argv]
-        runpy.run_module(CLI_MODULE, run_name="__main__", alter_sys=True)
+        run_cli_module(argv)
         code = 0
     except SystemExit as e:  # as the interpreter reads it: None is 0, a message is printed and 1
         if not isinstance(e.code, int | None):
@@ -70,5 +60,6 @@ def _job(argv: list[str]) -> None:
         threading._shutdown()
         atexit._run_exitfuncs()
         with contextlib.suppress(Exception):
-            sys.stdout.flush(), sys.stderr.flush()
+            sys.stdout.flush()
+            sys.stderr.flush()
         os._exit(code)

@@ -17,6 +17,7 @@ import contextlib
 import gc
 import os
 import re
+import runpy
 import signal
 import socket
 import sys
@@ -177,22 +178,33 @@ def forked_worker(argv: list, env: dict | None = None, log: str | None = None) -
     its own (as torchrun's workers: Ctrl-C reaches the agent, which stops them). A tuner's trial also gives its
     environment ``env`` (``OMP_NUM_THREADS``: torch's threads) and the file its stdout and stderr append to."""
     import ctypes
-    import runpy
-
-    import torch
 
     # PR_SET_PDEATHSIG 0, as torchrun's workers: the fork server's end (a signal to the group) is not ours
     ctypes.CDLL(None).prctl(1, 0)
     os.setsid()
-    if log is not None:  # its files (not a caller's replacement of sys.stdout), environment and threads
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        for target in (1, 2):
-            os.dup2(fd, target)
-        os.close(fd)
-        sys.stdout, sys.stderr = (open(n, "w", encoding="utf-8", closefd=False) for n in (1, 2))
-        os.environ.clear()
-        os.environ.update(env)
-        torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or torch.get_num_threads()))
+    if log is not None:
+        output_to(log, env)
+    run_cli_module(argv)
+
+
+def output_to(log: str, env: dict) -> None:
+    """For a child of a fork server: its stdout and stderr appended to ``log`` (its files, not a caller's
+    replacement of sys.stdout), its environment exactly ``env`` and torch's threads from its
+    ``OMP_NUM_THREADS`` (OpenMP read the environment when the fork server loaded it)."""
+    import torch
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
+    sys.stdout, sys.stderr = (open(n, "w", encoding="utf-8", closefd=False) for n in (1, 2))
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or torch.get_num_threads()))
+
+
+def run_cli_module(argv: list) -> None:
+    """``mariana argv`` here, as ``python -u -m mariana.platform.cli`` runs it (its SystemExit raised)."""
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)
     sys.argv = [CLI_MODULE, *argv]
